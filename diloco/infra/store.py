@@ -1,0 +1,111 @@
+"""TensorStore adapter: global fragment parameters and outer-optimizer state, one version per merge.
+
+Layout under `<store.url>/<run>/`:
+    fragments/<ppp>/v<vvvvvvvv>/params/<tensor>   zarr3 float32 arrays
+    fragments/<ppp>/v<vvvvvvvv>/opt/<state leaf>  zarr3 float32 arrays
+    fragments/<ppp>/v<vvvvvvvv>/meta.json         written last: a version without it is incomplete
+Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at an emulator).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import numpy as np
+import tensorstore as ts
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def kvstore_spec(url: str) -> dict:
+    u = urlparse(url)
+    if u.scheme == "file":
+        path = (u.netloc + u.path) if u.netloc not in ("", "localhost") else u.path
+        return {"driver": "file", "path": path.rstrip("/") + "/"}
+    if u.scheme == "gs":
+        if len(u.netloc) < 3:
+            raise StoreError(f"{url}: GCS bucket names need at least 3 characters")
+        return {"driver": "gcs", "bucket": u.netloc, "path": u.path.strip("/") + "/" if u.path.strip("/") else ""}
+    raise StoreError(f"unsupported store URL {url!r}: use file://PATH or gs://BUCKET/PATH")
+
+
+@dataclass(frozen=True)
+class FragmentVersion:
+    params: dict[str, np.ndarray]
+    opt: dict[str, np.ndarray]
+    meta: dict
+
+
+def _safe(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]']+", name):
+        raise StoreError(f"tensor name {name!r} is not storable")
+    return name
+
+
+class FragmentStore:
+    def __init__(self, url: str, run_id: str):
+        self.url = url.rstrip("/") + f"/{run_id}"
+        self._base = kvstore_spec(self.url)
+        self._kv = ts.KvStore.open(self._base).result()
+
+    def _dir(self, fragment: int, version: int) -> str:
+        return f"fragments/{fragment:03d}/v{version:08d}/"
+
+    def _array_spec(self, key: str, shape=None) -> dict:
+        spec = {"driver": "zarr3", "kvstore": {**self._base, "path": self._base["path"] + key + "/"}}
+        if shape is not None:
+            chunk = list(shape) if shape else []
+            spec["metadata"] = {"shape": list(shape), "data_type": "float32",
+                                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}}}
+        return spec
+
+    def write(self, fragment: int, version: int, params: dict[str, np.ndarray], opt: dict[str, np.ndarray],
+              meta: dict) -> None:
+        """Write one version; meta.json goes last so readers never see a half-written version."""
+        d = self._dir(fragment, version)
+        futures = []
+        for group, arrays in (("params", params), ("opt", opt)):
+            for name, arr in arrays.items():
+                arr = np.asarray(arr, np.float32)
+                t = ts.open(self._array_spec(f"{d}{group}/{_safe(name)}", arr.shape), create=True,
+                            delete_existing=True).result()
+                futures.append(t.write(arr))
+        for f in futures:
+            f.result()
+        body = {**meta, "fragment": fragment, "version": version,
+                "params": sorted(params), "opt": sorted(opt)}
+        self._kv.write(d + "meta.json", json.dumps(body, sort_keys=True).encode()).result()
+
+    def read_meta(self, fragment: int, version: int) -> dict:
+        r = self._kv.read(self._dir(fragment, version) + "meta.json").result()
+        if r.state != "value":
+            raise StoreError(f"{self.url}: fragment {fragment} version {version} not found")
+        return json.loads(r.value)
+
+    def read(self, fragment: int, version: int, *, with_opt: bool = True) -> FragmentVersion:
+        meta = self.read_meta(fragment, version)
+        d = self._dir(fragment, version)
+        out = {}
+        for group in ("params", "opt") if with_opt else ("params",):
+            stores = {n: ts.open(self._array_spec(f"{d}{group}/{n}"), open=True) for n in meta[group]}
+            try:
+                out[group] = {n: np.asarray(s.result().read().result(), np.float32) for n, s in stores.items()}
+            except ValueError as err:
+                raise StoreError(f"{self.url}: fragment {fragment} v{version} {group} unreadable: {err}") from None
+        return FragmentVersion(out["params"], out.get("opt", {}), meta)
+
+    def versions(self, fragment: int) -> list[int]:
+        """Complete versions of a fragment (those with meta.json), ascending."""
+        prefix = f"fragments/{fragment:03d}/"
+        keys = self._kv.list(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()
+        found = set()
+        for k in keys:
+            m = re.fullmatch(rf"{prefix}v(\d+)/meta\.json", k.decode() if isinstance(k, bytes) else k)
+            if m:
+                found.add(int(m.group(1)))
+        return sorted(found)

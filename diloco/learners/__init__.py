@@ -1,0 +1,1 @@
+"""Learners: independent JAX + optax jobs that train locally and publish fragment deltas."""

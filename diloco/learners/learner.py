@@ -1,0 +1,275 @@
+"""A learner: inner AdamW steps on its own shard; fragment deltas out, new global fragments in.
+
+The inner loop never waits for the network. A publisher thread quantizes, chunks and sends deltas;
+a fetcher thread follows the outer topic and reads announced versions from TensorStore. New global
+values are applied at the next step boundary (overwrite, or mix with the local value).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from kafka import TopicPartition
+
+from diloco import messages
+from diloco.config import Config
+from diloco.fragments import fragments_due
+from diloco.infra import kafka as kafka_io
+from diloco.infra.store import FragmentStore
+from diloco.learners.data import Corpus, sample_batches
+from diloco.learners.model import loss_fn
+from diloco.syncer.syncer import fragment_plan
+
+log = logging.getLogger(__name__)
+
+
+def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
+    sched = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.inner.lr, warmup_steps=max(cfg.inner.warmup_steps, 1),
+        decay_steps=max(cfg.inner.steps, cfg.inner.warmup_steps + 1), end_value=cfg.inner.lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(cfg.inner.grad_clip),
+                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.inner.weight_decay))
+
+
+def make_train_step(cfg: Config, opt: optax.GradientTransformation):
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, cfg.model)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return train_step
+
+
+@dataclass
+class Counters:
+    published: int = 0
+    bytes_sent: int = 0
+    bytes_fetched: int = 0
+    versions_applied: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Publisher(threading.Thread):
+    """Sends contributions from a queue so that inner steps never wait on the broker."""
+
+    def __init__(self, cfg: Config, run_id: str, learner: str, region: str, producer, topics: kafka_io.Topics,
+                 counters: Counters):
+        super().__init__(daemon=True, name=f"publisher-{learner}")
+        self.cfg, self.run_id, self.learner, self.region = cfg, run_id, learner, region
+        self.producer, self.topics, self.counters = producer, topics, counters
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            try:
+                self._send(**job)
+            except BaseException as err:  # surfaced to the main loop, which fails loudly
+                self.error = err
+                log.exception("publish failed")
+            finally:
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def _send(self, fragment: int, base_version: int, tokens: int, steps: int, step_time: float, deltas) -> None:
+        manifest, frames = messages.encode_contribution(
+            run=self.run_id, learner=self.learner, region=self.region, fragment=fragment, base_version=base_version,
+            tokens=tokens, steps=steps, step_time=step_time, deltas=deltas, scheme=self.cfg.fragments.quantization,
+            chunk_bytes=self.cfg.fragments.chunk_bytes)
+        topic = self.topics.fragments[self.region]
+        part = self.topics.partition_of(fragment)
+        key = str(fragment).encode()
+        for f in frames:
+            self.producer.send(topic, f, key=key, partition=part)
+        self.producer.flush()
+        with self.counters.lock:
+            self.counters.published += 1
+            self.counters.bytes_sent += sum(len(f) + len(key) for f in frames)
+        log.info("published", extra={"fragment": fragment, "base_version": base_version, "id": manifest.id,
+                                     "bytes": manifest.total_bytes, "chunks": manifest.n_chunks})
+
+
+class Fetcher(threading.Thread):
+    """Follows the outer topic; reads each newer announced version of a fragment from TensorStore."""
+
+    def __init__(self, cfg: Config, run_id: str, consumer, store: FragmentStore, topics: kafka_io.Topics,
+                 counters: Counters, plan: list[list[str]]):
+        super().__init__(daemon=True, name="fetcher")
+        self.cfg, self.run_id, self.consumer, self.store = cfg, run_id, consumer, store
+        self.topics, self.counters, self.plan = topics, counters, plan
+        self.latest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        tp = TopicPartition(self.topics.outer, 0)
+        kafka_io.assign_from(self.consumer, {tp: 0})  # the whole log: its last word per fragment wins
+        known: dict[int, int] = {}
+        try:
+            while not self.stop.is_set():
+                newest: dict[int, int] = {}
+                for records in self.consumer.poll(timeout_ms=100).values():
+                    for rec in records:
+                        ev = messages.parse_event(rec.value)
+                        if ev and ev["kind"] == "version" and ev.get("run") == self.run_id:
+                            p, v = int(ev["fragment"]), int(ev["version"])
+                            if 0 <= p < len(self.plan) and v > max(known.get(p, -1), newest.get(p, -1)):
+                                newest[p] = v
+                for p, v in newest.items():
+                    fv = self.store.read(p, v, with_opt=False)
+                    known[p] = v
+                    with self.lock:
+                        self.latest[p] = (v, fv.params)
+                    with self.counters.lock:
+                        self.counters.bytes_fetched += sum(a.nbytes for a in fv.params.values())
+        except BaseException as err:
+            self.error = err
+            log.exception("fetch failed")
+        finally:
+            self.consumer.close()
+
+    def take(self) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
+        with self.lock:
+            out, self.latest = self.latest, {}
+        return out
+
+
+class Learner:
+    def __init__(self, cfg: Config, run_id: str, learner_id: str, corpus: Corpus, *, producer, outer_consumer,
+                 store: FragmentStore):
+        self.cfg, self.run_id, self.id = cfg, run_id, learner_id
+        self.region = cfg.region_of(learner_id)
+        self.index = cfg.learner_ids().index(learner_id)
+        self.topics = kafka_io.Topics.for_run(cfg, run_id)
+        self.producer = producer
+        _, self.plan = fragment_plan(cfg)
+        self.counters = Counters()
+        self.publisher = Publisher(cfg, run_id, learner_id, self.region.name, producer, self.topics, self.counters)
+        self.fetcher = Fetcher(cfg, run_id, outer_consumer, store, self.topics, self.counters, self.plan)
+        self.batches = sample_batches(corpus.train_tokens(self.index), batch_size=cfg.inner.batch_size,
+                                      seq_len=cfg.model.seq_len, seed=cfg.data.seed * 1000 + self.index)
+        self.stopping = False
+
+    def _heartbeat(self, **fields) -> None:
+        with self.counters.lock:
+            c = {k: getattr(self.counters, k) for k in ("published", "bytes_sent", "bytes_fetched", "versions_applied")}
+        self.producer.send(self.topics.events, messages.event(
+            "heartbeat", run=self.run_id, source="learner", learner=self.id, region=self.region.name, **c, **fields),
+            partition=0)
+
+    def _wait_initial(self, timeout_s: float = 120.0) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
+        got: dict[int, tuple[int, dict]] = {}
+        deadline = time.time() + timeout_s
+        while len(got) < len(self.plan):
+            if self.fetcher.error:
+                raise self.fetcher.error
+            if time.time() > deadline:
+                raise TimeoutError(f"no global version announced for fragments "
+                                   f"{sorted(set(range(len(self.plan))) - set(got))} on {self.topics.outer}")
+            got |= self.fetcher.take()
+            time.sleep(0.05)
+        return got
+
+    def run(self) -> dict:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        cfg = self.cfg
+        self.publisher.start()
+        self.fetcher.start()
+        initial = self._wait_initial()
+        base_version = {p: v for p, (v, _) in initial.items()}
+        base = {p: fr for p, (_, fr) in initial.items()}
+        params = {n: jnp.asarray(a) for fr in base.values() for n, a in fr.items()}
+        log.info("joined", extra={"learner": self.id, "versions": base_version, "shard": self.index})
+
+        opt = inner_optimizer(cfg)
+        opt_state = opt.init(params)
+        train_step = make_train_step(cfg, opt)
+        P, H = cfg.fragments.count, cfg.fragments.sync_every
+        tokens_per_step = cfg.inner.batch_size * cfg.model.seq_len
+        since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
+        tokens, loss, step_time, last_hb = 0, float("nan"), 0.0, 0.0
+        step = 0
+        for step in range(1, cfg.inner.steps + 1):
+            if self.stopping:
+                break
+            for err in (self.publisher.error, self.fetcher.error):
+                if err:
+                    raise err
+            params = self._apply_arrivals(params, base, base_version)
+            t0 = time.perf_counter()
+            params, opt_state, loss_arr = train_step(params, opt_state, jnp.asarray(next(self.batches)))
+            loss = float(loss_arr)
+            dt = time.perf_counter() - t0
+            if self.region.speed < 1:  # stands for slower hardware in this region
+                time.sleep(dt * (1 / self.region.speed - 1))
+                dt = time.perf_counter() - t0
+            step_time = dt if step == 1 else 0.9 * step_time + 0.1 * dt
+            tokens += tokens_per_step
+            for s in since.values():
+                s["tokens"] += tokens_per_step
+                s["steps"] += 1
+                s["time"] += dt
+            for p in fragments_due(step, P, H):
+                self._sync(p, params, base, base_version, since)
+            if time.time() - last_hb >= cfg.run.heartbeat_s:
+                self._heartbeat(step=step, tokens=tokens, loss=loss, step_time=step_time, state="running",
+                                versions=base_version)
+                last_hb = time.time()
+        for p in range(P):  # hand in the work done since each fragment's last sync
+            if since[p]["steps"]:
+                self._sync(p, params, base, base_version, since)
+        self.publisher.queue.put(None)
+        self.publisher.queue.join()
+        self.fetcher.stop.set()
+        if self.publisher.error:
+            raise self.publisher.error
+        summary = {"step": step, "tokens": tokens, "loss": loss, "step_time": step_time, "versions": base_version}
+        self._heartbeat(**summary, state="finished")
+        self.producer.flush()
+        log.info("finished", extra=summary)
+        return summary
+
+    def _sync(self, p: int, params, base, base_version, since) -> None:
+        names = self.plan[p]
+        deltas = {n: base[p][n] - np.asarray(params[n]) for n in names}  # outer delta: global - local
+        s = since[p]
+        self.publisher.queue.put({"fragment": p, "base_version": base_version[p], "tokens": s["tokens"],
+                                  "steps": s["steps"], "step_time": s["time"] / max(s["steps"], 1), "deltas": deltas})
+        since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
+
+    def _apply_arrivals(self, params, base, base_version):
+        arrived = self.fetcher.take()
+        if not arrived:
+            return params
+        params = dict(params)
+        alpha = 1.0 if self.cfg.fragments.apply == "overwrite" else self.cfg.fragments.mix_alpha
+        for p, (v, new) in arrived.items():
+            if v <= base_version[p]:
+                continue
+            for n, a in new.items():
+                params[n] = jnp.asarray(a if alpha == 1.0 else alpha * a + (1 - alpha) * np.asarray(params[n]))
+            base[p], base_version[p] = new, v
+            with self.counters.lock:
+                self.counters.versions_applied += 1
+        return params
+
+
+def main(cfg: Config, run_id: str, learner_id: str, corpus_dir: str) -> dict:
+    store = FragmentStore(cfg.store.url, run_id)
+    producer = kafka_io.producer(cfg.transport)
+    outer = kafka_io.consumer(cfg.transport)
+    try:
+        return Learner(cfg, run_id, learner_id, Corpus.open(corpus_dir), producer=producer, outer_consumer=outer,
+                       store=store).run()
+    finally:
+        producer.close()

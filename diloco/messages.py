@@ -1,0 +1,277 @@
+"""Wire format of the data plane: self-describing, versioned frames (no pickle).
+
+A frame is `MAGIC | u16 wire version | u32 header length | JSON header | binary payload`.
+A contribution (one learner's outer delta for one fragment) travels as one `manifest` frame followed
+by `n_chunks` `chunk` frames, all keyed to the fragment's partition so they stay in order. It counts
+only when the manifest and every chunk arrived and the payload's SHA-256 matches the manifest.
+Announcements and events are plain JSON (readable with kcat) carrying a `schema` number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from diloco import quantize
+
+MAGIC = b"DLCO"
+WIRE_VERSION = 1
+EVENT_SCHEMA = 1
+_PREFIX = struct.Struct("<4sHI")
+MAX_HEADER_BYTES = 1 << 20
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded; the text says what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    scheme: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    id: str
+    run: str
+    learner: str
+    region: str
+    fragment: int
+    base_version: int
+    tokens: int
+    steps: int
+    step_time: float
+    tensors: tuple[TensorSpec, ...]
+    total_bytes: int
+    n_chunks: int
+    sha256: str
+    created: float
+
+    def to_header(self) -> dict:
+        d = asdict(self)
+        d["tensors"] = [asdict(t) | {"shape": list(t.shape)} for t in self.tensors]
+        return {"kind": "manifest", **d}
+
+    @staticmethod
+    def from_header(h: Mapping) -> Manifest:
+        def need(key, typ):
+            v = h.get(key)
+            if isinstance(v, bool) or not isinstance(v, typ):
+                raise WireError(f"manifest field {key!r} must be {getattr(typ, '__name__', typ)}, got {v!r}")
+            return v
+
+        raw_tensors = need("tensors", list)
+        tensors = []
+        for i, t in enumerate(raw_tensors):
+            if not isinstance(t, dict):
+                raise WireError(f"manifest tensors[{i}] must be an object")
+            shape = t.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+                raise WireError(f"manifest tensors[{i}].shape must be a list of non-negative ints, got {shape!r}")
+            if t.get("scheme") not in quantize.SCHEMES:
+                raise WireError(f"manifest tensors[{i}].scheme must be one of {quantize.SCHEMES}, got {t.get('scheme')!r}")
+            if not isinstance(t.get("name"), str) or not isinstance(t.get("nbytes"), int):
+                raise WireError(f"manifest tensors[{i}] needs a string name and an int nbytes")
+            tensors.append(TensorSpec(t["name"], tuple(shape), t["scheme"], t["nbytes"]))
+        m = Manifest(
+            id=need("id", str), run=need("run", str), learner=need("learner", str), region=need("region", str),
+            fragment=need("fragment", int), base_version=need("base_version", int), tokens=need("tokens", int),
+            steps=need("steps", int), step_time=float(need("step_time", (int, float))), tensors=tuple(tensors),
+            total_bytes=need("total_bytes", int), n_chunks=need("n_chunks", int), sha256=need("sha256", str),
+            created=float(need("created", (int, float))),
+        )
+        if m.n_chunks < 1 or m.total_bytes < 0:
+            raise WireError(f"manifest n_chunks={m.n_chunks} total_bytes={m.total_bytes} are not possible")
+        if sum(t.nbytes for t in m.tensors) != m.total_bytes:
+            raise WireError("manifest total_bytes is not the sum of its tensors' nbytes")
+        return m
+
+
+def frame(header: Mapping, payload: bytes = b"") -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return _PREFIX.pack(MAGIC, WIRE_VERSION, len(head)) + head + payload
+
+
+def parse_frame(raw: bytes) -> tuple[dict, memoryview]:
+    if raw is None or len(raw) < _PREFIX.size:
+        raise WireError(f"truncated frame: {0 if raw is None else len(raw)} bytes")
+    magic, version, hlen = _PREFIX.unpack_from(raw)
+    if magic != MAGIC:
+        raise WireError(f"not a diloco frame (magic {magic!r})")
+    if version != WIRE_VERSION:
+        raise WireError(f"wire version {version} is not supported (this build speaks {WIRE_VERSION})")
+    if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > len(raw):
+        raise WireError(f"header length {hlen} runs past the {len(raw)}-byte frame")
+    try:
+        header = json.loads(bytes(raw[_PREFIX.size:_PREFIX.size + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(f"header is not JSON: {err}") from None
+    if not isinstance(header, dict) or header.get("kind") not in ("manifest", "chunk"):
+        raise WireError(f"header kind must be 'manifest' or 'chunk', got {header!r:.80}")
+    return header, memoryview(raw)[_PREFIX.size + hlen:]
+
+
+def encode_contribution(
+    *, run: str, learner: str, region: str, fragment: int, base_version: int, tokens: int, steps: int,
+    step_time: float, deltas: Mapping[str, np.ndarray], scheme: str, chunk_bytes: int,
+) -> tuple[Manifest, list[bytes]]:
+    """Quantize a fragment's deltas and cut them into a manifest frame plus chunk frames."""
+    blobs, specs = [], []
+    for name in sorted(deltas):
+        x = np.asarray(deltas[name], dtype=np.float32)
+        blob = quantize.encode(x, scheme)
+        blobs.append(blob)
+        specs.append(TensorSpec(name, tuple(x.shape), scheme, len(blob)))
+    payload = b"".join(blobs)
+    n_chunks = max(1, math.ceil(len(payload) / chunk_bytes))
+    manifest = Manifest(
+        id=uuid.uuid4().hex, run=run, learner=learner, region=region, fragment=fragment,
+        base_version=base_version, tokens=tokens, steps=steps, step_time=step_time, tensors=tuple(specs),
+        total_bytes=len(payload), n_chunks=n_chunks, sha256=hashlib.sha256(payload).hexdigest(), created=time.time(),
+    )
+    frames = [frame(manifest.to_header())]
+    for i in range(n_chunks):
+        part = payload[i * chunk_bytes:(i + 1) * chunk_bytes]
+        frames.append(frame({"kind": "chunk", "id": manifest.id, "index": i, "count": n_chunks}, part))
+    return manifest, frames
+
+
+def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
+    if len(payload) != manifest.total_bytes:
+        raise WireError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
+    if hashlib.sha256(payload).hexdigest() != manifest.sha256:
+        raise WireError("checksum mismatch: payload SHA-256 differs from the manifest")
+    out, pos = {}, 0
+    for t in manifest.tensors:
+        if t.nbytes != quantize.encoded_nbytes(t.shape, t.scheme):
+            raise WireError(f"tensor {t.name}: nbytes {t.nbytes} does not fit {t.scheme} {t.shape}")
+        out[t.name] = quantize.decode(memoryview(payload)[pos:pos + t.nbytes], t.shape, t.scheme)
+        pos += t.nbytes
+    return out
+
+
+@dataclass
+class _Partial:
+    manifest: Manifest | None = None
+    chunks: dict[int, bytes] = field(default_factory=dict)
+    first_seen: float = 0.0
+    first_offset: int | None = None
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class Assembled:
+    manifest: Manifest
+    payload: bytes
+    first_offset: int | None
+    where: str
+
+
+@dataclass(frozen=True)
+class Dropped:
+    id: str
+    manifest: Manifest | None
+    reason: str
+    detail: str
+    first_offset: int | None
+    where: str
+
+
+class ChunkAssembler:
+    """Collects manifest and chunk frames by contribution id, in any order.
+
+    `add` returns an `Assembled` once every chunk is there, a `Dropped` when the set can never be
+    valid (oversized, inconsistent chunk counts), else None. `expire` drops sets still partial after
+    `timeout_s`. `first_offset` is the lowest log offset of the set, which bounds how far back a
+    restarted consumer must replay.
+    """
+
+    def __init__(self, *, max_bytes: int, timeout_s: float):
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self._partial: dict[str, _Partial] = {}
+
+    def pending_offsets(self, where: str) -> list[int]:
+        return [p.first_offset for p in self._partial.values() if p.where == where and p.first_offset is not None]
+
+    def __len__(self) -> int:
+        return len(self._partial)
+
+    def add(self, header: Mapping, payload: bytes, *, now: float, offset: int | None = None,
+            where: str = "") -> Assembled | Dropped | None:
+        cid = header.get("id")
+        if not isinstance(cid, str) or not cid:
+            raise WireError("frame header has no contribution id")
+        part = self._partial.setdefault(cid, _Partial(first_seen=now, where=where))
+        if offset is not None and (part.first_offset is None or offset < part.first_offset):
+            part.first_offset = offset
+        if header["kind"] == "manifest":
+            manifest = Manifest.from_header(header)
+            if manifest.total_bytes > self.max_bytes:
+                return self._drop(cid, "oversized", f"{manifest.total_bytes} bytes > limit {self.max_bytes}", manifest)
+            part.manifest = manifest
+        else:
+            index, count = header.get("index"), header.get("count")
+            if not isinstance(index, int) or not isinstance(count, int) or not 0 <= index < count:
+                return self._drop(cid, "malformed", f"chunk index {index!r} of {count!r}")
+            if part.manifest is not None and count != part.manifest.n_chunks:
+                return self._drop(cid, "malformed", f"chunk says {count} chunks, manifest {part.manifest.n_chunks}")
+            part.chunks[index] = bytes(payload)
+            if sum(len(c) for c in part.chunks.values()) > self.max_bytes:
+                return self._drop(cid, "oversized", f"chunks exceed limit {self.max_bytes}")
+        m = part.manifest
+        if m is None or len(part.chunks) < m.n_chunks:
+            return None
+        if set(part.chunks) != set(range(m.n_chunks)):
+            return self._drop(cid, "malformed", f"chunk indices {sorted(part.chunks)} for {m.n_chunks} chunks")
+        del self._partial[cid]
+        payload_all = b"".join(part.chunks[i] for i in range(m.n_chunks))
+        return Assembled(m, payload_all, part.first_offset, part.where)
+
+    def discard(self, cid: str) -> None:
+        self._partial.pop(cid, None)
+
+    def expire(self, now: float) -> list[Dropped]:
+        old = [cid for cid, p in self._partial.items() if now - p.first_seen > self.timeout_s]
+        out = []
+        for cid in old:
+            p = self._partial[cid]
+            have = f"{len(p.chunks)}/{p.manifest.n_chunks if p.manifest else '?'} chunks"
+            out.append(self._drop(cid, "incomplete", f"{have}, manifest {'present' if p.manifest else 'missing'}",
+                                  p.manifest))
+        return out
+
+    def _drop(self, cid: str, reason: str, detail: str, manifest: Manifest | None = None) -> Dropped:
+        p = self._partial.pop(cid, _Partial())
+        return Dropped(cid, manifest or p.manifest, reason, detail, p.first_offset, p.where)
+
+
+def event(kind: str, **fields) -> bytes:
+    """An events-topic record: JSON with a schema number and a wall-clock time."""
+    return json.dumps({"schema": EVENT_SCHEMA, "kind": kind, "time": time.time(), **fields},
+                      separators=(",", ":"), default=_jsonable).encode()
+
+
+def parse_event(raw: bytes) -> dict | None:
+    try:
+        ev = json.loads(raw)
+    except (TypeError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return ev if isinstance(ev, dict) and ev.get("schema") == EVENT_SCHEMA and "kind" in ev else None
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    raise TypeError(f"not JSON-serialisable: {type(x).__name__}")

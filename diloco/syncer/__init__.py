@@ -1,0 +1,1 @@
+"""The syncer: a streaming consumer that merges fragment deltas and applies the outer step."""

@@ -1,0 +1,94 @@
+"""The merge math, as small pure functions (optax style).
+
+- token weights: w_m = tokens_m * (tokens_m / steps_m), normalised;
+- radial-directional averaging (RDA) per tensor: mean norm times the unit of the mean direction,
+  so that the merged norm does not shrink like 1/sqrt(M) for near-orthogonal deltas;
+- plain weighted mean for the tensors named in `mean_names` (embeddings);
+- the outer optimizer: SGD with Nesterov momentum from optax, fed the merged delta as its gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+
+_EPS = 1e-12
+
+
+def token_weights(tokens: Sequence[float], steps: Sequence[float]) -> np.ndarray:
+    """Dynamic token weighting, normalised to sum to 1: w = tokens * tokens / steps."""
+    t = np.asarray(tokens, dtype=np.float64)
+    s = np.asarray(steps, dtype=np.float64)
+    if len(t) == 0 or np.any(t <= 0) or np.any(s <= 0):
+        raise ValueError("token weights need positive tokens and steps for every contribution")
+    w = t * (t / s)
+    return w / w.sum()
+
+
+def weighted_mean(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
+    return np.tensordot(np.asarray(weights, np.float32), np.stack(deltas).astype(np.float32), axes=1)
+
+
+def rda(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
+    """Radial-directional average: (sum w|D|) / sum w  *  unit(sum w unit(D))."""
+    w = np.asarray(weights, np.float64)
+    stack = np.stack(deltas).astype(np.float32)
+    norms = np.sqrt(np.sum(stack.reshape(len(deltas), -1).astype(np.float64) ** 2, axis=1))
+    radius = float(np.sum(w * norms) / np.sum(w))
+    units = stack / np.maximum(norms, _EPS).astype(np.float32).reshape((-1,) + (1,) * (stack.ndim - 1))
+    direction = np.tensordot((w / np.sum(w)).astype(np.float32), units, axes=1)
+    dnorm = float(np.sqrt(np.sum(direction.astype(np.float64) ** 2)))
+    if dnorm < _EPS:  # deltas cancel out exactly: there is no direction to move in
+        return np.zeros_like(direction)
+    return (radius / dnorm * direction).astype(np.float32)
+
+
+def merge_deltas(contributions: Sequence[Mapping[str, np.ndarray]], weights: np.ndarray,
+                 mean_names: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    """Merge per-tensor: RDA by default, weighted mean for tensors in `mean_names`."""
+    names = contributions[0].keys()
+    out = {}
+    for name in names:
+        tensors = [c[name] for c in contributions]
+        out[name] = weighted_mean(tensors, weights) if name in mean_names else rda(tensors, weights)
+    return out
+
+
+def outer_optimizer(lr: float, momentum: float, nesterov: bool) -> optax.GradientTransformation:
+    return optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov and momentum > 0)
+
+
+def outer_step(opt: optax.GradientTransformation, params: Mapping[str, np.ndarray], state: optax.OptState,
+               delta: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], optax.OptState]:
+    """One outer step: the merged delta (global - local) plays the role of a gradient."""
+    updates, state = opt.update(dict(delta), state, dict(params))
+    new = optax.apply_updates(dict(params), updates)
+    return {k: np.asarray(v, np.float32) for k, v in new.items()}, state
+
+
+def _path_name(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+    return ".".join(parts)
+
+
+def flatten_state(state: optax.OptState) -> dict[str, np.ndarray]:
+    """Optimizer state as named arrays (what goes to TensorStore), e.g. `0.trace.layer0.qkv`."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {_path_name(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def unflatten_state(template: optax.OptState, arrays: Mapping[str, np.ndarray]) -> optax.OptState:
+    """Fill a state of the same structure as `template` from named arrays."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    missing = [_path_name(p) for p, _ in paths if _path_name(p) not in arrays]
+    if missing:
+        raise KeyError(f"optimizer state lacks {missing}")
+    return jax.tree_util.tree_unflatten(treedef, [np.asarray(arrays[_path_name(p)]) for p, _ in paths])

@@ -1,0 +1,440 @@
+"""The streaming syncer: region topics in, merged fragment versions out.
+
+Commit protocol for one fragment round (what makes a SIGKILL at any point safe):
+  1. contributions are accepted into the round in Redis (ids, arrival times) together with the replay
+     offsets; their payloads stay in Kafka, and the replay offset never passes the first record of a
+     contribution that is not yet applied or rejected;
+  2. the round closes (quorum + grace), the merge and outer step run in memory;
+  3. the new version is written to TensorStore (meta.json last). A crash here leaves an orphan
+     version that nobody was told about; the next merge of the fragment overwrites it;
+  4. one Redis MULTI/EXEC bumps the version (WATCHed), marks the ids applied, removes them from the
+     round and moves the replay offsets: the merge is now durable, exactly once;
+  5. the version is announced on the outer topic. A restart re-announces every current version, and
+     learners ignore versions they already have.
+On restart the syncer reads Redis, reloads each fragment at its Redis version from TensorStore, and
+replays Kafka from the stored offsets: ids already applied or rejected are dropped, pending ids get
+their payloads back, and new ids are handled as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from kafka import TopicPartition
+
+from diloco import messages
+from diloco.config import Config
+from diloco.fragments import plan_fragments
+from diloco.infra import kafka as kafka_io
+from diloco.infra.store import FragmentStore
+from diloco.learners.model import init_params
+from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
+from diloco.syncer import merge as merge_math
+from diloco.syncer.policy import QuorumPolicy, decide
+from diloco.syncer.state import StaleVersion, SyncerState
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+
+
+@dataclass
+class Pending:
+    """A contribution accepted into an open round; `deltas` is None until a replay brings it back."""
+    manifest_meta: dict
+    arrival: float
+    tp: TP
+    first_offset: int
+    deltas: dict[str, np.ndarray] | None = None
+
+
+@dataclass
+class FragmentState:
+    version: int
+    params: dict[str, np.ndarray]
+    opt_state: object
+    round: dict[str, Pending] = field(default_factory=dict)
+
+
+def fragment_plan(cfg: Config) -> tuple[dict[str, np.ndarray], list[list[str]]]:
+    params = init_params(cfg.model)
+    return params, plan_fragments({k: v.shape for k, v in params.items()}, cfg.fragments.count)
+
+
+def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentStore, producer) -> bool:
+    """Create topics and, for a new run, version 0 of every fragment. True if the run was new."""
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    kafka_io.ensure_topics(cfg.transport, topics.all())
+    if state.versions():
+        return False
+    params, plan = fragment_plan(cfg)
+    opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
+    for p, names in enumerate(plan):
+        frag = {n: params[n] for n in names}
+        store.write(p, 0, frag, merge_math.flatten_state(opt.init(frag)),
+                    {"tokens": 0, "contributors": [], "ids": [], "time": time.time(), "reason": "init"})
+    state.init_versions(len(plan))
+    for p in range(len(plan)):
+        announce(producer, topics, cfg, run_id, p, 0)
+    producer.flush()
+    return True
+
+
+def announce(producer, topics: kafka_io.Topics, cfg: Config, run_id: str, fragment: int, version: int) -> None:
+    producer.send(topics.outer, messages.event("version", run=run_id, fragment=fragment, version=version,
+                                               store=cfg.store.url), partition=0)
+
+
+class Syncer:
+    def __init__(self, cfg: Config, run_id: str, *, state: SyncerState, store: FragmentStore, producer, consumer,
+                 clock=time.time):
+        self.cfg, self.run_id, self.state, self.store = cfg, run_id, state, store
+        self.producer, self.consumer, self.clock = producer, consumer, clock
+        self.topics = kafka_io.Topics.for_run(cfg, run_id)
+        _, self.plan = fragment_plan(cfg)
+        self.shapes = {n: a.shape for n, a in fragment_plan(cfg)[0].items()}
+        self.opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
+        self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
+                                   cfg.syncer.grace_max_s)
+        self.assembler = ChunkAssembler(max_bytes=cfg.syncer.max_contribution_bytes,
+                                        timeout_s=cfg.syncer.incomplete_timeout_s)
+        self.learners = set(cfg.learner_ids())
+        self.fragments: list[FragmentState] = []
+        self.status: dict[str, str] = {}
+        self.consumed: dict[TP, int] = {}
+        self.registry: dict[str, dict] = {}
+        self.sync_time_s = 0.0
+        self.stopping = False
+        self._last_offsets_save = 0.0
+
+    # --- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        snap = self.state.snapshot(len(self.plan))
+        if len(snap.versions) != len(self.plan):
+            raise RuntimeError(f"run {self.run_id} is not provisioned in Redis (versions: {snap.versions}); "
+                               "`diloco train` provisions it")
+        self.status = snap.status
+        self.sync_time_s = snap.stats.get("sync_time_s", 0.0)
+        for p, names in enumerate(self.plan):
+            v = snap.versions[p]
+            fv = self.store.read(p, v)
+            template = self.opt.init({n: fv.params[n] for n in names})
+            st = FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt))
+            for cid, meta in snap.rounds[p].items():
+                st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
+            self.fragments.append(st)
+        positions = {}
+        for topic in [*self.topics.fragments.values(), self.topics.events]:
+            n = self.topics.partitions if topic != self.topics.events else 1
+            for tp in kafka_io.partitions_of(topic, n):
+                positions[tp] = snap.offsets.get((tp.topic, tp.partition), 0)
+                self.consumed[(tp.topic, tp.partition)] = positions[tp]
+        kafka_io.assign_from(self.consumer, positions)
+        self._replaying = any(st.round for st in self.fragments)
+        for p, st in enumerate(self.fragments):  # at-least-once announcements: learners dedupe
+            announce(self.producer, self.topics, self.cfg, self.run_id, p, st.version)
+        self._event("syncer_started", versions={p: f.version for p, f in enumerate(self.fragments)},
+                    pending=sum(len(f.round) for f in self.fragments))
+        log.info("syncer started", extra={"run": self.run_id, "versions": [f.version for f in self.fragments],
+                                          "replay_from": {f"{t}|{p}": o for (t, p), o in self.consumed.items()}})
+
+    def run(self, *, drain_timeout_s: float = 30.0) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        self.start()
+        stop_at = None
+        try:
+            while True:
+                self.step()
+                if self.stopping:
+                    stop_at = stop_at or self.clock() + drain_timeout_s
+                    if self.caught_up() or self.clock() > stop_at:
+                        break
+            if self.cfg.syncer.flush_on_stop:
+                for p in range(len(self.fragments)):
+                    self.maybe_close(p, final=True)
+            self.save_offsets(force=True)
+            self._event("syncer_stopped", versions={p: f.version for p, f in enumerate(self.fragments)})
+        finally:
+            self.producer.flush()
+            self.consumer.close()
+
+    def step(self) -> None:
+        """One poll: handle records, expire partial chunk sets, close the rounds that are due."""
+        batch = self.consumer.poll(timeout_ms=self.cfg.syncer.poll_ms, max_records=500)
+        for tp, records in batch.items():
+            for rec in records:
+                try:
+                    if tp.topic == self.topics.events:
+                        self.consumed[(tp.topic, tp.partition)] = rec.offset + 1
+                        self.handle_event(rec.value)
+                    else:
+                        self.handle_record(rec.value, (tp.topic, tp.partition), rec.offset)
+                except Exception as err:  # one bad record must never stop the syncer
+                    log.exception("record handling failed", extra={"topic": tp.topic, "offset": rec.offset})
+                    self._reject(None, "internal_error", f"{type(err).__name__}: {err}", where=(tp.topic, tp.partition, rec.offset))
+        now = self.clock()
+        for d in self.assembler.expire(now):
+            self._reject_dropped(d)
+        if self._replaying and self.caught_up():
+            self._give_up_lost_payloads()
+        for p in range(len(self.fragments)):
+            self.maybe_close(p)
+        self.save_offsets()
+
+    def caught_up(self) -> bool:
+        for tp in self.consumer.assignment():
+            hw = self.consumer.highwater(tp)
+            if hw is None or self.consumer.position(tp) < hw:
+                return False
+        return len(self.assembler) == 0
+
+    # --- records -------------------------------------------------------------------------------
+    def handle_event(self, raw: bytes) -> None:
+        ev = messages.parse_event(raw)
+        if ev and ev["kind"] == "heartbeat" and ev.get("learner") in self.learners:
+            self.registry[ev["learner"]] = ev
+            self.state.heartbeat(ev["learner"], ev)
+
+    def handle_record(self, raw: bytes, tp: TP, offset: int) -> None:
+        self.consumed[tp] = offset + 1
+        try:
+            header, payload = messages.parse_frame(raw)
+            cid = header.get("id")
+            if not isinstance(cid, str):
+                raise WireError("frame header has no contribution id")
+        except WireError as err:
+            self._reject(None, "malformed", str(err), where=(*tp, offset))
+            return
+        status = self.status.get(cid, "")
+        if status and not status.startswith("pending"):
+            self.state.count("duplicate_records")
+            return
+        if status and self._pending(cid) is not None and self._pending(cid).deltas is not None:
+            self.state.count("duplicate_records")
+            return
+        try:
+            result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=f"{tp[0]}|{tp[1]}")
+        except WireError as err:
+            self.assembler.discard(cid)
+            self._reject(cid, "malformed", str(err), where=(*tp, offset))
+            return
+        if isinstance(result, Dropped):
+            self._reject_dropped(result)
+        elif isinstance(result, Assembled):
+            self.on_complete(result, tp)
+
+    def on_complete(self, a: Assembled, tp: TP) -> None:
+        m = a.manifest
+        pending = self._pending(m.id)
+        verdict = self.validate(m, a.payload, replay=pending is not None)
+        if isinstance(verdict, tuple):
+            self._reject(m.id, *verdict, manifest=m, where=(*tp, a.first_offset))
+            return
+        if pending is not None:  # replay after a restart: the round already counts it
+            pending.deltas = verdict
+            return
+        meta = {"id": m.id, "learner": m.learner, "region": m.region, "fragment": m.fragment,
+                "base_version": m.base_version, "tokens": m.tokens, "steps": m.steps, "step_time": m.step_time,
+                "bytes": m.total_bytes, "arrival": self.clock(), "topic": tp[0], "partition": tp[1],
+                "offset": a.first_offset, "created": m.created}
+        st = self.fragments[m.fragment]
+        st.round[m.id] = Pending(meta, meta["arrival"], tp, a.first_offset, verdict)
+        self.status[m.id] = f"pending:{m.fragment}"
+        self.state.accept(m.fragment, m.id, meta, self.replay_offsets())
+        self._event("contribution_accepted", id=m.id, learner=m.learner, region=m.region, fragment=m.fragment,
+                    base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes)
+
+    def validate(self, m: Manifest, payload: bytes, *, replay: bool = False):
+        """Decoded deltas, or (reason, detail) saying why the contribution cannot enter a merge."""
+        if m.run != self.run_id:
+            return "wrong_run", f"run {m.run!r}, this syncer serves {self.run_id!r}"
+        if m.learner not in self.learners:
+            return "unknown_learner", f"learner {m.learner!r} is not in this run"
+        if self.cfg.region_of(m.learner).name != m.region:
+            return "unknown_learner", f"learner {m.learner!r} does not belong to region {m.region!r}"
+        if not 0 <= m.fragment < len(self.plan):
+            return "unknown_fragment", f"fragment {m.fragment} (this run has {len(self.plan)})"
+        want = {n: tuple(self.shapes[n]) for n in self.plan[m.fragment]}
+        got = {t.name: tuple(t.shape) for t in m.tensors}
+        if got != want:
+            diff = sorted(set(got.items()) ^ set(want.items()))[:4]
+            return "wrong_shape", f"fragment {m.fragment} tensors differ from the model: {diff}"
+        if m.tokens <= 0 or m.steps <= 0 or not math.isfinite(m.step_time):
+            return "bad_metadata", f"tokens={m.tokens} steps={m.steps} step_time={m.step_time}"
+        current = self.fragments[m.fragment].version
+        if not replay:  # a replayed contribution was judged on arrival; versions moved since
+            if m.base_version > current:
+                return "future_version", f"base version {m.base_version} > current {current}"
+            if m.base_version < current - self.cfg.syncer.max_staleness:
+                return "stale", f"base version {m.base_version} older than {current} - {self.cfg.syncer.max_staleness}"
+        try:
+            deltas = messages.decode_payload(m, payload)
+        except WireError as err:
+            return ("checksum" if "checksum" in str(err) else "malformed"), str(err)
+        bad = [n for n, d in deltas.items() if not np.all(np.isfinite(d))]
+        if bad:
+            return "non_finite", f"non-finite values in {bad}"
+        return deltas
+
+    # --- rounds --------------------------------------------------------------------------------
+    def live_learners(self) -> int:
+        """Learners that may still contribute: recent heartbeat and not finished (all, before any)."""
+        if not self.registry:
+            return len(self.learners)
+        now = self.clock()
+        horizon = 10 * self.cfg.run.heartbeat_s + 5
+        live = [hb for hb in self.registry.values() if hb.get("state") != "finished" and now - hb["time"] < horizon]
+        unseen = len(self.learners - set(self.registry))
+        return len(live) + unseen
+
+    def step_time_s(self) -> float:
+        times = [hb.get("step_time", 0.0) for hb in self.registry.values() if hb.get("step_time")]
+        return float(np.median(times)) if times else 0.0
+
+    def maybe_close(self, p: int, *, final: bool = False) -> None:
+        st = self.fragments[p]
+        if not st.round or any(c.deltas is None for c in st.round.values()):
+            return
+        first_by_learner: dict[str, float] = {}
+        for c in st.round.values():
+            lrn = c.manifest_meta["learner"]
+            first_by_learner[lrn] = min(first_by_learner.get(lrn, math.inf), c.arrival)
+        d = decide(self.policy, list(first_by_learner.values()), now=self.clock(), expected=self.live_learners(),
+                   step_time_s=self.step_time_s(), sync_time_s=self.sync_time_s)
+        if d.close or final:
+            self.merge(p, reason=d.reason if d.close else "final_flush")
+
+    def merge(self, p: int, *, reason: str) -> None:
+        t0 = time.perf_counter()
+        st = self.fragments[p]
+        contribs = sorted(st.round.values(), key=lambda c: c.arrival)
+        contribs = self._drop_norm_outliers(p, contribs)
+        if not contribs:
+            return
+        metas = [c.manifest_meta for c in contribs]
+        weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas])
+        delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, self.cfg.syncer.mean_merge_tensors)
+        names = self.plan[p]
+        params, opt_state = merge_math.outer_step(self.opt, {n: st.params[n] for n in names}, st.opt_state, delta)
+        ids = [m["id"] for m in metas]
+        late = sum(1 for m in metas if m["base_version"] < st.version)
+        record = {"fragment": p, "version": st.version + 1, "ids": ids, "learners": [m["learner"] for m in metas],
+                  "tokens": sum(m["tokens"] for m in metas), "weights": [round(float(w), 6) for w in weights],
+                  "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
+                  "time": self.clock()}
+        self.store.write(p, st.version + 1, params, merge_math.flatten_state(opt_state), record)
+        for cid in ids:
+            del st.round[cid]
+        sync_time = time.perf_counter() - t0
+        ema = sync_time if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * sync_time
+        try:
+            self.state.commit_merge(p, from_version=st.version, ids=ids, late=late, record=record,
+                                    offsets=self.replay_offsets(), sync_time_s=ema)
+        except StaleVersion:
+            log.error("merge lost a race for fragment %d; reloading", p)
+            raise
+        st.version += 1
+        st.params, st.opt_state = params, opt_state
+        self.sync_time_s = ema
+        for cid in ids:
+            self.status[cid] = f"applied:{p}:{st.version}"
+        announce(self.producer, self.topics, self.cfg, self.run_id, p, st.version)
+        self._event("merge", fragment=p, version=st.version, ids=ids, learners=record["learners"],
+                    tokens=record["tokens"], late=late, reason=reason, seconds=round(sync_time, 4))
+        log.info("merged", extra={"fragment": p, "version": st.version, "contributions": len(ids), "late": late,
+                                  "reason": reason, "seconds": round(sync_time, 4)})
+
+    def _drop_norm_outliers(self, p: int, contribs: list[Pending]) -> list[Pending]:
+        factor = self.cfg.syncer.norm_outlier_factor
+        if factor <= 0 or len(contribs) < 3:
+            return contribs
+        norms = [math.sqrt(sum(float(np.sum(d.astype(np.float64) ** 2)) for d in c.deltas.values())) for c in contribs]
+        median = float(np.median(norms))
+        keep = []
+        for c, n in zip(contribs, norms):
+            if median > 0 and n > factor * median:
+                self._reject(c.manifest_meta["id"], "norm_outlier", f"norm {n:.3g} > {factor} x median {median:.3g}")
+            else:
+                keep.append(c)
+        return keep
+
+    # --- offsets and bookkeeping ---------------------------------------------------------------
+    def replay_offsets(self) -> dict[TP, int]:
+        """Per partition, the first offset whose effect is not yet durable (where a restart resumes)."""
+        out = dict(self.consumed)
+        for st in self.fragments:
+            for c in st.round.values():
+                if c.first_offset is not None:
+                    out[c.tp] = min(out.get(c.tp, c.first_offset), c.first_offset)
+        for tp in list(out):
+            partial = self.assembler.pending_offsets(f"{tp[0]}|{tp[1]}")
+            if partial:
+                out[tp] = min(out[tp], min(partial))
+        return out
+
+    def save_offsets(self, force: bool = False) -> None:
+        now = self.clock()
+        if force or now - self._last_offsets_save > 1.0:
+            self.state.save_offsets(self.replay_offsets())
+            self._last_offsets_save = now
+
+    def _pending(self, cid: str) -> Pending | None:
+        status = self.status.get(cid, "")
+        if not status.startswith("pending:"):
+            return None
+        return self.fragments[int(status.split(":")[1])].round.get(cid)
+
+    def _give_up_lost_payloads(self) -> None:
+        """After a full replay, pending ids whose records are gone from the log cannot be merged."""
+        self._replaying = False
+        for st in self.fragments:
+            for cid in [cid for cid, c in st.round.items() if c.deltas is None]:
+                self._reject(cid, "lost_payload", "records not found in the log on replay")
+
+    def _reject_dropped(self, d: Dropped) -> None:
+        where = tuple(d.where.rsplit("|", 1)) + (d.first_offset,) if d.where else None
+        self._reject(d.id, d.reason, d.detail, manifest=d.manifest, where=where)
+
+    def _reject(self, cid: str | None, reason: str, detail: str, *, manifest: Manifest | None = None,
+                where=None) -> None:
+        fragment = None
+        if cid is not None and self.status.get(cid, "").startswith("pending:"):
+            fragment = int(self.status[cid].split(":")[1])  # leaves its round, in memory and in Redis
+            self.fragments[fragment].round.pop(cid, None)
+        if cid is not None:
+            self.status[cid] = f"rejected:{reason}"
+        self.state.reject(cid, reason, self.replay_offsets(), fragment=fragment)
+        fields = {"id": cid, "reason": reason, "detail": detail}
+        if manifest is not None:
+            fields |= {"learner": manifest.learner, "region": manifest.region, "fragment": manifest.fragment,
+                       "base_version": manifest.base_version}
+        if where is not None:
+            fields["where"] = {"topic": where[0], "partition": int(where[1]), "offset": where[2]}
+        self._event("contribution_rejected", **fields)
+        log.warning("rejected contribution", extra=fields)
+
+    def _event(self, kind: str, **fields) -> None:
+        self.producer.send(self.topics.events, messages.event(kind, run=self.run_id, source="syncer", **fields),
+                           partition=0)
+
+
+def main(cfg: Config, run_id: str) -> None:
+    """Entry point of the syncer process."""
+    from diloco.syncer import state as state_mod
+
+    r = state_mod.connect(cfg.state)
+    st = SyncerState(r, cfg.state.key_prefix, run_id)
+    store = FragmentStore(cfg.store.url, run_id)
+    producer = kafka_io.producer(cfg.transport)
+    consumer = kafka_io.consumer(cfg.transport)
+    Syncer(cfg, run_id, state=st, store=store, producer=producer, consumer=consumer).run()
+    producer.close()
+
+
+__all__ = ["Syncer", "provision", "fragment_plan", "announce", "main", "TopicPartition"]
