@@ -10,6 +10,9 @@ import typer
 from rich.console import Console
 
 from diloco.config import Config, ConfigError, load_config
+from diloco.pipelines.cli import PASS_THROUGH, data_app
+from diloco.pipelines.cli import report as report_cmd
+from diloco.sim.cli import app as simulate_app
 
 app = typer.Typer(
     help="Decoupled DiLoCo: resilient, low-communication LM pre-training.\n\n"
@@ -20,6 +23,9 @@ app = typer.Typer(
 infra = typer.Typer(help="Start, stop and probe the local service stack (Kafka-protocol broker, Redis).",
                     no_args_is_help=True)
 app.add_typer(infra, name="infra")
+app.add_typer(simulate_app, name="simulate", help="Simulate goodput of training schemes at datacenter scale.")
+app.add_typer(data_app, name="data", help="Prepare token shards with the Beam corpus pipeline.")
+app.command("report", context_settings=PASS_THROUGH)(report_cmd)
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config; omitted = embedded defaults")]

@@ -199,7 +199,8 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
 
 
 def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> Config:
-    tree = _plain(tree)
+    """Defaults, then `tree` on top (sections merge, lists replace), then the overrides."""
+    tree = _merge(Config().model_dump(mode="json"), _plain(tree))
     for key, value in parse_overrides(list(overrides)):
         _set_path(tree, key, value)
     try:
@@ -228,6 +229,13 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
 def _plain(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _plain(v) for k, v in tree.items()}
@@ -245,5 +253,11 @@ def _explain(err: ValidationError) -> str:
             msg = "unknown key"
         elif e["type"] == "literal_error":
             msg = f"must be one of {e['ctx']['expected']}"
-        lines.append(f"config key {where}: {msg} (got {e.get('input')!r})")
+        msg = msg.removeprefix("Value error, ")
+        if not e["loc"]:  # a cross-field check: its message names the keys
+            lines.append(msg)
+            continue
+        inp = e.get("input")
+        shown = "" if isinstance(inp, (dict, list, tuple)) or "password" in where else f" (got {inp!r})"
+        lines.append(f"config key {where}: {msg}{shown}")
     return "invalid config:\n  " + "\n  ".join(lines)

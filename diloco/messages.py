@@ -258,8 +258,12 @@ class ChunkAssembler:
 
 
 def event(kind: str, **fields) -> bytes:
-    """An events-topic record: JSON with a schema number and a wall-clock time."""
-    return json.dumps({"schema": EVENT_SCHEMA, "kind": kind, "time": time.time(), **fields},
+    """An events-topic record: JSON with a schema number, a wall-clock time and a unique `eid`.
+
+    Delivery is at least once (the syncer re-sends its outbox after a crash): readers drop
+    repeated eids.
+    """
+    return json.dumps({"schema": EVENT_SCHEMA, "kind": kind, "eid": uuid.uuid4().hex, "time": time.time(), **fields},
                       separators=(",", ":"), default=_jsonable).encode()
 
 

@@ -60,9 +60,15 @@ class Progress:
     rejected: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
     merged_ids: list[str] = field(default_factory=list)
+    kinds_seen: set[str] = field(default_factory=set)
+    eids: set[str] = field(default_factory=set)
 
     def apply(self, ev: dict) -> None:
+        if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
+            return
+        self.eids.add(ev.get("eid"))
         kind = ev["kind"]
+        self.kinds_seen.add(kind)
         if kind == "heartbeat":
             self.learners[ev["learner"]] = ev
         elif kind == "merge":
@@ -129,15 +135,15 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     cfg_path.write_text(dump_config(cfg))
     console.print(f"[bold]run[/] {run_id}  dir {run_dir}  broker {cfg.transport.bootstrap_servers}  store {cfg.store.url}")
 
+    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)  # fail fast
+    producer = kafka_io.producer(cfg.transport)
     corpus = ensure_corpus(cfg.data.corpus, cfg.data.dir, learners=cfg.num_learners,
                            heldout_fraction=cfg.data.heldout_fraction, max_bytes=cfg.data.max_corpus_bytes,
                            seed=cfg.data.seed)
     console.print(f"corpus {corpus.dir}: {sum(s['tokens'] for s in corpus.manifest['shards']):,} train tokens "
                   f"in {corpus.num_shards} shards, {corpus.manifest['heldout']['tokens']:,} held out")
 
-    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
     store = FragmentStore(cfg.store.url, run_id)
-    producer = kafka_io.producer(cfg.transport)
     provision(cfg, run_id, state=state, store=store, producer=producer)
     producer.close()
 
@@ -152,9 +158,10 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     env = _child_env(cfg)
     logs = run_dir / "logs"
     syncer = _spawn(["syncer", "--config", str(cfg_path)], logs / "syncer.log", env)
+    prog = Progress()
+    _wait_for_syncer(events, prog, syncer, logs, console)
     learners = {lid: _spawn(["learner", "--config", str(cfg_path), "--learner", lid, "--corpus", str(corpus.dir)],
                             logs / f"{lid}.log", env) for lid in cfg.learner_ids()}
-    prog = Progress()
     try:
         _watch(cfg, run_id, events, prog, syncer, learners, logs, console, progress, t_start)
     finally:
@@ -176,6 +183,21 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     return summary
 
 
+def _wait_for_syncer(events, prog: Progress, syncer, logs: Path, console, timeout_s: float = 180.0) -> None:
+    """Learners start once the syncer is consuming: deltas would only pile up in the topics before."""
+    deadline = time.time() + timeout_s
+    with console.status("starting the syncer"):
+        while not any(k == "syncer_started" for k in prog.kinds_seen):
+            if syncer.poll() is not None:
+                raise RunError(f"syncer exited with {syncer.returncode}:\n" + _tail(logs / "syncer.log"))
+            if time.time() > deadline:
+                raise RunError(f"syncer did not start within {timeout_s:.0f}s:\n" + _tail(logs / "syncer.log"))
+            for records in events.poll(timeout_ms=200).values():
+                for rec in records:
+                    if (ev := messages.parse_event(rec.value)):
+                        prog.apply(ev)
+
+
 def _watch(cfg, run_id, events, prog: Progress, syncer, learners, logs: Path, console, progress: bool, t0: float):
     deadline = t0 + cfg.run.timeout_s
     stop_sent = False
@@ -194,8 +216,10 @@ def _watch(cfg, run_id, events, prog: Progress, syncer, learners, logs: Path, co
             if live:
                 live.update(progress_table(cfg, prog, run_id, now - t0))
             elif now - last_line > 10:
-                steps = " ".join(f"{k}:{v.get('step')}" for k, v in sorted(prog.learners.items()))
-                console.print(f"[{now - t0:5.0f}s] steps {steps} | merges {prog.merges} | rejected {prog.rejected}")
+                lrn = " ".join(f"{k} step {v['step']} loss {v['loss']:.3f};" for k, v in sorted(prog.learners.items()))
+                vers = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
+                console.print(f"[{now - t0:4.0f}s] {lrn or 'learners starting;'} syncer {vers} merges {prog.merges} "
+                              f"accepted {prog.accepted} rejected {prog.rejected}", soft_wrap=True)
                 last_line = now
             for lid, proc in learners.items():
                 if proc.poll() not in (None, 0):

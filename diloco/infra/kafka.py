@@ -121,3 +121,25 @@ def _retry(make, t: TransportConfig, timeout_s: float = 20.0):
             log.warning("kafka connect failed (%s), retrying in %.1fs", type(err).__name__, delay)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+def read_to_end(t: TransportConfig, tps: list[TopicPartition], timeout_s: float = 30.0) -> list:
+    """Every record of the given partitions from offset 0 up to their high watermark.
+
+    The end is taken from the high watermark of fetch responses: the local broker's end_offsets()
+    reports the start of the last batch, not the end of the partition.
+    """
+    c = consumer(t)
+    try:
+        assign_from(c, {tp: 0 for tp in tps})
+        out, deadline = [], time.time() + timeout_s
+        while True:
+            for records in c.poll(timeout_ms=200).values():
+                out.extend(records)
+            hws = {tp: c.highwater(tp) for tp in tps}
+            if all(hw is not None and c.position(tp) >= hw for tp, hw in hws.items()):
+                return out
+            if time.time() > deadline:
+                raise TransportError(f"reading {tps} did not reach the high watermark in {timeout_s}s")
+    finally:
+        c.close()

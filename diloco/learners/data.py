@@ -7,11 +7,10 @@ one `train-XXXXX-of-YYYYY.bin` per learner and `heldout.bin`. Documents are join
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
-import sysconfig
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,75 +78,31 @@ def eval_batches(tokens: np.ndarray, *, n_batches: int, batch_size: int, seq_len
     return np.stack([tokens[s:s + span] for s in starts]).astype(np.int32).reshape(n_batches, batch_size, span)
 
 
-# --- default corpus preparation (plain Python; the Beam pipeline produces the same format) ---
-
-def default_sources() -> list[Path]:
-    """Text every machine has: the Python standard library's own source files."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-
-
-def resolve_sources(corpus: str | None) -> list[Path]:
-    if corpus is None:
-        return default_sources()
-    p = Path(corpus)
-    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else sorted(Path(f) for f in glob.glob(corpus, recursive=True))
-    if not files:
-        raise DataError(f"data.corpus {corpus!r} matches no files")
-    return files
-
-
-def prepare_corpus(sources: list[Path], out: Path, *, learners: int, heldout_fraction: float,
-                   max_bytes: int, seed: int) -> Corpus:
-    """Byte-tokenize documents; split held-out by a hash of the content; deal train docs to shards."""
-    out.mkdir(parents=True, exist_ok=True)
-    shards: list[list[bytes]] = [[] for _ in range(learners)]
-    heldout: list[bytes] = []
-    seen, total, skipped = set(), 0, 0
-    for path in sources:
-        try:
-            text = path.read_bytes().decode("utf-8").replace("\x00", "").encode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            skipped += 1
-            continue
-        digest = hashlib.sha256(text).digest()
-        if not text.strip() or digest in seen:
-            continue
-        seen.add(digest)
-        total += len(text)
-        if total > max_bytes:
-            break
-        h = int.from_bytes(hashlib.sha256(digest + seed.to_bytes(8, "little")).digest()[:8], "little")
-        if (h % 10_000) / 10_000 < heldout_fraction:
-            heldout.append(text)
-        else:
-            shards[h % learners].append(text)
-
-    def write(name: str, docs: list[bytes]) -> dict:
-        arr = np.frombuffer(bytes([SEPARATOR]).join(docs), dtype=np.uint8).astype("<u2")
-        tmp = out / (name + ".tmp")
-        arr.tofile(tmp)
-        os.replace(tmp, out / name)
-        return {"name": name, "documents": len(docs), "tokens": int(arr.size)}
-
-    manifest = {
-        "format": FORMAT, "tokenizer": "bytes", "vocab_size": 256, "dtype": "uint16", "seed": seed,
-        "heldout_fraction": heldout_fraction, "skipped_files": skipped,
-        "shards": [write(shard_name(i, learners), docs) for i, docs in enumerate(shards)],
-        "heldout": write("heldout.bin", heldout),
-    }
-    if any(s["tokens"] == 0 for s in manifest["shards"]) or manifest["heldout"]["tokens"] == 0:
-        raise DataError(f"corpus too small for {learners} shards and a held-out set: {manifest}")
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return Corpus(out, manifest)
-
-
 def ensure_corpus(corpus: str | None, data_dir: str, *, learners: int, heldout_fraction: float,
                   max_bytes: int, seed: int) -> Corpus:
-    """Reuse a prepared corpus for the same inputs and settings, or prepare it now."""
-    key = hashlib.sha256(json.dumps([corpus or "stdlib", learners, heldout_fraction, max_bytes, seed]).encode()).hexdigest()[:12]
+    """Reuse a prepared corpus for the same inputs and settings, or run the Beam corpus pipeline now.
+
+    corpus=None is the Python standard library's sources. The pipeline writes into a scratch
+    directory that is renamed into place, so a crashed or concurrent preparation never leaves a
+    half-written corpus under the key.
+    """
+    from diloco.pipelines.corpus import prepare  # Beam loads only when a corpus must be built
+
+    key = hashlib.sha256(json.dumps([corpus or "stdlib", learners, heldout_fraction, max_bytes, seed,
+                                     "beam/1"]).encode()).hexdigest()[:12]
     out = Path(data_dir) / key
     if (out / MANIFEST).is_file():
         return Corpus.open(out)
-    return prepare_corpus(resolve_sources(corpus), out, learners=learners, heldout_fraction=heldout_fraction,
-                          max_bytes=max_bytes, seed=seed)
+    tmp = out.with_name(f"{key}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        prepare(None if corpus is None else [corpus], str(tmp), learners=learners, heldout_fraction=heldout_fraction,
+                seed=seed, max_bytes=max_bytes, pipeline_args=["--runner=FnApiRunner"])
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished the same corpus first
+            if not (out / MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Corpus.open(out)

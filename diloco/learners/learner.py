@@ -231,6 +231,7 @@ class Learner:
         self.publisher.queue.put(None)
         self.publisher.queue.join()
         self.fetcher.stop.set()
+        self.fetcher.join(timeout=30)  # a TensorStore read still running at exit aborts the process
         if self.publisher.error:
             raise self.publisher.error
         summary = {"step": step, "tokens": tokens, "loss": loss, "step_time": step_time, "versions": base_version}
@@ -241,7 +242,11 @@ class Learner:
 
     def _sync(self, p: int, params, base, base_version, since) -> None:
         names = self.plan[p]
-        deltas = {n: base[p][n] - np.asarray(params[n]) for n in names}  # outer delta: global - local
+        local = {n: np.asarray(params[n]) for n in names}
+        deltas = {n: base[p][n] - local[n] for n in names}  # outer delta: global - local
+        # The next delta starts from what was just sent, so that if the merged global value is slow
+        # to arrive, two contributions never carry the same progress twice.
+        base[p] = local
         s = since[p]
         self.publisher.queue.put({"fragment": p, "base_version": base_version[p], "tokens": s["tokens"],
                                   "steps": s["steps"], "step_time": s["time"] / max(s["steps"], 1), "deltas": deltas})

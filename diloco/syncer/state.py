@@ -9,9 +9,12 @@ Keys, all under `<key_prefix>:<run>:`:
     merges           list  JSON record per merge (fragment, version, contribution ids, tokens)
     registry         hash  learner -> JSON (last heartbeat, step, tokens, step time)
     stats            hash  sync_time_s and other measured figures
+    outbox           list  JSON {topic, partition, value} records to publish (transactional outbox)
 
 Every state change that consumed Kafka records writes the replay offsets in the same MULTI/EXEC,
-so a restarted syncer replays exactly the records whose effects are not yet durable. A merge commit
+so a restarted syncer replays exactly the records whose effects are not yet durable. The events and
+announcements a change produces go into the outbox in that same transaction and are relayed to
+Kafka afterwards, so a crash can repeat them (readers dedupe) but never lose them. A merge commit
 WATCHes the fragment's version, so a second syncer holding a stale view cannot commit over it.
 """
 
@@ -115,16 +118,18 @@ class SyncerState:
         created = [self.r.hsetnx(self.k + "version", str(p), 0) for p in range(fragments)]
         return all(created)
 
-    def accept(self, fragment: int, cid: str, meta: dict, offsets: dict[tuple[str, int], int]) -> None:
+    def accept(self, fragment: int, cid: str, meta: dict, offsets: dict[tuple[str, int], int],
+               outbox: list[dict] = ()) -> None:
         with self.r.pipeline(transaction=True) as p:
             p.hset(f"{self.k}round:{fragment}", cid, json.dumps(meta))
             p.hset(self.k + "status", cid, f"pending:{fragment}")
             p.hincrby(self.k + "counters", "accepted", 1)
             self._offsets(p, offsets)
+            self._outbox(p, outbox)
             p.execute()
 
     def reject(self, cid: str | None, reason: str, offsets: dict[tuple[str, int], int],
-               fragment: int | None = None) -> None:
+               fragment: int | None = None, outbox: list[dict] = ()) -> None:
         """Record a rejection; `cid` None for a record that names no contribution."""
         with self.r.pipeline(transaction=True) as p:
             if cid is not None:
@@ -134,6 +139,7 @@ class SyncerState:
             p.hincrby(self.k + "counters", "rejected" if cid is not None else "rejected_records", 1)
             p.hincrby(self.k + "counters", f"rejected:{reason}", 1)
             self._offsets(p, offsets)
+            self._outbox(p, outbox)
             p.execute()
 
     def count(self, name: str, n: int = 1) -> None:
@@ -146,7 +152,7 @@ class SyncerState:
                 p.execute()
 
     def commit_merge(self, fragment: int, *, from_version: int, ids: list[str], late: int, record: dict,
-                     offsets: dict[tuple[str, int], int], sync_time_s: float) -> None:
+                     offsets: dict[tuple[str, int], int], sync_time_s: float, outbox: list[dict] = ()) -> None:
         """Atomically: bump the version, mark ids applied, clear them from the round, store offsets."""
         vkey = self.k + "version"
         with self.r.pipeline(transaction=True) as p:
@@ -166,12 +172,24 @@ class SyncerState:
                 p.rpush(self.k + "merges", json.dumps(record))
                 p.hset(self.k + "stats", "sync_time_s", sync_time_s)
                 self._offsets(p, offsets)
+                self._outbox(p, outbox)
                 p.execute()
             except WatchError:
                 raise StaleVersion(f"fragment {fragment} changed during the merge commit") from None
 
     def heartbeat(self, learner: str, info: dict) -> None:
         self.r.hset(self.k + "registry", learner, json.dumps(info))
+
+    def outbox_peek(self, n: int = 500) -> list[dict]:
+        return [json.loads(e) for e in self.r.lrange(self.k + "outbox", 0, n - 1)]
+
+    def outbox_trim(self, n: int) -> None:
+        """Drop the first n outbox records once Kafka acknowledged them."""
+        self.r.ltrim(self.k + "outbox", n, -1)
+
+    def _outbox(self, p, records: list[dict]) -> None:
+        if records:
+            p.rpush(self.k + "outbox", *(json.dumps(r) for r in records))
 
     def _offsets(self, p, offsets: dict[tuple[str, int], int]) -> None:
         if offsets:

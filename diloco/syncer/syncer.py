@@ -9,8 +9,10 @@ Commit protocol for one fragment round (what makes a SIGKILL at any point safe):
      version that nobody was told about; the next merge of the fragment overwrites it;
   4. one Redis MULTI/EXEC bumps the version (WATCHed), marks the ids applied, removes them from the
      round and moves the replay offsets: the merge is now durable, exactly once;
-  5. the version is announced on the outer topic. A restart re-announces every current version, and
-     learners ignore versions they already have.
+  5. the announcement and the merge event were written to the Redis outbox in that same transaction;
+     the relay publishes them and trims the outbox once Kafka acknowledged them. A crash repeats
+     them at most (learners ignore versions they already have; event readers drop repeated eids).
+Acceptances and rejections go the same way: state, replay offsets and their event in one MULTI/EXEC.
 On restart the syncer reads Redis, reloads each fragment at its Redis version from TensorStore, and
 replays Kafka from the stored offsets: ids already applied or rejected are dropped, pending ids get
 their payloads back, and new ids are handled as usual.
@@ -85,9 +87,15 @@ def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentSt
     return True
 
 
+def announcement(topics: kafka_io.Topics, cfg: Config, run_id: str, fragment: int, version: int) -> dict:
+    """An outbox record telling learners that `version` of `fragment` is in the store."""
+    value = messages.event("version", run=run_id, fragment=fragment, version=version, store=cfg.store.url)
+    return {"topic": topics.outer, "partition": 0, "value": value.decode()}
+
+
 def announce(producer, topics: kafka_io.Topics, cfg: Config, run_id: str, fragment: int, version: int) -> None:
-    producer.send(topics.outer, messages.event("version", run=run_id, fragment=fragment, version=version,
-                                               store=cfg.store.url), partition=0)
+    rec = announcement(topics, cfg, run_id, fragment, version)
+    producer.send(rec["topic"], rec["value"].encode(), partition=rec["partition"])
 
 
 class Syncer:
@@ -136,6 +144,7 @@ class Syncer:
                 self.consumed[(tp.topic, tp.partition)] = positions[tp]
         kafka_io.assign_from(self.consumer, positions)
         self._replaying = any(st.round for st in self.fragments)
+        self.relay()  # what a crashed predecessor committed but did not get to publish
         for p, st in enumerate(self.fragments):  # at-least-once announcements: learners dedupe
             announce(self.producer, self.topics, self.cfg, self.run_id, p, st.version)
         self._event("syncer_started", versions={p: f.version for p, f in enumerate(self.fragments)},
@@ -158,6 +167,7 @@ class Syncer:
             if self.cfg.syncer.flush_on_stop:
                 for p in range(len(self.fragments)):
                     self.maybe_close(p, final=True)
+            self.relay()
             self.save_offsets(force=True)
             self._event("syncer_stopped", versions={p: f.version for p, f in enumerate(self.fragments)})
         finally:
@@ -185,7 +195,17 @@ class Syncer:
             self._give_up_lost_payloads()
         for p in range(len(self.fragments)):
             self.maybe_close(p)
+        self.relay()
         self.save_offsets()
+
+    def relay(self) -> None:
+        """Publish the outbox to Kafka; trim only what the broker acknowledged."""
+        while records := self.state.outbox_peek():
+            futures = [self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"]) for r in records]
+            self.producer.flush()
+            for f in futures:
+                f.get(timeout=30)
+            self.state.outbox_trim(len(records))
 
     def caught_up(self) -> bool:
         for tp in self.consumer.assignment():
@@ -246,9 +266,9 @@ class Syncer:
         st = self.fragments[m.fragment]
         st.round[m.id] = Pending(meta, meta["arrival"], tp, a.first_offset, verdict)
         self.status[m.id] = f"pending:{m.fragment}"
-        self.state.accept(m.fragment, m.id, meta, self.replay_offsets())
-        self._event("contribution_accepted", id=m.id, learner=m.learner, region=m.region, fragment=m.fragment,
-                    base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes)
+        self.state.accept(m.fragment, m.id, meta, self.replay_offsets(), outbox=[self._outbox_event(
+            "contribution_accepted", id=m.id, learner=m.learner, region=m.region, fragment=m.fragment,
+            base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes)])
 
     def validate(self, m: Manifest, payload: bytes, *, replay: bool = False):
         """Decoded deltas, or (reason, detail) saying why the contribution cannot enter a merge."""
@@ -334,8 +354,12 @@ class Syncer:
         sync_time = time.perf_counter() - t0
         ema = sync_time if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * sync_time
         try:
+            merge_event = self._outbox_event("merge", fragment=p, version=st.version + 1, ids=ids,
+                                             learners=record["learners"], tokens=record["tokens"], late=late,
+                                             reason=reason, seconds=round(sync_time, 4))
             self.state.commit_merge(p, from_version=st.version, ids=ids, late=late, record=record,
-                                    offsets=self.replay_offsets(), sync_time_s=ema)
+                                    offsets=self.replay_offsets(), sync_time_s=ema, outbox=[
+                                        announcement(self.topics, self.cfg, self.run_id, p, st.version + 1), merge_event])
         except StaleVersion:
             log.error("merge lost a race for fragment %d; reloading", p)
             raise
@@ -344,9 +368,6 @@ class Syncer:
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = f"applied:{p}:{st.version}"
-        announce(self.producer, self.topics, self.cfg, self.run_id, p, st.version)
-        self._event("merge", fragment=p, version=st.version, ids=ids, learners=record["learners"],
-                    tokens=record["tokens"], late=late, reason=reason, seconds=round(sync_time, 4))
         log.info("merged", extra={"fragment": p, "version": st.version, "contributions": len(ids), "late": late,
                                   "reason": reason, "seconds": round(sync_time, 4)})
 
@@ -409,15 +430,19 @@ class Syncer:
             self.fragments[fragment].round.pop(cid, None)
         if cid is not None:
             self.status[cid] = f"rejected:{reason}"
-        self.state.reject(cid, reason, self.replay_offsets(), fragment=fragment)
         fields = {"id": cid, "reason": reason, "detail": detail}
         if manifest is not None:
             fields |= {"learner": manifest.learner, "region": manifest.region, "fragment": manifest.fragment,
                        "base_version": manifest.base_version}
         if where is not None:
             fields["where"] = {"topic": where[0], "partition": int(where[1]), "offset": where[2]}
-        self._event("contribution_rejected", **fields)
+        self.state.reject(cid, reason, self.replay_offsets(), fragment=fragment,
+                          outbox=[self._outbox_event("contribution_rejected", **fields)])
         log.warning("rejected contribution", extra=fields)
+
+    def _outbox_event(self, kind: str, **fields) -> dict:
+        value = messages.event(kind, run=self.run_id, source="syncer", **fields)
+        return {"topic": self.topics.events, "partition": 0, "value": value.decode()}
 
     def _event(self, kind: str, **fields) -> None:
         self.producer.send(self.topics.events, messages.event(kind, run=self.run_id, source="syncer", **fields),

@@ -1,0 +1,114 @@
+"""`diloco data prepare` and `diloco report`: the Beam pipelines from the command line.
+
+Options this script does not know are Beam pipeline options and go to the runner untouched
+(e.g. `--runner DataflowRunner --project P --region R --temp_location gs://...`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+data_app = typer.Typer(help="Prepare token shards with the Beam corpus pipeline.", no_args_is_help=True)
+
+Runner = Annotated[str, typer.Option(help="Beam runner: FnApiRunner (in-process), DirectRunner, DataflowRunner, "
+                                          "FlinkRunner, ...")]
+
+
+def _beam_args(runner: str, extra: list[str]) -> list[str]:
+    return [f"--runner={runner}", *extra]
+
+
+@data_app.command("prepare", context_settings=PASS_THROUGH)
+def prepare(ctx: typer.Context,
+            output: Annotated[str, typer.Option(help="directory or gs:// URL for the shards and manifest.json")],
+            learners: Annotated[int, typer.Option(min=1, help="train shards: one per learner")],
+            input: Annotated[Optional[list[str]], typer.Option(
+                "--input", help="file, directory or glob (local or gs://); repeatable; omitted = the Python "
+                                "standard library's sources")] = None,
+            heldout_fraction: Annotated[float, typer.Option(min=0, max=1, help="share of documents held out")] = 0.05,
+            seed: Annotated[int, typer.Option(help="seed of the document-hash split")] = 0,
+            max_bytes: Annotated[Optional[int], typer.Option(help="keep the sorted files that fit in this many bytes")] = None,
+            tokenizer: Annotated[str, typer.Option(help="tokenizer name (the model's vocabulary)")] = "bytes",
+            seq_len: Annotated[int, typer.Option(help="sequence length the manifest counts sequences in")] = 128,
+            runner: Runner = "FnApiRunner"):
+    """Read, normalise, dedupe, split, tokenize and pack text files into one shard per learner + held-out."""
+    from diloco.learners.data import DataError
+    from diloco.pipelines.corpus import prepare as run_prepare
+
+    try:
+        m = run_prepare(input, output, learners=learners, heldout_fraction=heldout_fraction, seed=seed,
+                        max_bytes=max_bytes, tokenizer_name=tokenizer, seq_len=seq_len,
+                        pipeline_args=_beam_args(runner, ctx.args))
+    except DataError as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from None
+    table = Table("file", "documents", "tokens", "sequences", title=f"{output} ({m['content_sha256'][:12]})")
+    for s in [*m["shards"], m["heldout"]]:
+        table.add_row(s["name"], f"{s['documents']:,}", f"{s['tokens']:,}", f"{s['sequences']:,}")
+    console.print(table)
+    c = m["counts"]
+    console.print(f"files read {c.get('files_read', 0):,}, duplicates dropped {c.get('duplicates_dropped', 0):,}, "
+                  f"skipped {len(m['skipped']):,}, left out by --max-bytes {m['capped_files']:,}")
+    for s in m["skipped"][:20]:
+        console.print(f"  skipped {s['path']}: {s['reason']}")
+    if len(m["skipped"]) > 20:
+        console.print(f"  ... and {len(m['skipped']) - 20} more in manifest.json")
+
+
+def report(ctx: typer.Context,
+           run: Annotated[str, typer.Option(help="run id")],
+           output: Annotated[str, typer.Option(help="directory or gs:// URL for report.json, CSVs and PNGs")],
+           events: Annotated[Optional[str], typer.Option(
+               help="JSONL file of exported events; omitted = read the run's events topic")] = None,
+           config: Annotated[Optional[Path], typer.Option(
+               "--config", "-c", help="the run's config (broker, topic prefix); default: <run.dir>/RUN/config.yaml")] = None,
+           timeout_s: Annotated[float, typer.Option(help="give up reading the events topic after this long")] = 60.0,
+           runner: Runner = "FnApiRunner"):
+    """Telemetry report of a run: goodput, tokens, bytes, lateness, rejections, merge latency, timeline.
+
+    Without --events, the events topic is first copied to OUTPUT/events.jsonl.
+    """
+    from diloco.config import Config, ConfigError, load_config
+    from diloco.infra.kafka import TransportError
+    from diloco.pipelines import telemetry
+
+    if config is None and (Path(Config().run.dir) / run / "config.yaml").is_file():
+        config = Path(Config().run.dir) / run / "config.yaml"
+    try:
+        cfg = load_config(config)
+    except ConfigError as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(2) from None
+    if events is None:
+        from apache_beam.io.filesystems import FileSystems
+
+        if FileSystems.get_scheme(output) is None:
+            Path(output).mkdir(parents=True, exist_ok=True)
+        events = FileSystems.join(output, "events.jsonl")
+        try:
+            n = telemetry.export_events(cfg, run, events, timeout_s=timeout_s)
+        except TransportError as err:
+            console.print(f"[red]error:[/] {err}")
+            raise typer.Exit(1) from None
+        console.print(f"copied {n:,} events to {events}")
+    rep = telemetry.report(events, output, run_id=run, fragments=cfg.fragments.count if config else 0,
+                           pipeline_args=_beam_args(runner, ctx.args))
+    table = Table("learner", "region", "tokens trained", "merged/accepted", "goodput", "late", "rejected", "MB sent",
+                  title=f"run {run}")
+    for r in rep["learners"]:
+        table.add_row(r["learner"], r["region"], f"{r['tokens_trained']:,}", f"{r['merged']}/{r['contributions']}",
+                      "-" if r["goodput"] is None else f"{r['goodput']:.1%}", str(r["late"]), str(r["rejected"]),
+                      f"{r['bytes_sent'] / 1e6:.1f}")
+    console.print(table)
+    lat = rep["merge_latency_s"].get("all")
+    console.print(f"{rep['totals']['merges']} merges over {rep['fragments']} fragments"
+                  + (f", latency p50 {lat['p50']:.2f}s p90 {lat['p90']:.2f}s" if lat else "")
+                  + f"; report in {output}")

@@ -1,0 +1,91 @@
+"""Fixtures that start the real services once per test session.
+
+A Tansu broker and a Redis server are started on free ports under a temporary directory (or the
+ones named by DILOCO_TEST_KAFKA=host:port / DILOCO_TEST_REDIS=redis://... are used instead). The GCS
+emulator starts only for the tests that ask for it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from diloco.config import Config, build_config
+from diloco.infra import services
+
+
+@pytest.fixture(scope="session")
+def service_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("services")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(service_dir) -> str:
+    if os.environ.get("DILOCO_TEST_KAFKA"):
+        yield os.environ["DILOCO_TEST_KAFKA"]
+        return
+    port = services.free_port()
+    services.start_broker(service_dir, port)
+    yield f"127.0.0.1:{port}"
+    services.stop("kafka", service_dir)
+
+
+@pytest.fixture(scope="session")
+def redis_url(service_dir) -> str:
+    if os.environ.get("DILOCO_TEST_REDIS"):
+        yield os.environ["DILOCO_TEST_REDIS"]
+        return
+    port = services.free_port()
+    services.start_redis(service_dir, port)
+    yield f"redis://127.0.0.1:{port}/0"
+    services.stop("redis", service_dir)
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(service_dir):
+    """A fake-gcs-server with bucket `diloco-test`; sets the env the TensorStore gcs driver reads."""
+    port = services.free_port()
+    services.start_gcs(service_dir, port, "diloco-test")
+    old = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = f"http://127.0.0.1:{port}"
+    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "x"
+    yield "gs://diloco-test"
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    services.stop("gcs", service_dir)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+TINY = {
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
+    "data": {"max_corpus_bytes": 2_000_000},
+    "inner": {"steps": 80, "batch_size": 8, "lr": 0.01, "warmup_steps": 5},
+    "fragments": {"count": 4, "sync_every": 10, "quantization": "int8", "chunk_bytes": 4096},
+    "syncer": {"quorum": 2, "grace_max_s": 0.5},
+    "run": {"heartbeat_s": 0.5, "eval_batches": 4, "eval_batch_size": 8, "timeout_s": 600},
+}
+
+
+@pytest.fixture
+def tiny_config(tmp_path, kafka_bootstrap, redis_url, data_dir):
+    """Build a tiny run's config on the session's services; keyword sections override TINY."""
+    def make(**sections) -> Config:
+        tree = {k: dict(v) for k, v in TINY.items()}
+        for key, value in sections.items():
+            tree[key] = {**tree.get(key, {}), **value} if isinstance(value, dict) else value
+        tree["transport"] = {"bootstrap_servers": kafka_bootstrap, **tree.get("transport", {})}
+        tree["state"] = {"redis_url": redis_url, **tree.get("state", {})}
+        tree.setdefault("store", {"url": f"file://{tmp_path}/store"})
+        tree["data"] = {"dir": str(data_dir), **tree["data"]}
+        tree["run"] = {"dir": str(tmp_path / "runs"), **tree["run"]}
+        return build_config(tree)
+    return make

@@ -1,0 +1,46 @@
+import pytest
+
+from diloco.config import ConfigError, build_config, load_config
+
+
+def test_defaults_and_the_demo_config_load(tmp_path):
+    cfg = load_config("configs/local.yaml")
+    assert cfg.num_learners == 4 and cfg.learner_ids() == ["us-0", "us-1", "eu-0", "eu-1"]
+    assert load_config(None).fragments.quantization == "int8"
+
+
+def test_overrides_are_typed_and_reach_lists():
+    cfg = load_config("configs/local.yaml", ["inner.steps=50", "regions.1.speed=0.5", "fragments.quantization=bf16"])
+    assert cfg.inner.steps == 50 and cfg.regions[1].speed == 0.5 and cfg.fragments.quantization == "bf16"
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("inner.stpes=3", "inner.stpes", "unknown key"),
+    ("fragments.quantization=fp4", "fragments.quantization", "must be one of"),
+    ("syncer.quorum=9", "syncer.quorum", "exceeds the number of learners"),
+    ("inner.steps=-1", "inner.steps", "greater than or equal to 1"),
+    ("store.url=s3://x", "store.url", "should match pattern"),
+    ("model.n_heads=3", "n_heads", "divisible"),
+])
+def test_bad_values_name_the_key(override, key, words):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/local.yaml", [override])
+    assert key in str(err.value) and words in str(err.value)
+
+
+def test_malformed_overrides_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, ["inner.steps"])
+    with pytest.raises(ConfigError, match="not an index"):
+        load_config(None, ["regions.7.speed=1"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("inner: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_duplicate_region_names_are_refused():
+    with pytest.raises(ConfigError, match="unique"):
+        build_config({"regions": [{"name": "a"}, {"name": "a"}]})

@@ -1,0 +1,33 @@
+import math
+
+import pytest
+
+from diloco.config import ModelConfig
+from diloco.fragments import fragments_due, plan_fragments, sync_offset
+from diloco.learners.model import init_params
+
+
+def test_plan_covers_every_tensor_once_and_is_balanced():
+    shapes = {k: v.shape for k, v in init_params(ModelConfig(n_layers=4)).items()}
+    plan = plan_fragments(shapes, 4)
+    names = [n for frag in plan for n in frag]
+    assert sorted(names) == sorted(shapes) and len(names) == len(set(names))
+    sizes = [sum(math.prod(shapes[n]) for n in frag) for frag in plan]
+    assert max(sizes) / min(sizes) < 1.25
+    assert plan == plan_fragments(dict(reversed(list(shapes.items()))), 4)  # order-independent
+
+
+def test_too_many_fragments_is_an_error():
+    with pytest.raises(ValueError, match="only 2 tensors"):
+        plan_fragments({"a": (2,), "b": (3,)}, 3)
+
+
+def test_each_fragment_syncs_every_h_steps_staggered():
+    P, H = 4, 40
+    due = {p: [s for s in range(1, 201) if p in fragments_due(s, P, H)] for p in range(P)}
+    for p, steps in due.items():
+        assert len(steps) == 5 and all(b - a == H for a, b in zip(steps, steps[1:]))
+    firsts = sorted(steps[0] for steps in due.values())
+    assert firsts == [10, 20, 30, 40]                     # spread over the period
+    assert all(len(fragments_due(s, P, H)) <= 1 for s in range(1, 201))  # about one in flight at a time
+    assert sync_offset(0, 1, 5) == 5 % 5 or sync_offset(0, 1, 5) == 5

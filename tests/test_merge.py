@@ -1,0 +1,88 @@
+import jax
+import numpy as np
+import optax
+import pytest
+
+from diloco.syncer import merge
+
+
+def test_rda_keeps_norm_of_near_orthogonal_deltas_where_mean_shrinks():
+    rng = np.random.default_rng(0)
+    m, dim = 8, 20_000
+    deltas = [rng.normal(size=dim).astype(np.float32) for _ in range(m)]  # near-orthogonal in high dim
+    w = np.full(m, 1 / m)
+    mean_norm = np.mean([np.linalg.norm(d) for d in deltas])
+    assert np.linalg.norm(merge.rda(deltas, w)) == pytest.approx(mean_norm, rel=1e-4)
+    assert np.linalg.norm(merge.weighted_mean(deltas, w)) == pytest.approx(mean_norm / np.sqrt(m), rel=0.05)
+
+
+def test_rda_of_identical_deltas_is_that_delta_and_points_along_the_mean():
+    d = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_allclose(merge.rda([d, d, d], np.array([0.2, 0.3, 0.5])), d, rtol=1e-5)
+    a, b = np.array([3.0, 0.0], np.float32), np.array([0.0, 1.0], np.float32)
+    out = merge.rda([a, b], np.array([0.5, 0.5]))
+    assert np.linalg.norm(out) == pytest.approx(2.0)            # mean of norms 3 and 1
+    np.testing.assert_allclose(out / np.linalg.norm(out), [np.sqrt(0.5)] * 2, rtol=1e-6)  # mean of unit vectors
+
+
+def test_rda_of_cancelling_deltas_is_zero():
+    a = np.ones(5, np.float32)
+    assert np.all(merge.rda([a, -a], np.array([0.5, 0.5])) == 0)
+
+
+def test_token_weights_favour_learners_with_more_tokens_per_step():
+    w = merge.token_weights([1000, 1000, 500], [10, 20, 10])
+    raw = np.array([1000 * 100, 1000 * 50, 500 * 50], float)
+    np.testing.assert_allclose(w, raw / raw.sum())
+    assert w.sum() == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        merge.token_weights([10, 0], [1, 1])
+
+
+def test_merge_deltas_uses_mean_for_named_tensors():
+    rng = np.random.default_rng(1)
+    cs = [{"emb": rng.normal(size=(4, 3)).astype(np.float32), "w": rng.normal(size=50).astype(np.float32)} for _ in range(3)]
+    w = np.array([0.5, 0.25, 0.25])
+    out = merge.merge_deltas(cs, w, mean_names=("emb",))
+    np.testing.assert_allclose(out["emb"], sum(wi * c["emb"] for wi, c in zip(w, cs)), rtol=1e-5)
+    np.testing.assert_allclose(out["w"], merge.rda([c["w"] for c in cs], w), rtol=1e-6)
+
+
+def test_outer_step_is_nesterov_sgd_by_hand():
+    lr, mu = 0.7, 0.9
+    opt = merge.outer_optimizer(lr, mu, True)
+    params = {"a": np.array([1.0, -2.0], np.float32)}
+    state = opt.init(params)
+    buf = np.zeros(2)
+    p = params["a"].astype(np.float64)
+    for g in ([0.1, 0.2], [0.3, -0.1], [-0.2, 0.05]):
+        g = np.array(g, np.float32)
+        params, state = merge.outer_step(opt, params, state, {"a": g})
+        buf = mu * buf + g
+        p = p - lr * (g + mu * buf)
+        np.testing.assert_allclose(params["a"], p, rtol=1e-5)
+
+
+def test_optimizer_state_round_trips_through_named_arrays():
+    opt = merge.outer_optimizer(0.7, 0.9, True)
+    params = {"layer0.w": np.ones((2, 3), np.float32), "ln": np.ones(3, np.float32)}
+    _, state = merge.outer_step(opt, params, opt.init(params), {k: v * 0.5 for k, v in params.items()})
+    named = merge.flatten_state(state)
+    assert set(named) == {"0.trace.layer0.w", "0.trace.ln"}
+    back = merge.unflatten_state(opt.init(params), named)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: np.array_equal(a, b), back, state))
+    with pytest.raises(KeyError):
+        merge.unflatten_state(opt.init(params), {"0.trace.ln": named["0.trace.ln"]})
+
+
+def test_outer_step_matches_optax_under_jit():
+    opt = merge.outer_optimizer(0.5, 0.8, True)
+    params = {"x": np.linspace(-1, 1, 7).astype(np.float32)}
+    delta = {"x": np.full(7, 0.1, np.float32)}
+    ours, _ = merge.outer_step(opt, params, opt.init(params), delta)
+
+    @jax.jit
+    def ref(p, d):
+        u, _ = opt.update(d, opt.init(p), p)
+        return optax.apply_updates(p, u)
+    np.testing.assert_allclose(ours["x"], np.asarray(ref(params, delta)["x"]), rtol=1e-6)

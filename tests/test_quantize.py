@@ -1,0 +1,53 @@
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from diloco import quantize
+
+shapes = st.lists(st.integers(1, 17), min_size=1, max_size=3).map(tuple)
+finite = st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays(np.float32, shapes, elements=finite))
+def test_fp32_is_exact(x):
+    np.testing.assert_array_equal(quantize.decode(quantize.encode(x, "fp32"), x.shape, "fp32"), x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays(np.float32, shapes, elements=finite))
+def test_bf16_relative_error_is_at_most_half_an_ulp(x):
+    y = quantize.decode(quantize.encode(x, "bf16"), x.shape, "bf16")
+    assert np.all(np.abs(y - x) <= np.abs(x) * 2.0 ** -8 + 1e-38)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays(np.float32, shapes, elements=finite))
+def test_int8_error_is_at_most_half_a_step_of_its_row(x):
+    y = quantize.decode(quantize.encode(x, "int8"), x.shape, "int8")
+    rows = x.reshape(-1, x.shape[-1])
+    step = np.abs(rows).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(y.reshape(rows.shape) - rows) <= step / 2 * (1 + 1e-5) + 1e-30)
+
+
+def test_sizes_shrink_as_promised():
+    x = np.ones((64, 32), np.float32)
+    sizes = {s: len(quantize.encode(x, s)) for s in quantize.SCHEMES}
+    assert sizes == {"fp32": 8192, "bf16": 4096, "int8": 64 * 4 + 2048}
+    assert all(quantize.encoded_nbytes(x.shape, s) == n for s, n in sizes.items())
+
+
+def test_bf16_matches_ml_dtypes_rounding():
+    x = np.array([1.0 + 2 ** -9, 3.14159, -2.5e-3], np.float32)
+    np.testing.assert_array_equal(quantize.decode(quantize.encode(x, "bf16"), x.shape, "bf16"),
+                                  x.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_wrong_length_and_unknown_scheme_are_errors():
+    with pytest.raises(quantize.CodecError, match="needs 16 bytes"):
+        quantize.decode(b"\0" * 15, (4,), "fp32")
+    with pytest.raises(quantize.CodecError, match="unknown"):
+        quantize.encode(np.ones(3), "fp4")

@@ -1,0 +1,95 @@
+"""The goodput simulator against what can be worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from diloco.sim.goodput import (SCHEMES, YEAR_S, Cluster, Diloco, best_checkpoint_interval, dp_goodput,
+                                simulate)
+
+
+def steady(**kw) -> Cluster:
+    """No failures, no jitter: whatever is lost comes from the configured overheads alone."""
+    return Cluster(**{"chips": 8192, "mtbi_years": math.inf, "step_cv": 0.0, "hours": 1.0, **kw})
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_no_failures_is_full_goodput(scheme):
+    assert simulate(scheme, steady()).goodput == pytest.approx(1.0, abs=1e-12)
+
+
+def test_no_failures_loses_only_the_configured_overheads():
+    # a merge that takes longer than the overlap hides makes every learner wait the difference:
+    # 50 steps of 2 s, then 10 s of waiting; 1.1 h is exactly 36 such rounds
+    setup = Diloco(learners=4, sync_every=50, overlap_steps=0, sync_s=10.0)
+    assert simulate("diloco", steady(hours=1.1), setup).goodput == pytest.approx(100 / 110, abs=1e-12)
+    # a synchronous step waits for its slowest slice: the mean of the Gumbel maximum, exactly for dp
+    c = steady(step_cv=0.05)
+    pace = c.step_s / c.mean_step_s(c.slices())
+    assert pace < 0.97
+    assert simulate("dp", c).goodput == pytest.approx(pace, abs=1e-12)
+    assert simulate("elastic-dp", c).goodput == pytest.approx(pace, abs=2e-3)
+
+
+def test_dp_matches_the_closed_form():
+    for checkpoint_s in (1.0, 0.0):
+        c = Cluster(chips=1_200_000, step_cv=0.0, checkpoint_s=checkpoint_s, hours=24 * 10)
+        rate, restart = c.chips / (c.mtbi_years * YEAR_S), c.recovery_s + c.reconfig_s
+        expected = dp_goodput(rate, restart, checkpoint_s, best_checkpoint_interval(rate, restart, checkpoint_s))
+        r = simulate("dp", c)
+        assert r.failures == pytest.approx(rate * c.horizon_s / (1 + rate * restart), rel=0.03)
+        assert r.goodput == pytest.approx(expected, abs=0.01)  # ~13k failures: a few standard errors
+    assert dp_goodput(rate, restart, 0.0, 0.0) == pytest.approx(1 / (1 + rate * restart))
+
+
+def test_checkpoint_interval_is_young_daly_when_failures_are_rare():
+    rate, checkpoint_s = 1e-6, 60.0
+    assert best_checkpoint_interval(rate, 600.0, checkpoint_s) == pytest.approx(
+        math.sqrt(2 * checkpoint_s / rate), rel=0.03)
+
+
+def test_diloco_with_full_quorum_and_no_grace_is_synchronous():
+    # two learners of 8 slices against one elastic job of 16; failures rare enough not to overlap much
+    c = Cluster(chips=16384, slice_chips=1024, mtbi_years=0.1, step_cv=0.0, hours=24.0)
+    sync = Diloco(learners=2, quorum=2, grace_max_s=0.0, overlap_steps=0, sync_s=0.0)
+    full = simulate("diloco", c, sync)
+    elastic = simulate("elastic-dp", c)
+    assert full.failures > 300 and full.late == 0  # every round waited for every learner
+    assert full.goodput == pytest.approx(elastic.goodput, abs=0.02)
+    # the same learners with K = 1 lose only their own pauses
+    assert simulate("diloco", c, Diloco(learners=2, quorum=1, grace_max_s=0.0, overlap_steps=0,
+                                         sync_s=0.0)).goodput > full.goodput + 0.02
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_seed_reproduces_its_run(scheme):
+    c = Cluster(chips=200_000, hours=2.0)
+    assert simulate(scheme, c, seed=3) == simulate(scheme, c, seed=3)
+    assert simulate(scheme, c, seed=3) != simulate(scheme, c, seed=4)
+
+
+def test_cli_json_rows(tmp_path):
+    from diloco.cli import app
+
+    plot = tmp_path / "goodput.png"
+    out = CliRunner().invoke(app, ["simulate", "goodput", "--chips", "4096,65536", "--hours", "1", "--json",
+                                   "--workers", "2", "--plot", str(plot)])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    assert [(r["scheme"], r["chips"]) for r in rows] == [(s, n) for n in (4096, 65536) for s in SCHEMES]
+    for r in rows:
+        assert set(r) == {"scheme", "chips", "learners", "quorum", "goodput"}
+        assert 0.0 < r["goodput"] <= 1.0
+    assert [(r["learners"], r["quorum"]) for r in rows if r["scheme"] == "diloco"] == [(8, 4), (8, 4)]
+    assert plot.stat().st_size > 0
+
+
+def test_cli_rejects_an_unknown_scheme():
+    from diloco.cli import app
+
+    out = CliRunner().invoke(app, ["simulate", "goodput", "--schemes", "dp,ring", "--hours", "1"])
+    assert out.exit_code == 2 and "ring" in out.output

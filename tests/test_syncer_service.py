@@ -1,0 +1,174 @@
+"""The syncer in-process against the real broker, Redis and TensorStore, fed crafted contributions."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from diloco import messages
+from diloco.infra import kafka as kafka_io
+from diloco.infra.store import FragmentStore
+from diloco.syncer import merge as merge_math
+from diloco.syncer import state as state_mod
+from diloco.syncer.syncer import Syncer, fragment_plan, provision
+
+pytestmark = pytest.mark.integration
+
+
+class Harness:
+    def __init__(self, cfg, run_id):
+        self.cfg, self.run_id = cfg, run_id
+        self.state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
+        self.store = FragmentStore(cfg.store.url, run_id)
+        self.producer = kafka_io.producer(cfg.transport)
+        provision(cfg, run_id, state=self.state, store=self.store, producer=self.producer)
+        self.topics = kafka_io.Topics.for_run(cfg, run_id)
+        self.params, self.plan = fragment_plan(cfg)
+        self.sent = {}
+        self.syncer = self.new_syncer()
+
+    def new_syncer(self):
+        s = Syncer(self.cfg, self.run_id, state=self.state, store=self.store, producer=self.producer,
+                   consumer=kafka_io.consumer(self.cfg.transport))
+        s.start()
+        return s
+
+    def deltas(self, fragment, scale=0.01, seed=0):
+        rng = np.random.default_rng(seed)
+        return {n: (scale * rng.normal(size=self.params[n].shape)).astype(np.float32) for n in self.plan[fragment]}
+
+    def publish(self, learner="us-0", fragment=0, base_version=0, deltas=None, tokens=512, steps=2, scheme="fp32",
+                region=None, run=None, frames_filter=None):
+        m, frames = messages.encode_contribution(
+            run=run or self.run_id, learner=learner, region=region or learner.split("-")[0], fragment=fragment,
+            base_version=base_version, tokens=tokens, steps=steps, step_time=0.01,
+            deltas=self.deltas(fragment) if deltas is None else deltas, scheme=scheme, chunk_bytes=2048)
+        self.sent[m.id] = (region or learner.split("-")[0], fragment, frames)
+        for f in (frames_filter(frames) if frames_filter else frames):
+            self.producer.send(self.topics.fragments[region or learner.split("-")[0]], f,
+                               partition=self.topics.partition_of(fragment))
+        self.producer.flush()
+        return m
+
+    def resend(self, cid):
+        region, fragment, frames = self.sent[cid]
+        for f in frames:
+            self.producer.send(self.topics.fragments[region], f, partition=self.topics.partition_of(fragment))
+        self.producer.flush()
+        return len(frames)
+
+    def raw(self, region, value, partition=0):
+        self.producer.send(self.topics.fragments[region], value, partition=partition)
+        self.producer.flush()
+
+    def pump(self, until, timeout=20.0):
+        deadline = time.time() + timeout
+        while not until():
+            assert time.time() < deadline, "syncer did not get there in time"
+            self.syncer.step()
+
+    def events(self):
+        recs = kafka_io.read_to_end(self.cfg.transport, kafka_io.partitions_of(self.topics.events, 1))
+        return [messages.parse_event(r.value) for r in recs]
+
+
+@pytest.fixture
+def harness(tiny_config, request):
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 1, "norm_outlier_factor": 0})
+    h = Harness(cfg, f"svc-{request.node.name[:30].replace('_', '-')}-{time.time_ns() % 10**6}")
+    yield h
+    h.producer.close()
+
+
+def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
+    h = harness
+    d0, d1 = h.deltas(0, seed=1), h.deltas(0, seed=2)
+    a = h.publish("us-0", 0, deltas=d0, tokens=1000, steps=4)
+    h.pump(lambda: h.state.counters().get("accepted") == 1)
+    assert h.state.versions()[0] == 0                      # below quorum: waits
+    b = h.publish("eu-1", 0, deltas=d1, tokens=500, steps=4)
+    h.pump(lambda: h.state.versions()[0] == 1)
+
+    w = merge_math.token_weights([1000, 500], [4, 4])
+    v0 = h.store.read(0, 0)
+    opt = merge_math.outer_optimizer(h.cfg.outer.lr, h.cfg.outer.momentum, h.cfg.outer.nesterov)
+    merged = merge_math.merge_deltas([d0, d1], w, h.cfg.syncer.mean_merge_tensors)
+    expect, _ = merge_math.outer_step(opt, v0.params, opt.init(v0.params), merged)
+    got = h.store.read(0, 1)
+    for n in expect:
+        np.testing.assert_allclose(got.params[n], expect[n], rtol=1e-5, atol=1e-7)
+    assert got.meta["ids"] == [a.id, b.id] and got.meta["tokens"] == 1500
+    assert h.store.versions(0) == [0, 1]
+    merges = [e for e in h.events() if e["kind"] == "merge"]
+    assert [(e["fragment"], e["version"], e["ids"]) for e in merges] == [(0, 1, [a.id, b.id])]
+    announced = kafka_io.read_to_end(h.cfg.transport, kafka_io.partitions_of(h.topics.outer, 1))
+    assert {"fragment": 0, "version": 1} in [{k: messages.parse_event(r.value)[k] for k in ("fragment", "version")}
+                                              for r in announced]
+
+
+def test_bad_contributions_are_rejected_with_reasons_and_the_syncer_carries_on(harness):
+    h = harness
+    frag_shape_wrong = {n: np.zeros((3, 3), np.float32) for n in h.plan[1]}
+    nan = h.deltas(2)
+    nan[next(iter(nan))].flat[0] = np.nan
+    h.raw("us", b"garbage that is not a frame")
+    h.publish("us-0", 1, deltas=frag_shape_wrong)
+    h.publish("us-0", 2, deltas=nan)
+    h.publish("xx-9", 0, region="us")                                      # unknown learner
+    h.publish("us-0", 0, run="another-run")
+    h.publish("us-0", 3, base_version=5)                                   # from the future
+    h.publish("us-1", 3, frames_filter=lambda fs: fs[:1] + [fs[1][:-1] + b"!"] + fs[2:])  # corrupted chunk
+    h.pump(lambda: h.state.counters().get("rejected_records", 0) + h.state.counters().get("rejected", 0) >= 7)
+    c = h.state.counters()
+    assert {k: v for k, v in c.items() if k.startswith("rejected:")} == {
+        "rejected:malformed": 1, "rejected:wrong_shape": 1, "rejected:non_finite": 1, "rejected:unknown_learner": 1,
+        "rejected:wrong_run": 1, "rejected:future_version": 1, "rejected:checksum": 1}
+    reasons = {e["reason"]: e for e in h.events() if e["kind"] == "contribution_rejected"}
+    assert reasons["malformed"]["where"]["offset"] == 0 and "not a diloco frame" in reasons["malformed"]["detail"]
+    assert "non-finite" in reasons["non_finite"]["detail"]
+    # still healthy: a good round merges afterwards
+    h.publish("us-0", 0)
+    h.publish("eu-0", 0)
+    h.pump(lambda: h.state.versions()[0] == 1)
+    assert h.state.versions() == {0: 1, 1: 0, 2: 0, 3: 0}
+
+
+def test_stale_and_late_contributions(harness):
+    h = harness
+    h.publish("us-0", 0)
+    h.publish("us-1", 0)
+    h.pump(lambda: h.state.versions()[0] == 1)
+    h.publish("eu-0", 0)
+    h.publish("eu-1", 0, base_version=1)
+    h.pump(lambda: h.state.versions()[0] == 2)                # base 0 at version 1: late, but merged
+    assert h.state.counters()["late"] == 1
+    h.publish("us-0", 0, base_version=0)                      # now 2 versions behind, max_staleness 1
+    h.pump(lambda: h.state.counters().get("rejected:stale") == 1)
+
+
+def test_replayed_records_are_not_applied_twice_after_restart(harness):
+    h = harness
+    a = h.publish("us-0", 0)
+    b = h.publish("us-1", 0)
+    h.pump(lambda: h.state.versions()[0] == 1)
+    c = h.publish("eu-0", 1)                                  # pending in fragment 1's round
+    h.pump(lambda: h.state.counters().get("accepted") == 3)
+    h.syncer.save_offsets(force=True)
+    h.syncer.consumer.close()
+
+    # The broker redelivers everything (as after a restart of an in-memory broker).
+    for m_id in (a.id, b.id):
+        assert h.state.snapshot(4).status[m_id].startswith("applied")
+    h.syncer = h.new_syncer()
+    assert h.syncer.fragments[1].round[c.id].deltas is None   # known from Redis, payload replays from Kafka
+    again = h.publish("eu-1", 1)
+    h.pump(lambda: h.state.versions()[1] == 1)
+    assert h.store.read(1, 1).meta["ids"] == [c.id, again.id]
+    before = h.state.counters().get("duplicate_records", 0)
+    n = h.resend(a.id) + h.resend(c.id)                       # the very same records again
+    h.pump(lambda: h.state.counters().get("duplicate_records", 0) == before + n)
+    ids = [cid for m in h.state.merges() for cid in m["ids"]]
+    assert len(ids) == len(set(ids)) == 4
+    assert h.state.counters()["applied"] == 4
