@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 
 from diloco.config import Config, ConfigError, load_config
+from diloco.ops.cli import ckpt_app
+from diloco.ops.cli import topics as topics_cmd
 from diloco.pipelines.cli import PASS_THROUGH, data_app
 from diloco.pipelines.cli import report as report_cmd
 from diloco.sim.cli import app as simulate_app
@@ -25,6 +27,8 @@ infra = typer.Typer(help="Start, stop and probe the local service stack (Kafka-p
 app.add_typer(infra, name="infra")
 app.add_typer(simulate_app, name="simulate", help="Simulate goodput of training schemes at datacenter scale.")
 app.add_typer(data_app, name="data", help="Prepare token shards with the Beam corpus pipeline.")
+app.add_typer(ckpt_app, name="ckpt", help="Inspect, compare and export the checkpoints a run wrote to TensorStore.")
+app.command("topics")(topics_cmd)
 app.command("report", context_settings=PASS_THROUGH)(report_cmd)
 console = Console(stderr=True)
 
@@ -42,15 +46,26 @@ def _config(path: Optional[Path], overrides: Optional[list[str]]) -> Config:
 
 
 @infra.command("up")
-def infra_up(config: ConfigOpt = None, set_: SetOpt = None, state_dir: StateDir = Path(".diloco/services")):
-    """Start the broker (Tansu, in-memory) and Redis (append-only file) on the config's ports, unless they answer."""
+def infra_up(config: ConfigOpt = None, set_: SetOpt = None, state_dir: StateDir = Path(".diloco/services"),
+             durable: Annotated[bool, typer.Option(help="broker on the s3 engine (local moto S3): survives restarts")] = False,
+             s3_port: Annotated[int, typer.Option(help="port of the local S3 for --durable")] = 9000):
+    """Start the broker (Tansu) and Redis (append-only file, fsync always) on the config's ports, unless they answer.
+
+    With state.password_env set, Redis requires that password (read from the environment).
+    """
+    from diloco.config import resolve_secret
     from diloco.infra import services
 
     cfg = _config(config, set_)
+    password = resolve_secret(cfg.state.password_env, "state.password_env")
+    if durable and not services.port_open(s3_port):
+        services.start_s3(state_dir, s3_port)
+        console.print(f"s3: started on 127.0.0.1:{s3_port} (moto, bucket {services.S3_BUCKET})")
+    starters = {"kafka": lambda d, p: services.start_broker(d, p, s3_port if durable else None),
+                "redis": lambda d, p: services.start_redis(d, p, password)}
     host, kport = services.host_port(cfg.transport.bootstrap_servers.split(",")[0], 9092)
-    rhost, rport = services.host_port(cfg.state.redis_url.split("://", 1)[1].split("/")[0].split("@")[-1], 6379)
-    for name, h, port, start in (("kafka", host, kport, services.start_broker),
-                                 ("redis", rhost, rport, services.start_redis)):
+    rhost, rport = services.host_port(cfg.state.redis_url.split("://", 1)[1].split("/")[0], 6379)
+    for name, h, port, start in (("kafka", host, kport, starters["kafka"]), ("redis", rhost, rport, starters["redis"])):
         if services.port_open(port, h):
             console.print(f"{name}: already answering on {h}:{port}")
         elif h not in ("127.0.0.1", "localhost"):
@@ -70,7 +85,7 @@ def infra_down(state_dir: StateDir = Path(".diloco/services")):
     """Stop the services that `infra up` started."""
     from diloco.infra import services
 
-    for name in ("kafka", "redis", "gcs"):
+    for name in ("kafka", "redis", "gcs", "s3"):
         if services.stop(name, state_dir):
             console.print(f"{name}: stopped")
 
@@ -92,7 +107,7 @@ def infra_status(config: ConfigOpt = None, set_: SetOpt = None):
         console.print(f"kafka: [red]down[/] ({err})")
     try:
         state_mod.connect(cfg.state, timeout_s=3)
-        console.print(f"redis: up at {state_mod._redact(cfg.state.redis_url)}")
+        console.print(f"redis: up at {cfg.state.redis_url}")
     except state_mod.StateError as err:
         ok = False
         console.print(f"redis: [red]down[/] ({err})")
@@ -109,17 +124,34 @@ def train(config: ConfigOpt = None, set_: SetOpt = None,
     Needs the broker and Redis (`diloco infra up`). Prepares the default corpus (the Python standard
     library's sources) unless data.corpus names files.
     """
+    _run(_config(config, set_), summary_json, progress, with_chaos=False)
+
+
+@app.command()
+def chaos(config: ConfigOpt = None, set_: SetOpt = None,
+          summary_json: Annotated[Optional[Path], typer.Option(help="also write the summary here as JSON")] = None,
+          progress: Annotated[bool, typer.Option(help="live progress table (off: a line every 10 s)")] = True):
+    """A training run with seeded failures: kills learners and the syncer (config section `chaos`) and
+    reports goodput next to what a synchronous run would keep under the same failures."""
+    summary = _run(_config(config, set_), summary_json, progress, with_chaos=True)
+    console.print(f"goodput {100 * summary['goodput']:.1f}% (synchronous run under the same failures: "
+                  f"{100 * summary['goodput_sync_equivalent']:.1f}%); kills {summary['kills']}, "
+                  f"restarts {summary['restarts']}")
+
+
+def _run(cfg: Config, summary_json: Optional[Path], progress: bool, *, with_chaos: bool) -> dict:
     from diloco.run import RunError
     from diloco.run import train as run_train
 
-    cfg = _config(config, set_)
     try:
-        summary = run_train(cfg, summary_json=summary_json, progress=progress and sys.stderr.isatty(), console=console)
+        summary = run_train(cfg, summary_json=summary_json, progress=progress and sys.stderr.isatty(),
+                            console=console, with_chaos=with_chaos)
     except (RunError, ConnectionError, RuntimeError, ValueError) as err:
         console.print(f"[red]run failed:[/] {err}")
         raise typer.Exit(1) from None
     if summary["contributions"]["applied_twice"]:
         raise typer.Exit(3)
+    return summary
 
 
 @app.command()
@@ -141,6 +173,7 @@ def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run'
 def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run's config (with run.id)")],
             learner_id: Annotated[str, typer.Option("--learner", help="learner id, <region>-<index>")],
             corpus: Annotated[Path, typer.Option(help="prepared corpus directory")],
+            start_step: Annotated[int, typer.Option(help="resume at this inner step (after a crash)")] = 0,
             set_: SetOpt = None):
     """Run one learner of an existing run to the end of its inner steps."""
     from diloco import logs
@@ -156,7 +189,7 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
         console.print(f"[red]error:[/] {err}")
         raise typer.Exit(2) from None
     logs.setup(f"learner:{learner_id}")
-    learner_main(cfg, cfg.run.id, learner_id, str(corpus))
+    learner_main(cfg, cfg.run.id, learner_id, str(corpus), start_step)
 
 
 def main() -> None:

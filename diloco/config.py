@@ -6,6 +6,7 @@ load time with the dotted key and what is allowed.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -56,6 +57,7 @@ class RegionConfig(_Section):
 
 class InnerConfig(_Section):
     steps: int = Field(600, ge=1)
+    max_seconds: float | None = Field(None, gt=0, description="also stop after this much training time (mixed-speed runs)")
     batch_size: int = Field(8, ge=1)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(50, ge=0)
@@ -89,6 +91,8 @@ class SyncerConfig(_Section):
     norm_outlier_factor: float = Field(0.0, ge=0, description="reject deltas this many times the round median; 0 = off")
     mean_merge_tensors: tuple[str, ...] = Field(("tok_embed", "pos_embed"), description="plain mean instead of RDA")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
+    silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
+    drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")
     poll_ms: int = Field(100, ge=1)
 
 
@@ -99,14 +103,17 @@ class TransportConfig(_Section):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: str | None = None
     sasl_username: str | None = None
-    sasl_password: str | None = None
+    sasl_password_env: str | None = Field(None, description="name of the env var holding the SASL password")
     ssl_cafile: str | None = None
     max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)
 
 
 class StateConfig(_Section):
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field("redis://127.0.0.1:6379/0", pattern=r"^rediss?://[^@]+$",
+                           description="no credentials here: use username / password_env")
     key_prefix: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]+$")
+    username: str | None = Field(None, description="Redis ACL user")
+    password_env: str | None = Field(None, description="name of the env var holding the Redis password")
 
 
 class StoreConfig(_Section):
@@ -122,6 +129,17 @@ class RunConfig(_Section):
     eval_batch_size: int = Field(16, ge=1)
     timeout_s: float = Field(1800.0, gt=0)
     threads_per_process: int = Field(1, ge=1)
+    max_restarts: int = Field(3, ge=0, description="restarts of a failed learner or syncer before the run fails")
+    restart_backoff_s: float = Field(1.0, ge=0, description="first restart delay; doubles per restart of a process")
+
+
+class ChaosConfig(_Section):
+    """Seeded fault injection for `diloco chaos`: kill processes mid-run and let the run heal."""
+    seed: int = 0
+    learner_kills: int = Field(1, ge=0, description="SIGKILLs per learner")
+    syncer_kills: int = Field(1, ge=0)
+    window: tuple[float, float] = Field((0.15, 0.75), description="kills happen in this share of the inner steps")
+    restart_after_s: float = Field(2.0, ge=0, description="downtime before a killed process is restarted")
 
 
 class Config(_Section):
@@ -136,6 +154,7 @@ class Config(_Section):
     transport: TransportConfig = TransportConfig()
     state: StateConfig = StateConfig()
     store: StoreConfig = StoreConfig()
+    chaos: ChaosConfig = ChaosConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -161,6 +180,16 @@ class Config(_Section):
             if learner_id.startswith(region.name + "-") and learner_id in self.learner_ids():
                 return region
         raise ConfigError(f"unknown learner {learner_id!r}; this run has {self.learner_ids()}")
+
+
+def resolve_secret(env_var: str | None, key: str) -> str | None:
+    """A secret from the environment variable the config names: configs, logs and events never hold it."""
+    if env_var is None:
+        return None
+    value = os.environ.get(env_var)
+    if value is None:
+        raise ConfigError(f"{key} names ${env_var}, which is not set in the environment")
+    return value
 
 
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:

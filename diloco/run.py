@@ -9,8 +9,6 @@ import math
 import os
 import secrets
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +19,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from diloco import messages
+from diloco import chaos, messages
 from diloco.config import Config, dump_config
 from diloco.infra import kafka as kafka_io
+from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
-from diloco.learners.data import Corpus, ensure_corpus, eval_batches
+from diloco.learners.data import ensure_corpus, eval_batches
 from diloco.learners.model import evaluate
 from diloco.syncer import state as state_mod
 from diloco.syncer.syncer import fragment_plan, provision
@@ -67,6 +66,8 @@ class Progress:
         if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
             return
         self.eids.add(ev.get("eid"))
+        if ev["kind"] == "heartbeat" and ev.get("step", 0) < self.learners.get(ev["learner"], {}).get("step", 0):
+            return  # a late beat of a killed incarnation: the restarted one resumed further on
         kind = ev["kind"]
         self.kinds_seen.add(kind)
         if kind == "heartbeat":
@@ -93,7 +94,7 @@ def progress_table(cfg: Config, prog: Progress, run_id: str, elapsed: float) -> 
         if hb is None:
             t.add_row(lid, "-", "-", "-", "-", "-", "starting")
             continue
-        t.add_row(lid, f"{hb['step']}/{cfg.inner.steps}", f"{hb['tokens']:,}", f"{hb['loss']:.3f}",
+        t.add_row(lid, f"{hb['step']}/{cfg.inner.steps}", f"{hb['tokens']:,}", _loss(hb),
                   f"{1000 * hb['step_time']:.0f}", f"{hb['published']} ({hb['bytes_sent'] / 1e6:.2f} MB)", hb["state"])
     versions = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
     rej = ", ".join(f"{k} {v}" for k, v in sorted(prog.rejections.items())) or "none"
@@ -109,22 +110,9 @@ def _child_env(cfg: Config) -> dict:
     return {**os.environ, "XLA_FLAGS": flags.strip(), "OMP_NUM_THREADS": str(n), "PYTHONUNBUFFERED": "1"}
 
 
-def _spawn(argv: list[str], log: Path, env: dict) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "diloco", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)
-
-
-def _tail(path: Path, n: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
 def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool = True,
-          console: Console | None = None) -> dict:
+          console: Console | None = None, with_chaos: bool = False) -> dict:
+    """Run to the end and return the summary; with_chaos kills processes on the seeded schedule."""
     console = console or Console(stderr=True)
     t_start = time.time()
     run_id = new_run_id(cfg)
@@ -142,7 +130,6 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
                            seed=cfg.data.seed)
     console.print(f"corpus {corpus.dir}: {sum(s['tokens'] for s in corpus.manifest['shards']):,} train tokens "
                   f"in {corpus.num_shards} shards, {corpus.manifest['heldout']['tokens']:,} held out")
-
     store = FragmentStore(cfg.store.url, run_id)
     provision(cfg, run_id, state=state, store=store, producer=producer)
     producer.close()
@@ -155,25 +142,17 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     topics = kafka_io.Topics.for_run(cfg, run_id)
     events = kafka_io.consumer(cfg.transport)
     kafka_io.assign_from(events, {TopicPartition(topics.events, 0): 0})
-    env = _child_env(cfg)
-    logs = run_dir / "logs"
-    syncer = _spawn(["syncer", "--config", str(cfg_path)], logs / "syncer.log", env)
-    prog = Progress()
-    _wait_for_syncer(events, prog, syncer, logs, console)
-    learners = {lid: _spawn(["learner", "--config", str(cfg_path), "--learner", lid, "--corpus", str(corpus.dir)],
-                            logs / f"{lid}.log", env) for lid in cfg.learner_ids()}
+    jobs = LocalJobs(run_dir / "logs", _child_env(cfg))
+    run = LocalRun(cfg, cfg_path, corpus, jobs, events, console, chaos.schedule(cfg) if with_chaos else [])
     try:
-        _watch(cfg, run_id, events, prog, syncer, learners, logs, console, progress, t_start)
+        run.watch(progress, t_start)
     finally:
-        for proc in [*learners.values(), syncer]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        jobs.stop_all()
         events.close()
 
-    final_versions = state.versions()
-    eval_end = evaluate(load_global(cfg, store, final_versions), held, cfg.model)
-    summary = build_summary(cfg, run_id, state, prog, eval_start, eval_end, time.time() - t_start)
+    eval_end = evaluate(load_global(cfg, store, state.versions()), held, cfg.model)
+    summary = build_summary(cfg, run_id, state, run.prog, eval_start, eval_end, time.time() - t_start)
+    summary |= run.resilience(state)
     summary["run_dir"] = str(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if summary_json:
@@ -183,69 +162,188 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     return summary
 
 
-def _wait_for_syncer(events, prog: Progress, syncer, logs: Path, console, timeout_s: float = 180.0) -> None:
-    """Learners start once the syncer is consuming: deltas would only pile up in the topics before."""
-    deadline = time.time() + timeout_s
-    with console.status("starting the syncer"):
-        while not any(k == "syncer_started" for k in prog.kinds_seen):
-            if syncer.poll() is not None:
-                raise RunError(f"syncer exited with {syncer.returncode}:\n" + _tail(logs / "syncer.log"))
-            if time.time() > deadline:
-                raise RunError(f"syncer did not start within {timeout_s:.0f}s:\n" + _tail(logs / "syncer.log"))
-            for records in events.poll(timeout_ms=200).values():
-                for rec in records:
-                    if (ev := messages.parse_event(rec.value)):
-                        prog.apply(ev)
+class LocalRun:
+    """Watches a run's processes and events: restarts what fails, applies the chaos schedule, and
+    records the outages and compute time that goodput is computed from."""
 
+    def __init__(self, cfg: Config, cfg_path: Path, corpus, jobs: LocalJobs, events, console,
+                 kills: list[chaos.Kill]):
+        self.cfg, self.cfg_path, self.corpus, self.jobs, self.events = cfg, cfg_path, corpus, jobs, events
+        self.console, self.kills = console, list(kills)
+        self.prog = Progress()
+        self.finished: set[str] = set()
+        self.restart_at: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
+        self.kill_counts: dict[str, int] = {}
+        self.outages: list[list] = []          # [name, start, end or None]
+        self.compute: dict[tuple[str, str], dict] = {}   # (learner, incarnation) -> last heartbeat figures
+        self.tails_s: dict[str, float] = {}     # compute after a killed incarnation's last heartbeat
+        self.syncer_ready = False
+        self.first_beat: float | None = None
+        self.learners_done_at: float | None = None
 
-def _watch(cfg, run_id, events, prog: Progress, syncer, learners, logs: Path, console, progress: bool, t0: float):
-    deadline = t0 + cfg.run.timeout_s
-    stop_sent = False
-    last_line = 0.0
-    live = Live(progress_table(cfg, prog, run_id, 0), console=console, refresh_per_second=2) if progress else None
-    if live:
-        live.start()
-    try:
-        while True:
-            for records in events.poll(timeout_ms=250).values():
-                for rec in records:
-                    ev = messages.parse_event(rec.value)
-                    if ev:
-                        prog.apply(ev)
-            now = time.time()
-            if live:
-                live.update(progress_table(cfg, prog, run_id, now - t0))
-            elif now - last_line > 10:
-                lrn = " ".join(f"{k} step {v['step']} loss {v['loss']:.3f};" for k, v in sorted(prog.learners.items()))
-                vers = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
-                console.print(f"[{now - t0:4.0f}s] {lrn or 'learners starting;'} syncer {vers} merges {prog.merges} "
-                              f"accepted {prog.accepted} rejected {prog.rejected}", soft_wrap=True)
-                last_line = now
-            for lid, proc in learners.items():
-                if proc.poll() not in (None, 0):
-                    raise RunError(f"learner {lid} exited with {proc.returncode}; log {logs / (lid + '.log')}:\n"
-                                   + _tail(logs / f"{lid}.log"))
-            if syncer.poll() is not None and not stop_sent:
-                raise RunError(f"syncer exited with {syncer.returncode}; log {logs / 'syncer.log'}:\n"
-                               + _tail(logs / "syncer.log"))
-            if not stop_sent and all(p.poll() == 0 for p in learners.values()):
-                syncer.send_signal(signal.SIGTERM)  # drain, flush open rounds, exit
-                stop_sent = True
-                deadline = min(deadline, now + 120)
-            if stop_sent and syncer.poll() is not None:
-                if syncer.returncode != 0:
-                    raise RunError(f"syncer failed on stop ({syncer.returncode}):\n" + _tail(logs / "syncer.log"))
-                for records in events.poll(timeout_ms=500).values():  # the syncer's last events
-                    for rec in records:
-                        if (ev := messages.parse_event(rec.value)):
-                            prog.apply(ev)
-                return
-            if now > deadline:
-                raise RunError(f"run did not finish within run.timeout_s={cfg.run.timeout_s:.0f}s")
-    finally:
+    # --- processes -----------------------------------------------------------------------------
+    def start(self, name: str) -> None:
+        conf = ["--config", str(self.cfg_path)]
+        if name == "syncer":
+            self.syncer_ready = False
+            self.jobs.start(name, ["syncer", *conf])
+            return
+        step = self.prog.learners.get(name, {}).get("step", 0)  # resume where its heartbeats left off
+        self.jobs.start(name, ["learner", *conf, "--learner", name, "--corpus", str(self.corpus.dir),
+                               "--start-step", str(step)])
+
+    def _down(self, name: str, now: float, delay: float, why: str) -> None:
+        self.restart_at[name] = now + delay
+        self.outages.append([name, now, None])
+        self.console.print(f"[yellow]{name} {why}; restarting in {delay:.1f}s[/]")
+
+    def _kill(self, kill: chaos.Kill, now: float) -> None:
+        if kill.target != "syncer":
+            hb = self.prog.learners.get(kill.target, {})
+            key = (kill.target, hb.get("incarnation"))
+            if key in self.compute and hb.get("state") == "running":
+                # wall time since the beat's figures were taken: at least the compute it did since
+                self.tails_s[kill.target] = self.tails_s.get(kill.target, 0.0) + now - self.compute[key]["at"]
+        self.jobs.signal(kill.target, signal.SIGKILL)
+        self.jobs.wait(kill.target)
+        self.kill_counts[kill.target] = self.kill_counts.get(kill.target, 0) + 1
+        self._down(kill.target, now, self.cfg.chaos.restart_after_s, "killed by chaos (SIGKILL)")
+
+    def _progress_of(self, target: str) -> float:
+        steps = self.cfg.inner.steps
+        if target == "syncer":
+            return sum(self.prog.learners.get(lid, {}).get("step", 0) for lid in self.cfg.learner_ids()) / (
+                steps * self.cfg.num_learners)
+        return self.prog.learners.get(target, {}).get("step", 0) / steps
+
+    # --- events --------------------------------------------------------------------------------
+    def _pump(self, timeout_ms: int = 250) -> None:
+        for records in self.events.poll(timeout_ms=timeout_ms).values():
+            for rec in records:
+                ev = messages.parse_event(rec.value)
+                if not ev or ev.get("eid") in self.prog.eids:
+                    continue
+                self.prog.apply(ev)
+                if ev["kind"] == "heartbeat":
+                    self.first_beat = self.first_beat or time.time()
+                    self.compute[(ev["learner"], ev.get("incarnation"))] = {"compute_s": ev.get("compute_s", 0.0),
+                                                                             "at": ev.get("at", ev["time"])}
+                    self._close_outage(ev["learner"])
+                elif ev["kind"] == "syncer_started":
+                    self.syncer_ready = True
+                    self._close_outage("syncer")
+
+    def _close_outage(self, name: str) -> None:
+        for o in self.outages:
+            if o[0] == name and o[2] is None and name not in self.restart_at:
+                o[2] = time.time()
+
+    # --- the loop ------------------------------------------------------------------------------
+    def watch(self, progress: bool, t0: float) -> None:
+        cfg = self.cfg
+        self.start("syncer")
+        with self.console.status("starting the syncer"):
+            while not self.syncer_ready:
+                if self.jobs.poll("syncer") is not None:
+                    raise RunError(f"syncer exited with {self.jobs.poll('syncer')}:\n" + self.jobs.tail("syncer"))
+                if time.time() - t0 > cfg.run.timeout_s:
+                    raise RunError("the syncer did not start in time:\n" + self.jobs.tail("syncer"))
+                self._pump(200)
+        for lid in cfg.learner_ids():  # learners start once the syncer consumes: deltas would only pile up
+            self.start(lid)
+        deadline = t0 + cfg.run.timeout_s
+        stop_sent, last_line = False, 0.0
+        live = Live(progress_table(cfg, self.prog, cfg.run.id, 0), console=self.console,
+                    refresh_per_second=2) if progress else None
         if live:
-            live.update(progress_table(cfg, prog, run_id, time.time() - t0))
-            live.stop()
+            live.start()
+        try:
+            while True:
+                self._pump()
+                now = time.time()
+                if live:
+                    live.update(progress_table(cfg, self.prog, cfg.run.id, now - t0))
+                elif now - last_line > 10:
+                    self.console.print(progress_line(self.prog, now - t0), soft_wrap=True)
+                    last_line = now
+                while self.kills and not stop_sent and self._progress_of(self.kills[0].target) >= self.kills[0].at_progress:
+                    kill = self.kills.pop(0)
+                    if kill.target in self.finished or kill.target in self.restart_at:
+                        continue
+                    self._kill(kill, now)
+                for name in [*cfg.learner_ids(), "syncer"]:
+                    rc = self.jobs.poll(name) if name in self.jobs.jobs else None
+                    if rc is None or name in self.restart_at or name in self.finished:
+                        continue
+                    if rc == 0 and (name != "syncer" or stop_sent):
+                        self.finished.add(name)
+                        continue
+                    n = self.restarts.get(name, 0)
+                    if n >= cfg.run.max_restarts:
+                        raise RunError(f"{name} failed {n + 1} times (last exit {rc}); log {self.jobs.jobs[name].log}:\n"
+                                       + self.jobs.tail(name))
+                    self._down(name, now, cfg.run.restart_backoff_s * 2 ** n, f"exited with {rc}")
+                for name, at in list(self.restart_at.items()):
+                    if now >= at:
+                        del self.restart_at[name]
+                        self.restarts[name] = self.restarts.get(name, 0) + 1
+                        self.start(name)
+                learners_done = all(lid in self.finished for lid in cfg.learner_ids())
+                if learners_done and self.learners_done_at is None:
+                    self.learners_done_at = now
+                if learners_done and not stop_sent and self.syncer_ready and "syncer" not in self.restart_at:
+                    self.jobs.signal("syncer", signal.SIGTERM)  # drain, flush open rounds, exit
+                    stop_sent = True
+                    deadline = min(deadline, now + 180)
+                if "syncer" in self.finished:
+                    self._pump(500)  # the syncer's last events
+                    return
+                if now > deadline:
+                    raise RunError(f"run did not finish within run.timeout_s={cfg.run.timeout_s:.0f}s")
+        finally:
+            if live:
+                live.update(progress_table(cfg, self.prog, cfg.run.id, time.time() - t0))
+                live.stop()
+
+    def resilience(self, state: state_mod.SyncerState) -> dict:
+        """Goodput, kills, restarts and outages of the run (all zero-loss figures for a healthy run)."""
+        P = self.cfg.fragments.count
+        productive: dict[str, float] = {}
+        for m in state.merges():
+            for lid, c in zip(m["learners"], m.get("compute_s", [])):
+                productive[lid] = productive.get(lid, 0.0) + c / P  # every step is in one delta per fragment
+        compute: dict[str, float] = dict(self.tails_s)
+        for (lid, _), figures in self.compute.items():
+            compute[lid] = compute.get(lid, 0.0) + figures["compute_s"]
+        total_compute = sum(compute.values())
+        step_time = np.median([hb.get("step_time", 0.0) for hb in self.prog.learners.values()] or [0.0])
+        spans = [o[1:] for o in self.outages if o[2] is not None]
+        span = (self.learners_done_at or time.time()) - (self.first_beat or time.time())
+        chip_time = span * self.cfg.num_learners
+        return {
+            "goodput": chaos.goodput(sum(productive.values()), total_compute),
+            "goodput_wall": chaos.goodput(sum(productive.values()), chip_time),
+            "goodput_per_learner": {lid: chaos.goodput(productive.get(lid, 0.0), compute.get(lid, 0.0))
+                                    for lid in self.cfg.learner_ids()},
+            "goodput_sync_equivalent": chaos.sync_equivalent_goodput(
+                span_s=span, outages=spans, kills=sum(self.kill_counts.values()),
+                lost_per_kill_s=self.cfg.fragments.sync_every / 2 * float(step_time)),
+            "kills": dict(self.kill_counts),
+            "restarts": dict(self.restarts),
+            "outages_s": {o[0]: round(o[2] - o[1], 2) for o in self.outages if o[2] is not None},
+        }
+
+
+def _loss(hb: dict) -> str:
+    return "-" if hb.get("loss") is None else f"{hb['loss']:.3f}"
+
+
+def progress_line(prog: Progress, elapsed: float) -> str:
+    lrn = " ".join(f"{k} step {v['step']} loss {_loss(v)};" for k, v in sorted(prog.learners.items()))
+    vers = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
+    return (f"[{elapsed:4.0f}s] {lrn or 'learners starting;'} syncer {vers} merges {prog.merges} "
+            f"accepted {prog.accepted} rejected {prog.rejected}")
 
 
 def load_global(cfg: Config, store: FragmentStore, versions: dict[int, int]) -> dict[str, np.ndarray]:
@@ -253,6 +351,25 @@ def load_global(cfg: Config, store: FragmentStore, versions: dict[int, int]) -> 
     for p in range(cfg.fragments.count):
         params |= store.read(p, versions[p], with_opt=False).params
     return params
+
+
+def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int]:
+    """Contributions (distinct manifest ids) and bytes (values + keys) on the region topics.
+
+    Counted from the log itself, so that learners killed between two heartbeats are counted too.
+    """
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    tps = [tp for t in topics.fragments.values() for tp in kafka_io.partitions_of(t, topics.partitions)]
+    ids, total = set(), 0
+    for rec in kafka_io.read_to_end(cfg.transport, tps):
+        total += len(rec.value or b"") + len(rec.key or b"")
+        try:
+            header, _ = messages.parse_frame(rec.value)
+        except messages.WireError:
+            continue
+        if header["kind"] == "manifest":
+            ids.add(header.get("id"))
+    return len(ids), total
 
 
 def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: Progress, eval_start: float,
@@ -268,7 +385,7 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
                                               "state")} for lid, hb in sorted(prog.learners.items())}
     steps = sum(hb.get("step", 0) for hb in prog.learners.values())
     num_params = sum(int(np.prod(a.shape)) for a in fragment_plan(cfg)[0].values())
-    bytes_sent = sum(hb.get("bytes_sent", 0) for hb in prog.learners.values())
+    published, bytes_sent = published_on_broker(cfg, run_id)
     bytes_dp = dp_allreduce_bytes(num_params, cfg.num_learners, steps)
     versions = {str(p): v for p, v in sorted(state.versions().items())}
     return {
@@ -285,7 +402,7 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
         "bytes_dp_equivalent": bytes_dp,
         "bytes_ratio": bytes_dp / bytes_sent if bytes_sent else math.inf,
         "contributions": {
-            "published": sum(hb.get("published", 0) for hb in prog.learners.values()),
+            "published": published,
             "accepted": counters.get("accepted", 0),
             "applied": counters.get("applied", 0),
             "rejected": counters.get("rejected", 0),
@@ -328,4 +445,3 @@ def summary_table(s: dict) -> Table:
     return t
 
 
-__all__ = ["train", "Progress", "build_summary", "dp_allreduce_bytes", "new_run_id", "Corpus"]

@@ -2,65 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections import Counter
 
 import numpy as np
 import pytest
+from helpers import assert_exact_accounting
 from rich.console import Console
 
-from diloco import messages
 from diloco.infra import kafka as kafka_io
+from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import ensure_corpus
-from diloco.run import _child_env, _spawn, dp_allreduce_bytes, train
+from diloco.run import _child_env, dp_allreduce_bytes, train
 from diloco.syncer import state as state_mod
 from diloco.syncer.syncer import provision
 
 pytestmark = pytest.mark.integration
-
-
-def published_manifests(cfg, run_id) -> list[messages.Manifest]:
-    """Every contribution manifest on the region topics, read straight from the broker."""
-    topics = kafka_io.Topics.for_run(cfg, run_id)
-    tps = [tp for t in topics.fragments.values() for tp in kafka_io.partitions_of(t, topics.partitions)]
-    out = []
-    for rec in kafka_io.read_to_end(cfg.transport, tps):
-        header, _ = messages.parse_frame(rec.value)
-        if header["kind"] == "manifest":
-            out.append(messages.Manifest.from_header(header))
-    return out
-
-
-def run_events(cfg, run_id) -> list[dict]:
-    topics = kafka_io.Topics.for_run(cfg, run_id)
-    return [messages.parse_event(r.value) for r in kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topics.events, 1))]
-
-
-def assert_exact_accounting(cfg, run_id):
-    """Every published contribution is applied once, or rejected once, or still pending; nothing else."""
-    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
-    published = {m.id for m in published_manifests(cfg, run_id)}
-    status = state.snapshot(cfg.fragments.count).status
-    assert set(status) == published
-    merged = [cid for m in state.merges() for cid in m["ids"]]
-    assert len(merged) == len(set(merged)), "a contribution entered two merges"
-    applied = {cid for cid, s in status.items() if s.startswith("applied")}
-    assert set(merged) == applied
-    events = list({e["eid"]: e for e in run_events(cfg, run_id)}.values())  # delivered at least once
-    ev_merged = [cid for e in events if e["kind"] == "merge" for cid in e["ids"]]
-    ev_rejected = [e["id"] for e in events if e["kind"] == "contribution_rejected" and e["id"]]
-    assert Counter(ev_merged) == Counter(merged)                   # events tell the same story, once each
-    assert set(ev_rejected) == {cid for cid, s in status.items() if s.startswith("rejected")}
-    # versions: Redis and TensorStore agree, with one complete TensorStore version per merge
-    store = FragmentStore(cfg.store.url, run_id)
-    counts = Counter(m["fragment"] for m in state.merges())
-    for p, v in state.versions().items():
-        assert v == counts[p]
-        assert store.versions(p) == list(range(v + 1))
-    return state, published, status
 
 
 def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_path):
@@ -90,31 +49,29 @@ def test_syncer_killed_mid_run_resumes_and_applies_nothing_twice(tiny_config, tm
     producer = kafka_io.producer(cfg.transport)
     provision(cfg, run_id, state=state, store=FragmentStore(cfg.store.url, run_id), producer=producer)
     producer.close()
-    env, logs, conf = _child_env(cfg), tmp_path / "logs", str(tmp_path / "config.yaml")
-    syncer = _spawn(["syncer", "--config", conf], logs / "syncer-1.log", env)
-    learners = [_spawn(["learner", "--config", conf, "--learner", lid, "--corpus", str(corpus.dir)],
-                       logs / f"{lid}.log", env) for lid in cfg.learner_ids()]
+    jobs, conf = LocalJobs(tmp_path / "logs", _child_env(cfg)), str(tmp_path / "config.yaml")
+    jobs.start("syncer-1", ["syncer", "--config", conf])
+    for lid in cfg.learner_ids():
+        jobs.start(lid, ["learner", "--config", conf, "--learner", lid, "--corpus", str(corpus.dir)])
     try:
         deadline = time.time() + 300
         while state.counters().get("merges", 0) < 4:
-            assert time.time() < deadline and syncer.poll() is None, (logs / "syncer-1.log").read_text()[-3000:]
+            assert time.time() < deadline and jobs.poll("syncer-1") is None, jobs.tail("syncer-1", 40)
             time.sleep(0.05)
-        os.kill(syncer.pid, signal.SIGKILL)                   # mid-run, wherever it is
-        syncer.wait()
+        jobs.signal("syncer-1", signal.SIGKILL)             # mid-run, wherever it is
+        jobs.wait("syncer-1")
         killed_at = dict(state.versions())
         time.sleep(1.0)                                       # learners keep publishing meanwhile
-        syncer = _spawn(["syncer", "--config", conf], logs / "syncer-2.log", env)
-        while "syncer started" not in (logs / "syncer-2.log").read_text():  # SIGTERM before that just kills it
-            assert time.time() < deadline and syncer.poll() is None, (logs / "syncer-2.log").read_text()[-3000:]
+        jobs.start("syncer-2", ["syncer", "--config", conf])
+        while "syncer started" not in jobs.jobs["syncer-2"].log.read_text():  # SIGTERM before that just kills it
+            assert time.time() < deadline and jobs.poll("syncer-2") is None, jobs.tail("syncer-2", 40)
             time.sleep(0.1)
-        for p in learners:
-            assert p.wait(timeout=300) == 0
-        syncer.send_signal(signal.SIGTERM)
-        assert syncer.wait(timeout=120) == 0, (logs / "syncer-2.log").read_text()[-3000:]
+        for lid in cfg.learner_ids():
+            assert jobs.wait(lid, timeout=300) == 0, jobs.tail(lid)
+        jobs.signal("syncer-2", signal.SIGTERM)
+        assert jobs.wait("syncer-2", timeout=120) == 0, jobs.tail("syncer-2", 40)
     finally:
-        for p in [syncer, *learners]:
-            if p.poll() is None:
-                p.kill()
+        jobs.stop_all()
     state, published, status = assert_exact_accounting(cfg, run_id)
     assert all(state.versions()[p] > killed_at[p] for p in killed_at)   # every fragment kept advancing
     assert Counter(s.split(":")[0] for s in status.values()) == {"applied": len(published)}

@@ -86,3 +86,32 @@ def test_outer_step_matches_optax_under_jit():
         u, _ = opt.update(d, opt.init(p), p)
         return optax.apply_updates(p, u)
     np.testing.assert_allclose(ours["x"], np.asarray(ref(params, delta)["x"]), rtol=1e-6)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.extra.numpy import arrays  # noqa: E402
+
+_vec = arrays(np.float32, 16, elements=st.floats(-100, 100, allow_nan=False, width=32))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_vec, min_size=1, max_size=6), st.data())
+def test_rda_norm_is_the_weighted_mean_norm_and_order_does_not_matter(deltas, data):
+    deltas = [d for d in deltas if np.linalg.norm(d) > 1e-3] or [np.ones(16, np.float32)]
+    w = np.array(data.draw(st.lists(st.floats(0.1, 10), min_size=len(deltas), max_size=len(deltas))))
+    out = merge.rda(deltas, w)
+    norms = np.array([np.linalg.norm(d.astype(np.float64)) for d in deltas])
+    direction = sum(wi * d / n for wi, d, n in zip(w, deltas, norms))
+    if np.linalg.norm(direction) > 1e-3 * w.sum():       # not a near-cancellation
+        assert np.linalg.norm(out) == pytest.approx(np.sum(w * norms) / np.sum(w), rel=1e-3)
+    perm = data.draw(st.permutations(range(len(deltas))))
+    np.testing.assert_allclose(merge.rda([deltas[i] for i in perm], w[list(perm)]), out, rtol=1e-4, atol=1e-4)
+    assert np.all(np.isfinite(out))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_vec, min_size=1, max_size=5), st.floats(0.01, 100))
+def test_rda_scales_with_its_inputs(deltas, k):
+    w = np.ones(len(deltas))
+    np.testing.assert_allclose(merge.rda([k * d for d in deltas], w), k * merge.rda(deltas, w), rtol=1e-3, atol=1e-3 * k)

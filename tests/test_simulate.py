@@ -8,8 +8,15 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from diloco.sim.goodput import (SCHEMES, YEAR_S, Cluster, Diloco, best_checkpoint_interval, dp_goodput,
-                                simulate)
+from diloco.sim.goodput import (
+    SCHEMES,
+    YEAR_S,
+    Cluster,
+    Diloco,
+    best_checkpoint_interval,
+    dp_goodput,
+    simulate,
+)
 
 
 def steady(**kw) -> Cluster:

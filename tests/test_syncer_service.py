@@ -6,72 +6,13 @@ import time
 
 import numpy as np
 import pytest
+from helpers import Harness
 
 from diloco import messages
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore
 from diloco.syncer import merge as merge_math
-from diloco.syncer import state as state_mod
-from diloco.syncer.syncer import Syncer, fragment_plan, provision
 
 pytestmark = pytest.mark.integration
-
-
-class Harness:
-    def __init__(self, cfg, run_id):
-        self.cfg, self.run_id = cfg, run_id
-        self.state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
-        self.store = FragmentStore(cfg.store.url, run_id)
-        self.producer = kafka_io.producer(cfg.transport)
-        provision(cfg, run_id, state=self.state, store=self.store, producer=self.producer)
-        self.topics = kafka_io.Topics.for_run(cfg, run_id)
-        self.params, self.plan = fragment_plan(cfg)
-        self.sent = {}
-        self.syncer = self.new_syncer()
-
-    def new_syncer(self):
-        s = Syncer(self.cfg, self.run_id, state=self.state, store=self.store, producer=self.producer,
-                   consumer=kafka_io.consumer(self.cfg.transport))
-        s.start()
-        return s
-
-    def deltas(self, fragment, scale=0.01, seed=0):
-        rng = np.random.default_rng(seed)
-        return {n: (scale * rng.normal(size=self.params[n].shape)).astype(np.float32) for n in self.plan[fragment]}
-
-    def publish(self, learner="us-0", fragment=0, base_version=0, deltas=None, tokens=512, steps=2, scheme="fp32",
-                region=None, run=None, frames_filter=None):
-        m, frames = messages.encode_contribution(
-            run=run or self.run_id, learner=learner, region=region or learner.split("-")[0], fragment=fragment,
-            base_version=base_version, tokens=tokens, steps=steps, step_time=0.01,
-            deltas=self.deltas(fragment) if deltas is None else deltas, scheme=scheme, chunk_bytes=2048)
-        self.sent[m.id] = (region or learner.split("-")[0], fragment, frames)
-        for f in (frames_filter(frames) if frames_filter else frames):
-            self.producer.send(self.topics.fragments[region or learner.split("-")[0]], f,
-                               partition=self.topics.partition_of(fragment))
-        self.producer.flush()
-        return m
-
-    def resend(self, cid):
-        region, fragment, frames = self.sent[cid]
-        for f in frames:
-            self.producer.send(self.topics.fragments[region], f, partition=self.topics.partition_of(fragment))
-        self.producer.flush()
-        return len(frames)
-
-    def raw(self, region, value, partition=0):
-        self.producer.send(self.topics.fragments[region], value, partition=partition)
-        self.producer.flush()
-
-    def pump(self, until, timeout=20.0):
-        deadline = time.time() + timeout
-        while not until():
-            assert time.time() < deadline, "syncer did not get there in time"
-            self.syncer.step()
-
-    def events(self):
-        recs = kafka_io.read_to_end(self.cfg.transport, kafka_io.partitions_of(self.topics.events, 1))
-        return [messages.parse_event(r.value) for r in recs]
 
 
 @pytest.fixture
@@ -172,3 +113,35 @@ def test_replayed_records_are_not_applied_twice_after_restart(harness):
     ids = [cid for m in h.state.merges() for cid in m["ids"]]
     assert len(ids) == len(set(ids)) == 4
     assert h.state.counters()["applied"] == 4
+
+
+def test_truncated_unknown_fragment_and_inf_are_rejected(tiny_config):
+    cfg = tiny_config(syncer={"quorum": 2, "incomplete_timeout_s": 5.0})
+    h = Harness(cfg, f"svc-bad2-{time.time_ns() % 10**6}")
+    now = [time.time()]
+    h.syncer.clock = lambda: now[0]
+    inf = h.deltas(1)
+    inf[next(iter(inf))].flat[-1] = np.inf
+    h.publish("us-0", 0, deltas={n: np.zeros((3,), np.float32) for n in h.plan[0]})
+    h.publish("us-1", 1, deltas=inf)
+    cut = h.publish("eu-0", 2, frames_filter=lambda fs: fs[:-1])              # last chunk never arrives
+    h.publish("eu-1", 9, deltas=h.deltas(3))                                   # no fragment 9
+    h.pump(lambda: h.state.counters().get("rejected", 0) >= 3)
+    assert h.state.counters().get("rejected:incomplete") is None
+    now[0] += 6.0                                                              # past incomplete_timeout_s
+    h.pump(lambda: h.state.counters().get("rejected:incomplete") == 1)
+    c = h.state.counters()
+    assert {k: v for k, v in c.items() if k.startswith("rejected:")} == {
+        "rejected:wrong_shape": 1, "rejected:non_finite": 1, "rejected:unknown_fragment": 1, "rejected:incomplete": 1}
+    assert h.state.snapshot(4).status[cut.id] == "rejected:incomplete"
+
+
+def test_manifest_over_the_size_limit_is_rejected_before_its_chunks_arrive(tiny_config):
+    cfg = tiny_config(syncer={"max_contribution_bytes": 4096})
+    h = Harness(cfg, f"svc-big-{time.time_ns() % 10**6}")
+    m = h.publish("us-0", 0, frames_filter=lambda fs: fs[:1])                 # the manifest alone
+    h.pump(lambda: h.state.counters().get("rejected:oversized") == 1)
+    before = h.state.counters().get("duplicate_records", 0)
+    n = h.resend(m.id)                                                         # its chunks come later
+    h.pump(lambda: h.state.counters().get("duplicate_records", 0) == before + n)
+    assert h.state.counters()["rejected"] == 1

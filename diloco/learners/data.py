@@ -58,7 +58,7 @@ class Corpus:
         return np.memmap(self.dir / self.manifest["heldout"]["name"], dtype="<u2", mode="r")
 
 
-def sample_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int):
+def sample_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, seed):
     """Endless (B, T + 1) int32 batches of random windows from one token stream."""
     if len(tokens) < seq_len + 2:
         raise DataError(f"shard has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
@@ -86,7 +86,9 @@ def ensure_corpus(corpus: str | None, data_dir: str, *, learners: int, heldout_f
     directory that is renamed into place, so a crashed or concurrent preparation never leaves a
     half-written corpus under the key.
     """
-    from diloco.pipelines.corpus import prepare  # Beam loads only when a corpus must be built
+    from diloco.pipelines.corpus import (
+        prepare,  # Beam loads only when a corpus must be built
+    )
 
     key = hashlib.sha256(json.dumps([corpus or "stdlib", learners, heldout_fraction, max_bytes, seed,
                                      "beam/1"]).encode()).hexdigest()[:12]

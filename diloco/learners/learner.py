@@ -12,6 +12,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import jax
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from kafka import TopicPartition
+from kafka.errors import KafkaError
 
 from diloco import messages
 from diloco.config import Config
@@ -32,10 +34,16 @@ from diloco.syncer.syncer import fragment_plan
 log = logging.getLogger(__name__)
 
 
-def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
+def inner_optimizer(cfg: Config, start_step: int = 0) -> optax.GradientTransformation:
+    """AdamW on warmup + cosine decay. A learner restarted at `start_step` continues the schedule
+    from there, warming up again because its Adam moments start from zero."""
+    warmup = max(cfg.inner.warmup_steps, 1)
     sched = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.inner.lr, warmup_steps=max(cfg.inner.warmup_steps, 1),
-        decay_steps=max(cfg.inner.steps, cfg.inner.warmup_steps + 1), end_value=cfg.inner.lr * 0.1)
+        init_value=0.0, peak_value=cfg.inner.lr, warmup_steps=warmup,
+        decay_steps=max(cfg.inner.steps, warmup + 1), end_value=cfg.inner.lr * 0.1)
+    if start_step:
+        base = sched
+        sched = lambda count: base(count + start_step) * jnp.minimum(1.0, (count + 1) / warmup)  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(cfg.inner.grad_clip),
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.inner.weight_decay))
 
@@ -88,14 +96,42 @@ class Publisher(threading.Thread):
         topic = self.topics.fragments[self.region]
         part = self.topics.partition_of(fragment)
         key = str(fragment).encode()
-        for f in frames:
-            self.producer.send(topic, f, key=key, partition=part)
-        self.producer.flush()
+        delay = 0.5
+        while True:  # resend the whole contribution until acked: the syncer drops repeats by id
+            try:
+                futures = [self.producer.send(topic, f, key=key, partition=part) for f in frames]
+                self.producer.flush(timeout=30)
+                for fut in futures:
+                    fut.get(timeout=30)
+                break
+            except KafkaError as err:
+                log.warning("broker unavailable; retrying contribution", extra={
+                    "id": manifest.id, "fragment": fragment, "retry_in_s": delay, "error": type(err).__name__})
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
         with self.counters.lock:
             self.counters.published += 1
             self.counters.bytes_sent += sum(len(f) + len(key) for f in frames)
         log.info("published", extra={"fragment": fragment, "base_version": base_version, "id": manifest.id,
                                      "bytes": manifest.total_bytes, "chunks": manifest.n_chunks})
+
+
+class Heartbeat(threading.Thread):
+    """Sends the learner's latest status every period; the inner loop only updates a dict."""
+
+    def __init__(self, send, period_s: float):
+        super().__init__(daemon=True, name="heartbeat")
+        self.send, self.period_s = send, period_s
+        self.status: dict = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.period_s):
+            if self.status:
+                try:
+                    self.send(**self.status)
+                except KafkaError as err:  # the next beat will do; training goes on
+                    log.warning("heartbeat not sent", extra={"error": type(err).__name__})
 
 
 class Fetcher(threading.Thread):
@@ -146,8 +182,9 @@ class Fetcher(threading.Thread):
 
 class Learner:
     def __init__(self, cfg: Config, run_id: str, learner_id: str, corpus: Corpus, *, producer, outer_consumer,
-                 store: FragmentStore):
-        self.cfg, self.run_id, self.id = cfg, run_id, learner_id
+                 store: FragmentStore, start_step: int = 0):
+        self.cfg, self.run_id, self.id, self.start_step = cfg, run_id, learner_id, start_step
+        self.incarnation = uuid.uuid4().hex[:8]
         self.region = cfg.region_of(learner_id)
         self.index = cfg.learner_ids().index(learner_id)
         self.topics = kafka_io.Topics.for_run(cfg, run_id)
@@ -156,16 +193,18 @@ class Learner:
         self.counters = Counters()
         self.publisher = Publisher(cfg, run_id, learner_id, self.region.name, producer, self.topics, self.counters)
         self.fetcher = Fetcher(cfg, run_id, outer_consumer, store, self.topics, self.counters, self.plan)
+        # A restarted learner draws other windows than before its crash, not the same ones again.
         self.batches = sample_batches(corpus.train_tokens(self.index), batch_size=cfg.inner.batch_size,
-                                      seq_len=cfg.model.seq_len, seed=cfg.data.seed * 1000 + self.index)
+                                      seq_len=cfg.model.seq_len, seed=(cfg.data.seed, self.index, start_step))
+        self.heartbeat = Heartbeat(self._heartbeat, cfg.run.heartbeat_s)
         self.stopping = False
 
     def _heartbeat(self, **fields) -> None:
         with self.counters.lock:
             c = {k: getattr(self.counters, k) for k in ("published", "bytes_sent", "bytes_fetched", "versions_applied")}
         self.producer.send(self.topics.events, messages.event(
-            "heartbeat", run=self.run_id, source="learner", learner=self.id, region=self.region.name, **c, **fields),
-            partition=0)
+            "heartbeat", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
+            incarnation=self.incarnation, start_step=self.start_step, **c, **fields), partition=0)
 
     def _wait_initial(self, timeout_s: float = 120.0) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
         got: dict[int, tuple[int, dict]] = {}
@@ -185,35 +224,41 @@ class Learner:
         cfg = self.cfg
         self.publisher.start()
         self.fetcher.start()
+        self.heartbeat.start()
         initial = self._wait_initial()
         base_version = {p: v for p, (v, _) in initial.items()}
         base = {p: fr for p, (_, fr) in initial.items()}
         params = {n: jnp.asarray(a) for fr in base.values() for n, a in fr.items()}
         log.info("joined", extra={"learner": self.id, "versions": base_version, "shard": self.index})
 
-        opt = inner_optimizer(cfg)
+        opt = inner_optimizer(cfg, self.start_step)
         opt_state = opt.init(params)
-        train_step = make_train_step(cfg, opt)
+        batch = jnp.asarray(next(self.batches))
+        # Compile before the clock starts: step times feed the grace window and the time budget.
+        train_step = make_train_step(cfg, opt).lower(params, opt_state, batch).compile()
         P, H = cfg.fragments.count, cfg.fragments.sync_every
         tokens_per_step = cfg.inner.batch_size * cfg.model.seq_len
         since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
-        tokens, loss, step_time, last_hb = 0, float("nan"), 0.0, 0.0
-        step = 0
-        for step in range(1, cfg.inner.steps + 1):
-            if self.stopping:
+        step = self.start_step
+        tokens, loss, step_time, compute_s = step * tokens_per_step, None, 0.0, 0.0
+        for step in range(self.start_step + 1, cfg.inner.steps + 1):
+            if self.stopping or (cfg.inner.max_seconds and compute_s >= cfg.inner.max_seconds):
+                step -= 1
                 break
             for err in (self.publisher.error, self.fetcher.error):
                 if err:
                     raise err
             params = self._apply_arrivals(params, base, base_version)
             t0 = time.perf_counter()
-            params, opt_state, loss_arr = train_step(params, opt_state, jnp.asarray(next(self.batches)))
+            params, opt_state, loss_arr = train_step(params, opt_state, batch)
+            batch = jnp.asarray(next(self.batches))
             loss = float(loss_arr)
             dt = time.perf_counter() - t0
             if self.region.speed < 1:  # stands for slower hardware in this region
                 time.sleep(dt * (1 / self.region.speed - 1))
                 dt = time.perf_counter() - t0
-            step_time = dt if step == 1 else 0.9 * step_time + 0.1 * dt
+            step_time = dt if step_time == 0 else 0.9 * step_time + 0.1 * dt
+            compute_s += dt
             tokens += tokens_per_step
             for s in since.values():
                 s["tokens"] += tokens_per_step
@@ -221,20 +266,22 @@ class Learner:
                 s["time"] += dt
             for p in fragments_due(step, P, H):
                 self._sync(p, params, base, base_version, since)
-            if time.time() - last_hb >= cfg.run.heartbeat_s:
-                self._heartbeat(step=step, tokens=tokens, loss=loss, step_time=step_time, state="running",
-                                versions=base_version)
-                last_hb = time.time()
+            self.heartbeat.status = {"step": step, "tokens": tokens, "loss": loss, "step_time": step_time,
+                                     "compute_s": compute_s, "at": time.time(), "state": "running",
+                                     "versions": dict(base_version)}
         for p in range(P):  # hand in the work done since each fragment's last sync
             if since[p]["steps"]:
                 self._sync(p, params, base, base_version, since)
         self.publisher.queue.put(None)
         self.publisher.queue.join()
         self.fetcher.stop.set()
+        self.heartbeat.stop.set()
         self.fetcher.join(timeout=30)  # a TensorStore read still running at exit aborts the process
+        self.heartbeat.join(timeout=30)
         if self.publisher.error:
             raise self.publisher.error
-        summary = {"step": step, "tokens": tokens, "loss": loss, "step_time": step_time, "versions": base_version}
+        summary = {"step": step, "tokens": tokens, "loss": loss, "step_time": step_time, "compute_s": compute_s,
+                   "versions": base_version}
         self._heartbeat(**summary, state="finished")
         self.producer.flush()
         log.info("finished", extra=summary)
@@ -269,12 +316,12 @@ class Learner:
         return params
 
 
-def main(cfg: Config, run_id: str, learner_id: str, corpus_dir: str) -> dict:
+def main(cfg: Config, run_id: str, learner_id: str, corpus_dir: str, start_step: int = 0) -> dict:
     store = FragmentStore(cfg.store.url, run_id)
     producer = kafka_io.producer(cfg.transport)
     outer = kafka_io.consumer(cfg.transport)
     try:
         return Learner(cfg, run_id, learner_id, Corpus.open(corpus_dir), producer=producer, outer_consumer=outer,
-                       store=store).run()
+                       store=store, start_step=start_step).run()
     finally:
         producer.close()

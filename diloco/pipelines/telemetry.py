@@ -26,7 +26,12 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from diloco.pipelines.corpus import WriteJsonLines, read_json_lines, remove_tree, write_bytes
+from diloco.pipelines.corpus import (
+    WriteJsonLines,
+    read_json_lines,
+    remove_tree,
+    write_bytes,
+)
 
 EVENT_SCHEMA = 1
 NS = "telemetry"

@@ -7,8 +7,8 @@ matplotlib loads only when a plot is asked for.
 from __future__ import annotations
 
 import json
-import os
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Annotated, Optional

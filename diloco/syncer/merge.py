@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 
-_EPS = 1e-12
+_CANCELLED = 1e-6  # norm of the mean unit direction below which it is rounding noise
 
 
 def token_weights(tokens: Sequence[float], steps: Sequence[float]) -> np.ndarray:
@@ -38,10 +38,11 @@ def rda(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
     stack = np.stack(deltas).astype(np.float32)
     norms = np.sqrt(np.sum(stack.reshape(len(deltas), -1).astype(np.float64) ** 2, axis=1))
     radius = float(np.sum(w * norms) / np.sum(w))
-    units = stack / np.maximum(norms, _EPS).astype(np.float32).reshape((-1,) + (1,) * (stack.ndim - 1))
+    safe = np.where(norms > 0, norms, 1.0)  # an all-zero delta has no direction and adds none
+    units = (stack / safe.reshape((-1,) + (1,) * (stack.ndim - 1))).astype(np.float32)
     direction = np.tensordot((w / np.sum(w)).astype(np.float32), units, axes=1)
     dnorm = float(np.sqrt(np.sum(direction.astype(np.float64) ** 2)))
-    if dnorm < _EPS:  # deltas cancel out exactly: there is no direction to move in
+    if dnorm < _CANCELLED:  # a mean of unit vectors this short: the deltas cancel, no direction to move in
         return np.zeros_like(direction)
     return (radius / dnorm * direction).astype(np.float32)
 

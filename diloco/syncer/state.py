@@ -21,14 +21,18 @@ WATCHes the fragment's version, so a second syncer holding a stale view cannot c
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
 import redis
+from redis.exceptions import AuthenticationError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import WatchError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from diloco.config import StateConfig
+from diloco.config import StateConfig, resolve_secret
+
+log = logging.getLogger(__name__)
 
 
 class StateError(RuntimeError):
@@ -50,26 +54,32 @@ class Snapshot:
 
 
 def connect(cfg: StateConfig, timeout_s: float = 20.0) -> redis.Redis:
-    r = redis.Redis.from_url(cfg.redis_url, socket_timeout=10, socket_connect_timeout=5, decode_responses=True)
+    """A Redis client for the config's URL and ACL credentials, once the server answers."""
+    r = redis.Redis.from_url(cfg.redis_url, username=cfg.username,
+                             password=resolve_secret(cfg.password_env, "state.password_env"),
+                             socket_timeout=10, socket_connect_timeout=5, decode_responses=True)
+    wait_until_up(r, cfg.redis_url, timeout_s)
+    return r
+
+
+def wait_until_up(r: redis.Redis, url: str, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     delay = 0.2
     while True:
         try:
             r.ping()
-            return r
-        except RedisConnectionError as err:
+            return
+        except AuthenticationError:  # redis-py says the same for a missing and for a wrong password
+            if r.connection_pool.connection_kwargs.get("password") is None:
+                raise StateError(f"Redis at {url} requires a password: set state.password_env") from None
+            raise StateError(f"Redis at {url} refused the credentials (state.username / state.password_env)") from None
+        except (RedisConnectionError, RedisTimeoutError) as err:
             if time.time() > deadline:
-                raise StateError(f"Redis not reachable at {_redact(cfg.redis_url)} ({err.__class__.__name__}); "
+                raise StateError(f"Redis not reachable at {url} ({err.__class__.__name__}); "
                                  "start the local stack with `diloco infra up` or set state.redis_url") from None
+            log.warning("redis not reachable, retrying", extra={"url": url, "retry_in_s": delay})
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
-
-
-def _redact(url: str) -> str:
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
 def _offset_key(tp: tuple[str, int]) -> str:
@@ -179,6 +189,9 @@ class SyncerState:
 
     def heartbeat(self, learner: str, info: dict) -> None:
         self.r.hset(self.k + "registry", learner, json.dumps(info))
+
+    def drop_learner(self, learner: str) -> None:
+        self.r.hdel(self.k + "registry", learner)
 
     def outbox_peek(self, n: int = 500) -> list[dict]:
         return [json.loads(e) for e in self.r.lrange(self.k + "outbox", 0, n - 1)]

@@ -28,9 +28,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from kafka import TopicPartition
+from kafka.errors import KafkaError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from diloco import messages
 from diloco.config import Config
+from diloco.faults import crash_point
 from diloco.fragments import plan_fragments
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore
@@ -38,7 +43,7 @@ from diloco.learners.model import init_params
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
 from diloco.syncer import merge as merge_math
 from diloco.syncer.policy import QuorumPolicy, decide
-from diloco.syncer.state import StaleVersion, SyncerState
+from diloco.syncer.state import StaleVersion, SyncerState, wait_until_up
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +123,9 @@ class Syncer:
         self.registry: dict[str, dict] = {}
         self.sync_time_s = 0.0
         self.stopping = False
+        self._broker_down = False
         self._last_offsets_save = 0.0
+        self._last_registry_check = 0.0
 
     # --- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -128,6 +135,8 @@ class Syncer:
                                "`diloco train` provisions it")
         self.status = snap.status
         self.sync_time_s = snap.stats.get("sync_time_s", 0.0)
+        now = self.clock()  # the registry survives a restart; its clocks restart from now
+        self.registry = {lid: hb | {"seen": now} for lid, hb in self.state.registry().items() if lid in self.learners}
         for p, names in enumerate(self.plan):
             v = snap.versions[p]
             fv = self.store.read(p, v)
@@ -159,7 +168,10 @@ class Syncer:
         stop_at = None
         try:
             while True:
-                self.step()
+                try:
+                    self.step()
+                except (RedisConnectionError, RedisTimeoutError) as err:
+                    self.recover_from_redis_outage(err)
                 if self.stopping:
                     stop_at = stop_at or self.clock() + drain_timeout_s
                     if self.caught_up() or self.clock() > stop_at:
@@ -174,6 +186,21 @@ class Syncer:
             self.producer.flush()
             self.consumer.close()
 
+    def recover_from_redis_outage(self, err: Exception) -> None:
+        """Redis went away mid-change: wait for it, then rebuild everything from durable state.
+
+        Whether the interrupted MULTI/EXEC was applied is unknown, so nothing is retried blindly: the
+        syncer reloads Redis and replays Kafka from the stored offsets, as after a crash.
+        """
+        log.warning("redis connection lost; waiting for it, then resuming from durable state",
+                    extra={"error": f"{type(err).__name__}: {err}"})
+        wait_until_up(self.state.r, self.cfg.state.redis_url, timeout_s=self.cfg.run.timeout_s)
+        log.warning("redis is back; reloading state and replaying from the stored offsets")
+        self.fragments, self.status, self.consumed = [], {}, {}
+        self.assembler = ChunkAssembler(max_bytes=self.cfg.syncer.max_contribution_bytes,
+                                        timeout_s=self.cfg.syncer.incomplete_timeout_s)
+        self.start()
+
     def step(self) -> None:
         """One poll: handle records, expire partial chunk sets, close the rounds that are due."""
         batch = self.consumer.poll(timeout_ms=self.cfg.syncer.poll_ms, max_records=500)
@@ -185,6 +212,8 @@ class Syncer:
                         self.handle_event(rec.value)
                     else:
                         self.handle_record(rec.value, (tp.topic, tp.partition), rec.offset)
+                except (RedisError, KafkaError):
+                    raise                     # the service, not the record: handled by run()
                 except Exception as err:  # one bad record must never stop the syncer
                     log.exception("record handling failed", extra={"topic": tp.topic, "offset": rec.offset})
                     self._reject(None, "internal_error", f"{type(err).__name__}: {err}", where=(tp.topic, tp.partition, rec.offset))
@@ -193,18 +222,33 @@ class Syncer:
             self._reject_dropped(d)
         if self._replaying and self.caught_up():
             self._give_up_lost_payloads()
+        self.update_registry()
         for p in range(len(self.fragments)):
             self.maybe_close(p)
         self.relay()
         self.save_offsets()
 
     def relay(self) -> None:
-        """Publish the outbox to Kafka; trim only what the broker acknowledged."""
+        """Publish the outbox to Kafka; trim only what the broker acknowledged.
+
+        While the broker is away the outbox waits in Redis and the next step tries again.
+        """
         while records := self.state.outbox_peek():
-            futures = [self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"]) for r in records]
-            self.producer.flush()
-            for f in futures:
-                f.get(timeout=30)
+            try:
+                futures = [self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"])
+                           for r in records]
+                self.producer.flush(timeout=10)
+                for f in futures:
+                    f.get(timeout=10)
+            except KafkaError as err:
+                if not self._broker_down:
+                    log.warning("broker unavailable; keeping %d records in the outbox", len(records),
+                                extra={"error": f"{type(err).__name__}: {err}"})
+                self._broker_down = True
+                return
+            if self._broker_down:
+                log.warning("broker reachable again; outbox relayed")
+                self._broker_down = False
             self.state.outbox_trim(len(records))
 
     def caught_up(self) -> bool:
@@ -217,9 +261,36 @@ class Syncer:
     # --- records -------------------------------------------------------------------------------
     def handle_event(self, raw: bytes) -> None:
         ev = messages.parse_event(raw)
-        if ev and ev["kind"] == "heartbeat" and ev.get("learner") in self.learners:
-            self.registry[ev["learner"]] = ev
-            self.state.heartbeat(ev["learner"], ev)
+        if not (ev and ev["kind"] == "heartbeat" and ev.get("learner") in self.learners):
+            return
+        lid = ev["learner"]
+        before = self.registry.get(lid)
+        ev["seen"] = self.clock()  # the syncer's clock decides liveness, not the learner's
+        ev["status"] = "finished" if ev.get("state") == "finished" else "alive"
+        self.registry[lid] = ev
+        self.state.heartbeat(lid, ev)
+        if before is None or before.get("incarnation") != ev.get("incarnation") or before["status"] != "alive":
+            if ev["status"] == "alive":
+                self._event("learner_joined", learner=lid, incarnation=ev.get("incarnation"), step=ev.get("step"),
+                            was=None if before is None else before["status"])
+
+    def update_registry(self) -> None:
+        """Heartbeats that stop mark a learner silent (not waited for), then drop it from the registry."""
+        now = self.clock()
+        if now - self._last_registry_check < 0.5:
+            return
+        self._last_registry_check = now
+        for lid, hb in list(self.registry.items()):
+            age = now - hb["seen"]
+            if hb["status"] == "alive" and age > self.cfg.syncer.silent_after_s:
+                hb["status"] = "silent"
+                self._event("learner_silent", learner=lid, last_step=hb.get("step"), silent_s=round(age, 1))
+                log.warning("learner silent", extra={"learner": lid, "silent_s": round(age, 1)})
+            elif hb["status"] == "silent" and age > self.cfg.syncer.drop_after_s:
+                hb["status"] = "dropped"
+                self.state.drop_learner(lid)
+                self._event("learner_dropped", learner=lid, silent_s=round(age, 1))
+                log.warning("learner dropped from the registry", extra={"learner": lid})
 
     def handle_record(self, raw: bytes, tp: TP, offset: int) -> None:
         self.consumed[tp] = offset + 1
@@ -238,6 +309,7 @@ class Syncer:
         if status and self._pending(cid) is not None and self._pending(cid).deltas is not None:
             self.state.count("duplicate_records")
             return
+        crash_point("record_received")
         try:
             result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=f"{tp[0]}|{tp[1]}")
         except WireError as err:
@@ -303,18 +375,13 @@ class Syncer:
         return deltas
 
     # --- rounds --------------------------------------------------------------------------------
-    def live_learners(self) -> int:
-        """Learners that may still contribute: recent heartbeat and not finished (all, before any)."""
-        if not self.registry:
-            return len(self.learners)
-        now = self.clock()
-        horizon = 10 * self.cfg.run.heartbeat_s + 5
-        live = [hb for hb in self.registry.values() if hb.get("state") != "finished" and now - hb["time"] < horizon]
-        unseen = len(self.learners - set(self.registry))
-        return len(live) + unseen
+    def live_learners(self) -> set[str]:
+        """Learners worth waiting for: heard from recently and not finished, or not heard from yet."""
+        return {lid for lid in self.learners if lid not in self.registry or self.registry[lid]["status"] == "alive"}
 
     def step_time_s(self) -> float:
-        times = [hb.get("step_time", 0.0) for hb in self.registry.values() if hb.get("step_time")]
+        times = [hb.get("step_time", 0.0) for hb in self.registry.values()
+                 if hb.get("step_time") and hb["status"] == "alive"]
         return float(np.median(times)) if times else 0.0
 
     def maybe_close(self, p: int, *, final: bool = False) -> None:
@@ -325,8 +392,10 @@ class Syncer:
         for c in st.round.values():
             lrn = c.manifest_meta["learner"]
             first_by_learner[lrn] = min(first_by_learner.get(lrn, math.inf), c.arrival)
-        d = decide(self.policy, list(first_by_learner.values()), now=self.clock(), expected=self.live_learners(),
-                   step_time_s=self.step_time_s(), sync_time_s=self.sync_time_s)
+        live = self.live_learners()
+        d = decide(self.policy, list(first_by_learner.values()), now=self.clock(),
+                   expected=len(live | set(first_by_learner)), step_time_s=self.step_time_s(),
+                   sync_time_s=self.sync_time_s)
         if d.close or final:
             self.merge(p, reason=d.reason if d.close else "final_flush")
 
@@ -342,13 +411,16 @@ class Syncer:
         delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, self.cfg.syncer.mean_merge_tensors)
         names = self.plan[p]
         params, opt_state = merge_math.outer_step(self.opt, {n: st.params[n] for n in names}, st.opt_state, delta)
+        crash_point("merge_computed")
         ids = [m["id"] for m in metas]
         late = sum(1 for m in metas if m["base_version"] < st.version)
         record = {"fragment": p, "version": st.version + 1, "ids": ids, "learners": [m["learner"] for m in metas],
                   "tokens": sum(m["tokens"] for m in metas), "weights": [round(float(w), 6) for w in weights],
+                  "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
                   "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
-                  "time": self.clock()}
+                  "missing": sorted(self.live_learners() - {m["learner"] for m in metas}), "time": self.clock()}
         self.store.write(p, st.version + 1, params, merge_math.flatten_state(opt_state), record)
+        crash_point("store_written")
         for cid in ids:
             del st.round[cid]
         sync_time = time.perf_counter() - t0
@@ -356,13 +428,14 @@ class Syncer:
         try:
             merge_event = self._outbox_event("merge", fragment=p, version=st.version + 1, ids=ids,
                                              learners=record["learners"], tokens=record["tokens"], late=late,
-                                             reason=reason, seconds=round(sync_time, 4))
+                                             reason=reason, missing=record["missing"], seconds=round(sync_time, 4))
             self.state.commit_merge(p, from_version=st.version, ids=ids, late=late, record=record,
                                     offsets=self.replay_offsets(), sync_time_s=ema, outbox=[
                                         announcement(self.topics, self.cfg, self.run_id, p, st.version + 1), merge_event])
         except StaleVersion:
             log.error("merge lost a race for fragment %d; reloading", p)
             raise
+        crash_point("merge_committed")
         st.version += 1
         st.params, st.opt_state = params, opt_state
         self.sync_time_s = ema

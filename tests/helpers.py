@@ -1,0 +1,121 @@
+"""Checks shared by the integration tests: what the broker, Redis, TensorStore and events say."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+
+from diloco import messages
+from diloco.infra import kafka as kafka_io
+from diloco.infra.store import FragmentStore
+from diloco.syncer import state as state_mod
+from diloco.syncer.syncer import Syncer, fragment_plan, provision
+
+
+def published_manifests(cfg, run_id) -> list[messages.Manifest]:
+    """Every contribution manifest on the region topics, read straight from the broker."""
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    tps = [tp for t in topics.fragments.values() for tp in kafka_io.partitions_of(t, topics.partitions)]
+    out = []
+    for rec in kafka_io.read_to_end(cfg.transport, tps):
+        header, _ = messages.parse_frame(rec.value)
+        if header["kind"] == "manifest":
+            out.append(messages.Manifest.from_header(header))
+    return out
+
+
+def run_events(cfg, run_id) -> list[dict]:
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    return [messages.parse_event(r.value) for r in kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topics.events, 1))]
+
+
+def assert_exact_accounting(cfg, run_id):
+    """Every published contribution is applied once, or rejected once, or still pending; nothing else."""
+    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
+    published = {m.id for m in published_manifests(cfg, run_id)}
+    status = state.snapshot(cfg.fragments.count).status
+    assert set(status) == published
+    merged = [cid for m in state.merges() for cid in m["ids"]]
+    assert len(merged) == len(set(merged)), "a contribution entered two merges"
+    applied = {cid for cid, s in status.items() if s.startswith("applied")}
+    assert set(merged) == applied
+    events = list({e["eid"]: e for e in run_events(cfg, run_id)}.values())  # delivered at least once
+    ev_merged = [cid for e in events if e["kind"] == "merge" for cid in e["ids"]]
+    ev_rejected = [e["id"] for e in events if e["kind"] == "contribution_rejected" and e["id"]]
+    assert Counter(ev_merged) == Counter(merged)                   # events tell the same story, once each
+    assert set(ev_rejected) == {cid for cid, s in status.items() if s.startswith("rejected")}
+    # versions: Redis and TensorStore agree, with one complete TensorStore version per merge
+    store = FragmentStore(cfg.store.url, run_id)
+    counts = Counter(m["fragment"] for m in state.merges())
+    for p, v in state.versions().items():
+        assert v == counts[p]
+        assert store.versions(p) == list(range(v + 1))
+    return state, published, status
+
+
+class Harness:
+    """A provisioned run fed crafted contributions; with `in_process`, its syncer runs in this process."""
+
+    def __init__(self, cfg, run_id, in_process=True):
+        self.cfg, self.run_id = cfg, run_id
+        self.state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
+        self.store = FragmentStore(cfg.store.url, run_id)
+        self.producer = kafka_io.producer(cfg.transport)
+        provision(cfg, run_id, state=self.state, store=self.store, producer=self.producer)
+        self.topics = kafka_io.Topics.for_run(cfg, run_id)
+        self.params, self.plan = fragment_plan(cfg)
+        self.sent = {}
+        self.syncer = self.new_syncer() if in_process else None
+
+    def new_syncer(self):
+        s = Syncer(self.cfg, self.run_id, state=self.state, store=self.store, producer=self.producer,
+                   consumer=kafka_io.consumer(self.cfg.transport))
+        s.start()
+        return s
+
+    def deltas(self, fragment, scale=0.01, seed=0):
+        rng = np.random.default_rng(seed)
+        return {n: (scale * rng.normal(size=self.params[n].shape)).astype(np.float32) for n in self.plan[fragment]}
+
+    def publish(self, learner="us-0", fragment=0, base_version=0, deltas=None, tokens=512, steps=2, scheme="fp32",
+                region=None, run=None, frames_filter=None):
+        m, frames = messages.encode_contribution(
+            run=run or self.run_id, learner=learner, region=region or learner.split("-")[0], fragment=fragment,
+            base_version=base_version, tokens=tokens, steps=steps, step_time=0.01,
+            deltas=self.deltas(fragment) if deltas is None else deltas, scheme=scheme, chunk_bytes=2048)
+        self.sent[m.id] = (region or learner.split("-")[0], fragment, frames)
+        for f in (frames_filter(frames) if frames_filter else frames):
+            self.producer.send(self.topics.fragments[region or learner.split("-")[0]], f,
+                               partition=self.topics.partition_of(fragment))
+        self.producer.flush()
+        return m
+
+    def resend(self, cid):
+        region, fragment, frames = self.sent[cid]
+        for f in frames:
+            self.producer.send(self.topics.fragments[region], f, partition=self.topics.partition_of(fragment))
+        self.producer.flush()
+        return len(frames)
+
+    def heartbeat(self, learner, **fields):
+        self.producer.send(self.topics.events, messages.event(
+            "heartbeat", run=self.run_id, source="learner", learner=learner, region=learner.split("-")[0],
+            incarnation="test", state="running", **fields), partition=0)
+        self.producer.flush()
+
+    def raw(self, region, value, partition=0):
+        self.producer.send(self.topics.fragments[region], value, partition=partition)
+        self.producer.flush()
+
+    def pump(self, until, timeout=20.0):
+        deadline = time.time() + timeout
+        while not until():
+            assert time.time() < deadline, "syncer did not get there in time"
+            self.syncer.step()
+
+    def events(self):
+        self.producer.flush()
+        recs = kafka_io.read_to_end(self.cfg.transport, kafka_io.partitions_of(self.topics.events, 1))
+        return [messages.parse_event(r.value) for r in recs]

@@ -1,0 +1,229 @@
+"""Operator tools against a tiny real run: `diloco topics` and `diloco ckpt ls|show|diff|export`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY
+from rich.console import Console
+from safetensors import safe_open
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from diloco import messages
+from diloco.cli import app
+from diloco.config import build_config
+from diloco.infra import kafka as kafka_io
+from diloco.infra.store import FragmentStore
+from diloco.ops import OpsError
+from diloco.ops.ckpt import open_checkpoint, pick_versions, split_url
+from diloco.run import train
+from diloco.syncer import state as state_mod
+
+pytestmark = pytest.mark.integration
+cli = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory, kafka_bootstrap, redis_url, data_dir):
+    """One finished tiny run: (config with run.id, run id, the run's config.yaml, checkpoint URL)."""
+    tmp = tmp_path_factory.mktemp("ops")
+    tree = {k: dict(v) for k, v in TINY.items()}
+    tree["inner"]["steps"] = 40
+    tree["data"]["dir"] = str(data_dir)
+    tree["run"]["dir"] = str(tmp / "runs")
+    tree |= {"transport": {"bootstrap_servers": kafka_bootstrap}, "state": {"redis_url": redis_url},
+             "store": {"url": f"file://{tmp}/store"}}
+    cfg = build_config(tree)
+    run_id = train(cfg, progress=False, console=Console(quiet=True))["run_id"]
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": run_id})})
+    return cfg, run_id, tmp / "runs" / run_id / "config.yaml", f"file://{tmp}/store/{run_id}"
+
+
+def invoke_json(*args):
+    res = cli.invoke(app, [*map(str, args), "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def fails_clearly(args, *needles):
+    res = cli.invoke(app, list(map(str, args)))
+    assert res.exit_code == 1, res.output
+    assert "error:" in res.output and "Traceback" not in res.output
+    for n in needles:
+        assert n in res.output, res.output
+    return res.output
+
+
+def test_topics_agree_with_the_broker_and_the_syncer_offsets(done):
+    cfg, run_id, conf, _ = done
+    rep = invoke_json("topics", "--config", conf, "--interval", "0.3")
+    assert rep["run"] == run_id and rep["caught_up"]
+    offsets = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id) \
+        .snapshot(cfg.fragments.count).offsets
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    by_name = {t["topic"]: t for t in rep["topics"]}
+    assert set(by_name) == set(topics.all())
+    for topic, n in topics.all().items():
+        row = by_name[topic]
+        assert row["partitions"] == n and row["messages_per_s"] == 0  # the run is over
+        for p, part in enumerate(row["by_partition"]):
+            recs = kafka_io.read_to_end(cfg.transport, [kafka_io.partitions_of(topic, n)[p]])
+            assert part["messages"] == len(recs) == part["high_watermark"]
+            assert part["bytes"] == sum(len(r.value) + len(r.key or b"") for r in recs)
+            assert part["committed"] == offsets.get((topic, p))
+            if part["committed"] is not None:
+                assert part["lag"] == part["high_watermark"] - part["committed"]
+            if recs:
+                assert part["newest_age_s"] > 0
+    for region, topic in topics.fragments.items():
+        row = by_name[topic]
+        assert row["region"] == region and row["lag"] == 0 and row["malformed"] == 0  # the syncer drained it
+        recs = kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topic, topics.partitions))
+        headers = [messages.parse_frame(r.value)[0] for r in recs]
+        manifests = Counter(h["learner"] for h in headers if h["kind"] == "manifest")
+        assert {lid: s["contributions"] for lid, s in row["learners"].items()} == manifests
+        assert set(manifests) == {lid for lid in cfg.learner_ids() if lid.startswith(region + "-")}
+        assert sum(s["frames"] for s in row["learners"].values()) == len(recs)
+        assert sum(s["payload_bytes"] for s in row["learners"].values()) == \
+            sum(h["total_bytes"] for h in headers if h["kind"] == "manifest")
+    versions = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id).versions()
+    assert rep["announced"] == {str(p): v for p, v in versions.items()}
+    fails_clearly(["topics", "--config", conf, "--run", "no-such-run"], "no topics of run 'no-such-run'", run_id)
+
+
+def test_ckpt_ls_lists_exactly_the_versions_redis_reports(done):
+    cfg, run_id, conf, url = done
+    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
+    rep = invoke_json("ckpt", "ls", url)
+    assert rep == invoke_json("ckpt", "ls", "--config", conf)  # the same through the run's config
+    versions = state.versions()
+    assert {f["fragment"]: [v["version"] for v in f["versions"]] for f in rep["fragments"]} == \
+        {p: list(range(v + 1)) for p, v in versions.items()}
+    merges = {(m["fragment"], m["version"]): m for m in state.merges()}
+    for f in rep["fragments"]:
+        assert f["latest"] == versions[f["fragment"]] and f["incomplete"] == []
+        for v in f["versions"][1:]:
+            m = merges[f["fragment"], v["version"]]
+            assert v["tokens"] == m["tokens"] > 0 and v["contributors"] == m["learners"]
+
+
+def test_ckpt_show_statistics_match_numpy(done):
+    url = done[3]
+    store = FragmentStore(*split_url(url))
+    rep = invoke_json("ckpt", "show", url, "--fragment", 1, "--version", 1)
+    [f] = rep["fragments"]
+    fv = store.read(1, 1)
+    assert (f["fragment"], f["version"]) == (1, 1) and set(f["opt"]) == set(fv.opt) and fv.opt
+    for group in ("params", "opt"):
+        for name, a in getattr(fv, group).items():
+            s = f[group][name]
+            assert s["shape"] == list(a.shape) and s["dtype"] == "float32" and s["nonfinite"] == 0
+            assert s["norm"] == pytest.approx(np.linalg.norm(a.astype(np.float64)), rel=1e-9)
+            assert (s["min"], s["max"]) == (float(a.min()), float(a.max()))
+            assert s["mean"] == pytest.approx(a.astype(np.float64).mean(), rel=1e-9, abs=1e-12)
+    latest = invoke_json("ckpt", "show", url)
+    assert {f["fragment"]: f["version"] for f in latest["fragments"]} == \
+        {p: store.versions(p)[-1] for p in range(4)}
+
+
+def test_ckpt_diff_of_a_version_with_itself_is_zero_and_of_two_is_their_difference(done):
+    url = done[3]
+    same = invoke_json("ckpt", "diff", url, 1, 1)
+    assert len(same["fragments"]) == 4
+    for f in same["fragments"]:
+        assert f["params_change_norm"] == 0 and f["params_relative"] == 0
+        assert all(t["change_norm"] == 0 == t["max_abs"] for t in f["tensors"].values())
+    [f] = invoke_json("ckpt", "diff", url, 0, 1, "--fragment", 0)["fragments"]
+    store = FragmentStore(*split_url(url))
+    a, b = store.read(0, 0).params, store.read(0, 1).params
+    for name in a:
+        d = b[name].astype(np.float64) - a[name]
+        t = f["tensors"][f"params/{name}"]
+        assert t["change_norm"] == pytest.approx(np.linalg.norm(d), rel=1e-9) and t["change_norm"] > 0
+        assert t["relative"] == pytest.approx(np.linalg.norm(d) / np.linalg.norm(a[name].astype(np.float64)))
+
+
+def test_ckpt_export_round_trips(done, tmp_path):
+    _, run_id, _, url = done
+    store = FragmentStore(*split_url(url))
+    latest = {p: store.versions(p)[-1] for p in range(4)}
+    rep = invoke_json("ckpt", "export", url, "--output", tmp_path / "model.safetensors")
+    assert rep["versions"] == {str(p): v for p, v in latest.items()}
+    loaded = load_file(tmp_path / "model.safetensors")
+    with safe_open(tmp_path / "model.safetensors", "np") as fh:
+        meta = fh.metadata()
+    assert meta["run"] == run_id and json.loads(meta["versions"]) == {str(p): v for p, v in latest.items()}
+    expected = {n: a for p, v in latest.items() for n, a in store.read(p, v, with_opt=False).params.items()}
+    assert set(loaded) == set(expected) and rep["tensors"] == len(expected)
+    for n, a in expected.items():
+        np.testing.assert_array_equal(loaded[n], a)
+    # an older cut as .npz: each fragment at its newest version <= 1
+    invoke_json("ckpt", "export", url, "--version", 1, "--output", tmp_path / "v1.npz")
+    with np.load(tmp_path / "v1.npz") as z:
+        meta = json.loads(str(z["__diloco_metadata__"]))
+        assert json.loads(meta["versions"]) == {str(p): 1 for p in range(4)}
+        for n in expected:
+            p = next(p for p in range(4) if n in store.read_meta(p, 1)["params"])
+            np.testing.assert_array_equal(z[n], store.read(p, 1, with_opt=False).params[n])
+
+
+def test_ckpt_on_gcs_through_the_emulator(gcs_emulator):
+    store = FragmentStore(f"{gcs_emulator}/ops", "gsrun")
+    rng = np.random.default_rng(0)
+    arrays = {v: {"w": rng.normal(size=(8, 4)).astype(np.float32), "b": np.ones(4, np.float32) * v} for v in (0, 1)}
+    for v, params in arrays.items():
+        store.write(0, v, params, {"0.trace.w": params["w"] * 0.1}, {"tokens": 100 * v, "learners": ["us-0"] * v})
+    store.write(1, 0, {"e": np.arange(6, dtype=np.float32)}, {}, {"tokens": 0, "contributors": []})
+    url = f"{gcs_emulator}/ops/gsrun"
+    rep = invoke_json("ckpt", "ls", url)
+    assert [(f["fragment"], [v["version"] for v in f["versions"]]) for f in rep["fragments"]] == [(0, [0, 1]), (1, [0])]
+    assert rep["fragments"][0]["versions"][1]["tokens"] == 100
+    [f] = invoke_json("ckpt", "show", url, "-p", 0, "--version", 1)["fragments"]
+    assert f["params"]["w"]["norm"] == pytest.approx(np.linalg.norm(arrays[1]["w"].astype(np.float64)))
+    assert f["params"]["b"]["mean"] == 1.0 and f["opt"]["0.trace.w"]["max"] == pytest.approx(arrays[1]["w"].max() * 0.1)
+    fails_clearly(["ckpt", "show", url, "-p", 1, "--version", 1], "fragment 1 has no version 1", "v0")
+
+
+def test_bad_url_missing_version_and_corrupted_chunk_fail_clearly(done, tmp_path):
+    _, run_id, _, url = done
+    fails_clearly(["ckpt", "ls", "http://example.com/x"], "not a checkpoint URL")
+    fails_clearly(["ckpt", "ls", f"file://{tmp_path}/store/{run_id}"], "no checkpoint here")
+    fails_clearly(["ckpt", "show", url, "--fragment", 0, "--version", 9999], "fragment 0 has no version 9999")
+    fails_clearly(["ckpt", "export", url, "--version", 9999, "-o", tmp_path / "x.safetensors"], "no fragment has version 9999")
+    fails_clearly(["ckpt", "show", url, "--fragment", 7], "no fragment 7")
+    src = Path(split_url(url)[0].removeprefix("file://"))
+    shutil.copytree(src / run_id, tmp_path / "store" / run_id)
+    broken = f"file://{tmp_path}/store/{run_id}"
+    chunk = next((tmp_path / "store" / run_id / "fragments/000/v00000001/params").glob("*/c/*/*"))
+    chunk.write_bytes(b"not a chunk")
+    fails_clearly(["ckpt", "show", broken, "-p", 0, "--version", 1], "fragment 0 v1 unreadable")
+    chunk.unlink()  # TensorStore alone would read zeros here
+    fails_clearly(["ckpt", "export", broken, "--version", 1, "-o", tmp_path / "x.npz"],
+                  f"chunk fragments/000/v00000001/params/{chunk.parents[2].name}/c/0/0", "is missing")
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_url_parsing():
+    assert split_url("file:///data/store/run-1/") == ("file:///data/store", "run-1")
+    assert split_url("file://.diloco/store/run-1") == ("file://.diloco/store", "run-1")
+    assert split_url("gs://bucket/a/b/run-1") == ("gs://bucket/a/b", "run-1")
+    for bad in ("gs://bucket", "gs://bucket/", "s3://b/run"):
+        with pytest.raises(OpsError):
+            split_url(bad)
+
+
+def test_version_choice_across_fragments(done):
+    ck = open_checkpoint(done[3])
+    newest = {p: vs[-1] for p, vs in ck.versions.items()}
+    assert pick_versions(ck, None) == newest
+    low = min(newest.values())
+    assert pick_versions(ck, low) == {p: low for p in newest}
+    assert pick_versions(ck, max(newest.values())) == newest
+    with pytest.raises(OpsError, match="no fragment has version"):
+        pick_versions(ck, max(newest.values()) + 1)

@@ -1,0 +1,228 @@
+"""Failures on real processes and services: syncer crashes at every step of its commit protocol,
+learner kills, slow learners, Redis and broker restarts, access control, a seeded chaos run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+from helpers import Harness, assert_exact_accounting, run_events
+from rich.console import Console
+
+from diloco.config import ConfigError, build_config
+from diloco.infra import services
+from diloco.infra.jobs import LocalJobs
+from diloco.run import _child_env, train
+from diloco.syncer import state as state_mod
+
+pytestmark = pytest.mark.integration
+
+
+def _quiet():
+    return Console(quiet=True)
+
+
+def _wait(cond, timeout, what):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("point, nth", [
+    ("record_received", 7),      # between two chunks of one contribution
+    ("merge_computed", 2),       # during a merge, before anything is written
+    ("store_written", 2),        # between the TensorStore write and the Redis commit
+    ("merge_committed", 3),      # after the commit, before the announcement and events go out
+])
+def test_syncer_sigkill_at_each_commit_step_loses_and_repeats_nothing(tiny_config, tmp_path, point, nth):
+    cfg = tiny_config(fragments={"count": 4, "sync_every": 10, "chunk_bytes": 1024},
+                      syncer={"quorum": 4, "grace_max_s": 0.0})
+    h = Harness(cfg, f"crash-{point.replace('_', '-')}-{time.time_ns() % 10**8}", in_process=False)
+    conf = tmp_path / "config.yaml"
+    conf.write_text(__import__("diloco.config", fromlist=["dump_config"]).dump_config(
+        cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": h.run_id})})))
+    jobs = LocalJobs(tmp_path / "logs", _child_env(cfg))
+
+    def wave(base):  # every learner contributes to every fragment: four rounds that close at once
+        for p in range(4):
+            for i, lid in enumerate(cfg.learner_ids()):
+                h.publish(lid, p, base_version=base, deltas=h.deltas(p, seed=10 * base + i))
+
+    try:
+        wave(0)
+        jobs.start("syncer-1", ["syncer", "--config", str(conf)], env={"DILOCO_CRASH_AT": f"{point}:{nth}"})
+        assert jobs.wait("syncer-1", timeout=120) == -signal.SIGKILL, jobs.tail("syncer-1")
+        jobs.start("syncer-2", ["syncer", "--config", str(conf)])
+        _wait(lambda: set(h.state.versions().values()) == {1}, 120, "every fragment at version 1")
+        wave(1)
+        _wait(lambda: set(h.state.versions().values()) == {2}, 120, "every fragment at version 2")
+        jobs.signal("syncer-2", signal.SIGTERM)
+        assert jobs.wait("syncer-2", timeout=60) == 0, jobs.tail("syncer-2")
+    finally:
+        jobs.stop_all()
+    state, published, status = assert_exact_accounting(cfg, h.run_id)
+    assert len(published) == 32 and Counter(s.split(":")[0] for s in status.values()) == {"applied": 32}
+    assert [m["version"] for m in state.merges() if m["fragment"] == 0] == [1, 2]   # monotonic, no gaps
+
+
+def test_learner_that_stops_is_not_waited_for_and_is_dropped(tiny_config):
+    cfg = tiny_config(syncer={"quorum": 1, "grace_max_s": 5.0, "overlap_steps": 1000, "silent_after_s": 2.0,
+                              "drop_after_s": 4.0})
+    h = Harness(cfg, f"silent-{time.time_ns() % 10**8}")
+    now = [time.time()]
+    h.syncer.clock = lambda: now[0]
+    for lid in cfg.learner_ids():
+        h.heartbeat(lid, step=5, step_time=1.0)
+    h.pump(lambda: len(h.syncer.registry) == 4)
+    for lid in cfg.learner_ids()[:3]:       # eu-1 goes quiet
+        h.heartbeat(lid, step=6, step_time=1.0)
+    now[0] += 3.0
+    for lid in cfg.learner_ids()[:3]:
+        h.heartbeat(lid, step=7, step_time=1.0)
+    h.pump(lambda: h.syncer.registry["eu-1"]["status"] == "silent")
+    for lid in cfg.learner_ids()[:3]:       # the three live learners are all in: no grace for the silent one
+        h.publish(lid, 0)
+    h.pump(lambda: h.state.versions()[0] == 1)
+    merge = [e for e in h.events() if e["kind"] == "merge"][0]
+    assert merge["reason"] == "all_arrived" and merge["missing"] == []
+    now[0] += 5.0
+    h.pump(lambda: h.syncer.registry["eu-1"]["status"] == "dropped")
+    assert "eu-1" not in h.state.registry()
+    kinds = [(e["kind"], e.get("learner")) for e in h.events() if e["kind"].startswith("learner_")]
+    assert ("learner_silent", "eu-1") in kinds and ("learner_dropped", "eu-1") in kinds
+    h.heartbeat("eu-1", step=8, step_time=1.0)       # it comes back: registered again
+    h.pump(lambda: h.syncer.registry["eu-1"]["status"] == "alive")
+    assert ("learner_joined", "eu-1") in [(e["kind"], e.get("learner")) for e in h.events()][-3:]
+
+
+def test_mixed_speeds_train_without_a_global_stall(tiny_config):
+    cfg = tiny_config(regions=[{"name": "fast", "learners": 2, "speed": 1.0},
+                               {"name": "slow", "learners": 2, "speed": 0.25}],
+                      inner={"steps": 100_000, "max_seconds": 6.0}, syncer={"quorum": 2})
+    s = train(cfg, progress=False, console=_quiet())
+    steps = {lid: v["step"] for lid, v in s["learners"].items()}
+    assert min(steps["fast-0"], steps["fast-1"]) > 2 * max(steps["slow-0"], steps["slow-1"])
+    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, s["run_id"])
+    by_learner = {lid: sum(1 for m in state.merges() for x in m["learners"] if x == lid) for lid in steps}
+    assert min(by_learner["fast-0"], by_learner["fast-1"]) > max(by_learner["slow-0"], by_learner["slow-1"]) > 0
+    assert s["contributions"]["applied"] == s["contributions"]["published"]
+    assert s["eval_loss_end"] < s["eval_loss_start"]
+
+
+def test_chaos_run_heals_and_applies_every_contribution_once(tiny_config, tmp_path):
+    cfg = tiny_config(inner={"steps": 200}, regions=[{"name": "us", "learners": 2, "speed": 0.5},
+                                                      {"name": "eu", "learners": 2, "speed": 0.5}],
+                      chaos={"seed": 7, "learner_kills": 1, "syncer_kills": 1, "restart_after_s": 0.5},
+                      syncer={"incomplete_timeout_s": 5.0})
+    s = train(cfg, progress=False, console=_quiet(), with_chaos=True, summary_json=tmp_path / "s.json")
+    assert s["kills"] == {lid: 1 for lid in cfg.learner_ids()} | {"syncer": 1}
+    assert s["restarts"] == s["kills"]
+    c = s["contributions"]
+    assert c["applied_twice"] == 0 and c["pending"] == 0
+    assert c["published"] == c["applied"] + c["rejected"]
+    assert set(s["rejections"]) <= {"incomplete"}        # only deltas cut off by a kill mid-send
+    assert s["eval_loss_end"] < 0.9 * s["eval_loss_start"]
+    assert 0.5 < s["goodput"] <= 1.02 and 0 <= s["goodput_sync_equivalent"] < s["goodput"]
+    assert_exact_accounting(cfg, s["run_id"])
+    joined = [e for e in run_events(cfg, s["run_id"]) if e["kind"] == "learner_joined" and e.get("was")]
+    assert {e["learner"] for e in joined} == set(cfg.learner_ids())   # each came back and re-registered
+
+
+def test_redis_restart_mid_run(tiny_config, tmp_path):
+    port = services.free_port()
+    services.start_redis(tmp_path / "redis", port)
+    cfg = tiny_config(state={"redis_url": f"redis://127.0.0.1:{port}/0"}, inner={"steps": 240},
+                      regions=[{"name": "us", "learners": 2, "speed": 0.4}, {"name": "eu", "learners": 2, "speed": 0.4}])
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(s=train(cfg, progress=False, console=_quiet())))
+    runner.start()
+    try:
+        r = state_mod.connect(cfg.state)
+        _wait(lambda: any(k.endswith(":merges") and r.llen(k) >= 4 for k in r.keys("*:merges")), 300, "merges")
+        services.stop("redis", tmp_path / "redis")
+        time.sleep(2.0)
+        services.start_redis(tmp_path / "redis", port)              # same append-only file
+        runner.join(timeout=600)
+        s = result["s"]
+        log = (tmp_path / "runs" / s["run_id"] / "logs" / "syncer.log").read_text()
+        assert "redis connection lost" in log and "redis is back" in log
+        c = s["contributions"]
+        assert c["applied"] == c["published"] and c["applied_twice"] == 0
+        assert_exact_accounting(cfg, s["run_id"])
+    finally:
+        runner.join(timeout=600)
+        services.stop("redis", tmp_path / "redis")
+
+
+def test_broker_restart_mid_run_with_durable_storage(tiny_config, tmp_path):
+    s3, kport = services.free_port(), services.free_port()
+    services.start_s3(tmp_path / "s3", s3)
+    services.start_broker(tmp_path / "kafka", kport, s3_port=s3)
+    cfg = tiny_config(transport={"bootstrap_servers": f"127.0.0.1:{kport}"}, inner={"steps": 200},
+                      regions=[{"name": "us", "learners": 2, "speed": 0.2}, {"name": "eu", "learners": 2, "speed": 0.2}])
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(s=train(cfg, progress=False, console=_quiet())))
+    runner.start()
+    try:
+        r = state_mod.connect(cfg.state)
+        _wait(lambda: any(k.endswith(":merges") and r.llen(k) >= 4 for k in r.keys("*:merges")), 300, "merges")
+        services.stop("kafka", tmp_path / "kafka")
+        time.sleep(2.0)
+        services.start_broker(tmp_path / "kafka", kport, s3_port=s3)
+        runner.join(timeout=600)
+        s = result["s"]
+        c = s["contributions"]
+        assert c["applied_twice"] == 0 and c["pending"] == 0 and c["published"] == c["applied"] + c["rejected"]
+        assert set(s["rejections"]) <= {"stale"}   # deltas held up by the outage may be too old: that is policy
+        assert c["rejected"] < 0.1 * c["published"]
+        assert_exact_accounting(cfg, s["run_id"])
+        logs = {p.stem: p.read_text() for p in (tmp_path / "runs" / s["run_id"] / "logs").glob("*.log")}
+        assert "Connection lost" in logs["syncer"]          # it noticed the outage, and reconnected: the run completed
+        assert any("Connection lost" in text for name, text in logs.items() if name != "syncer")
+    finally:
+        runner.join(timeout=600)
+        services.stop("kafka", tmp_path / "kafka")
+        services.stop("s3", tmp_path / "s3")
+
+
+def test_redis_auth_refuses_clients_without_the_password(tmp_path, monkeypatch):
+    port = services.free_port()
+    services.start_redis(tmp_path, port, password="s3cr3t-pw")
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        with pytest.raises(state_mod.StateError, match="requires a password"):
+            state_mod.connect(build_config({"state": {"redis_url": url}}).state, timeout_s=3)
+        monkeypatch.setenv("DILOCO_TEST_REDIS_PW", "wrong")
+        cfg = build_config({"state": {"redis_url": url, "password_env": "DILOCO_TEST_REDIS_PW"}})
+        with pytest.raises(state_mod.StateError, match="refused the credentials") as err:
+            state_mod.connect(cfg.state, timeout_s=3)
+        assert "wrong" not in str(err.value)
+        monkeypatch.setenv("DILOCO_TEST_REDIS_PW", "s3cr3t-pw")
+        assert state_mod.connect(cfg.state, timeout_s=3).ping()
+        monkeypatch.delenv("DILOCO_TEST_REDIS_PW")
+        with pytest.raises(ConfigError, match=r"\$DILOCO_TEST_REDIS_PW"):
+            state_mod.connect(cfg.state, timeout_s=3)
+    finally:
+        services.stop("redis", tmp_path)
+
+
+def test_a_run_on_password_protected_redis_never_writes_the_secret(tiny_config, tmp_path, monkeypatch):
+    port, secret = services.free_port(), "pw-" + os.urandom(6).hex()
+    services.start_redis(tmp_path / "redis", port, password=secret)
+    monkeypatch.setenv("DILOCO_REDIS_PASSWORD", secret)
+    try:
+        cfg = tiny_config(state={"redis_url": f"redis://127.0.0.1:{port}/0", "password_env": "DILOCO_REDIS_PASSWORD"},
+                          inner={"steps": 40})
+        s = train(cfg, progress=False, console=_quiet())
+        assert s["contributions"]["applied"] == s["contributions"]["published"] > 0
+        for path in (tmp_path / "runs").rglob("*"):
+            if path.is_file():
+                assert secret not in path.read_text(errors="replace"), path
+        assert all(secret not in str(e) for e in run_events(cfg, s["run_id"]))
+    finally:
+        services.stop("redis", tmp_path / "redis")
