@@ -1,13 +1,14 @@
 # Two commands do all the set-up on a fresh Debian machine with Python 3.11:
 #   make demo   - install, start the local broker and Redis, run the 2 regions x 2 learners demo
 #   make test   - install, run the test suite (the tests start their own services)
+#   make bench  - benchmarks against data-parallel and sync DiLoCo (BENCH_ARGS, docs/bench.md)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 CONFIG ?= configs/local.yaml
 
-.PHONY: install system-deps demo test up down status clean
+.PHONY: install system-deps demo prefect-demo test bench up down status clean
 
 install: system-deps $(VENV)/.installed
 
@@ -32,8 +33,32 @@ status:
 demo: up
 	$(BIN)/diloco train --config $(CONFIG) --summary-json .diloco/demo-summary.json
 
+# The Prefect recipe of docs/prefect.md, start to end: server, process pool, worker, deployment, a tiny run,
+# its artifacts. Everything Prefect keeps goes under .diloco/prefect; the server and worker stop at the end.
+PREFECT_PORT ?= 4200
+PREFECT_ENV  := PREFECT_HOME=$(CURDIR)/.diloco/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api \
+                PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 COLUMNS=200
+
+prefect-demo: up
+	@mkdir -p .diloco/prefect
+	@set -e; export $(PREFECT_ENV); \
+	! curl -s $$PREFECT_API_URL/health >/dev/null || { echo "port $(PREFECT_PORT) is taken: PREFECT_PORT=..."; exit 1; }; \
+	$(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > .diloco/prefect/server.log 2>&1 & server=$$!; \
+	worker=; trap 'rc=$$?; for p in $$worker $$server; do kill $$p 2>/dev/null || true; sleep 3; kill -9 $$p 2>/dev/null || true; done; exit $$rc' EXIT; \
+	for i in $$(seq 180); do curl -sf $$PREFECT_API_URL/health >/dev/null && break; sleep 1; done; \
+	curl -sf $$PREFECT_API_URL/health >/dev/null || { echo 'prefect server not healthy: .diloco/prefect/server.log'; exit 1; }; \
+	$(BIN)/prefect work-pool create diloco-local --type process --overwrite >/dev/null; \
+	$(BIN)/prefect --no-prompt deploy --all; \
+	$(BIN)/prefect worker start --pool diloco-local > .diloco/prefect/worker.log 2>&1 & worker=$$!; \
+	$(BIN)/prefect deployment run 'decoupled-diloco/local' --watch; \
+	$(BIN)/python -m diloco.flows.show
+
 test: install
 	$(BIN)/pytest -q
+
+BENCH_ARGS ?= --quick --output docs/bench
+bench: up
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 clean: down
 	rm -rf .diloco

@@ -90,6 +90,8 @@ class SyncerConfig(_Section):
     incomplete_timeout_s: float = Field(60.0, gt=0, description="drop a chunk set still partial after this")
     norm_outlier_factor: float = Field(0.0, ge=0, description="reject deltas this many times the round median; 0 = off")
     mean_merge_tensors: tuple[str, ...] = Field(("tok_embed", "pos_embed"), description="plain mean instead of RDA")
+    merge: Literal["rda", "mean"] = Field("rda", description="mean = plain weighted mean of every tensor (sync DiLoCo)")
+    token_weighting: bool = Field(True, description="weigh by tokens * tokens / steps; off = equal weights")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")
@@ -106,6 +108,13 @@ class TransportConfig(_Section):
     sasl_password_env: str | None = Field(None, description="name of the env var holding the SASL password")
     ssl_cafile: str | None = None
     max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    wan_bandwidth_mbps: float | None = Field(None, gt=0, description="emulated WAN link per region, shared by its learners")
+    wan_latency_ms: float = Field(0.0, ge=0, description="emulated one-way WAN latency per contribution")
+
+    def wan_delay_s(self, nbytes: int, sharers: int = 1) -> float:
+        """Seconds a contribution of `nbytes` takes on the region's link when `sharers` learners use it."""
+        transfer = 0.0 if self.wan_bandwidth_mbps is None else nbytes * 8 * sharers / (self.wan_bandwidth_mbps * 1e6)
+        return self.wan_latency_ms / 1000 + transfer
 
 
 class StateConfig(_Section):
@@ -142,6 +151,38 @@ class ChaosConfig(_Section):
     restart_after_s: float = Field(2.0, ge=0, description="downtime before a killed process is restarted")
 
 
+class SliceConfig(_Section):
+    """One region's learner slice in production: each learner of the region gets one such TPU slice."""
+    generation: Literal["v5p", "v6e"] = "v5p"
+    topology: str = Field("2x2x1", pattern=r"^[1-9]\d*(x[1-9]\d*){1,2}$", description="chips per axis, e.g. 2x2x1, 2x4")
+    zone: str = "us-east5-a"
+    runtime_version: str = Field("v2-alpha-tpuv5", description="TPU VM software (queued resources)")
+    spot: bool = False
+
+    @model_validator(mode="after")
+    def _topology_fits(self) -> SliceConfig:
+        dims = len(self.topology.split("x"))
+        if dims != (3 if self.generation == "v5p" else 2):
+            raise ValueError(f"topology {self.topology!r}: {self.generation} slices have "
+                             f"{3 if self.generation == 'v5p' else 2} axes")
+        return self
+
+
+class BackendConfig(_Section):
+    """Where the flow starts the run's processes: `local` child processes, or `gke`: one TPU slice per learner
+    (a JobSet) and the syncer on CPU. The same fields render queued-resource requests for TPU VMs."""
+    kind: Literal["local", "gke"] = "local"
+    project: str = Field("my-project", pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+    image: str = Field("us-docker.pkg.dev/my-project/diloco/diloco:latest", description="image with `diloco` installed")
+    namespace: str = Field("default", pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+    config_dir: str = Field("/etc/diloco", description="where a job finds the run's config.yaml")
+    corpus_dir: str = Field("/data/corpus", description="where a job finds the prepared corpus (e.g. a GCS FUSE mount)")
+    slices: dict[str, SliceConfig] = Field(default_factory=dict, description="per region name; others get the defaults")
+
+    def slice_of(self, region: str) -> SliceConfig:
+        return self.slices.get(region, SliceConfig())
+
+
 class Config(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -155,6 +196,7 @@ class Config(_Section):
     state: StateConfig = StateConfig()
     store: StoreConfig = StoreConfig()
     chaos: ChaosConfig = ChaosConfig()
+    backend: BackendConfig = BackendConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -163,6 +205,8 @@ class Config(_Section):
             raise ValueError("regions: at least one region is needed")
         if len(set(names)) != len(names):
             raise ValueError(f"regions: names must be unique, got {names}")
+        if unknown := sorted(set(self.backend.slices) - set(names)):
+            raise ValueError(f"backend.slices: {unknown} are not regions of this run ({names})")
         if self.syncer.quorum > self.num_learners:
             raise ValueError(f"syncer.quorum ({self.syncer.quorum}) exceeds the number of learners ({self.num_learners})")
         return self

@@ -24,7 +24,7 @@ from diloco.config import Config, dump_config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
-from diloco.learners.data import ensure_corpus, eval_batches
+from diloco.learners.data import Corpus, ensure_corpus, eval_batches
 from diloco.learners.model import evaluate
 from diloco.syncer import state as state_mod
 from diloco.syncer.syncer import fragment_plan, provision
@@ -110,10 +110,22 @@ def _child_env(cfg: Config) -> dict:
     return {**os.environ, "XLA_FLAGS": flags.strip(), "OMP_NUM_THREADS": str(n), "PYTHONUNBUFFERED": "1"}
 
 
-def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool = True,
-          console: Console | None = None, with_chaos: bool = False) -> dict:
-    """Run to the end and return the summary; with_chaos kills processes on the seeded schedule."""
-    console = console or Console(stderr=True)
+@dataclass
+class RunSetup:
+    """A provisioned run: what starting, watching and summarising it need."""
+    cfg: Config
+    run_dir: Path
+    cfg_path: Path
+    corpus: Corpus
+    state: state_mod.SyncerState
+    store: FragmentStore
+    held: np.ndarray
+    eval_start: float
+    t_start: float
+
+
+def prepare(cfg: Config, console: Console) -> RunSetup:
+    """Give the run an id and a directory, prepare the corpus, provision topics, Redis and version 0."""
     t_start = time.time()
     run_id = new_run_id(cfg)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": run_id})})
@@ -134,32 +146,54 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     provision(cfg, run_id, state=state, store=store, producer=producer)
     producer.close()
 
-    held = eval_batches(corpus.heldout_tokens(), n_batches=cfg.run.eval_batches, batch_size=cfg.run.eval_batch_size,
-                        seq_len=cfg.model.seq_len)
+    held = heldout_batches(cfg, corpus)
     eval_start = evaluate(load_global(cfg, store, {p: 0 for p in range(cfg.fragments.count)}), held, cfg.model)
     console.print(f"held-out loss at start: {eval_start:.4f}")
+    return RunSetup(cfg, run_dir, cfg_path, corpus, state, store, held, eval_start, t_start)
 
-    topics = kafka_io.Topics.for_run(cfg, run_id)
+
+def heldout_batches(cfg: Config, corpus: Corpus) -> np.ndarray:
+    return eval_batches(corpus.heldout_tokens(), n_batches=cfg.run.eval_batches, batch_size=cfg.run.eval_batch_size,
+                        seq_len=cfg.model.seq_len)
+
+
+def open_run(setup: RunSetup, jobs, console: Console, kills: list[chaos.Kill]) -> LocalRun:
+    """A LocalRun on `jobs` that reads the run's events topic from its start."""
+    cfg = setup.cfg
     events = kafka_io.consumer(cfg.transport)
-    kafka_io.assign_from(events, {TopicPartition(topics.events, 0): 0})
-    jobs = LocalJobs(run_dir / "logs", _child_env(cfg))
-    run = LocalRun(cfg, cfg_path, corpus, jobs, events, console, chaos.schedule(cfg) if with_chaos else [])
-    try:
-        run.watch(progress, t_start)
-    finally:
-        jobs.stop_all()
-        events.close()
+    kafka_io.assign_from(events, {TopicPartition(kafka_io.Topics.for_run(cfg, cfg.run.id).events, 0): 0})
+    return LocalRun(cfg, setup.cfg_path, setup.corpus, jobs, events, console, kills)
 
-    eval_end = evaluate(load_global(cfg, store, state.versions()), held, cfg.model)
-    summary = build_summary(cfg, run_id, state, run.prog, eval_start, eval_end, time.time() - t_start)
-    summary |= run.resilience(state)
-    summary["run_dir"] = str(run_dir)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+
+def finish(setup: RunSetup, run: LocalRun, console: Console, summary_json: str | Path | None = None) -> dict:
+    """Evaluate the last versions and write the summary (the run's processes have stopped)."""
+    cfg = setup.cfg
+    eval_end = evaluate(load_global(cfg, setup.store, setup.state.versions()), setup.held, cfg.model)
+    summary = build_summary(cfg, cfg.run.id, setup.state, run.prog, setup.eval_start, eval_end,
+                            time.time() - setup.t_start)
+    summary |= run.resilience(setup.state)
+    summary["run_dir"] = str(setup.run_dir)
+    (setup.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if summary_json:
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_json).write_text(json.dumps(summary, indent=1))
     console.print(summary_table(summary))
     return summary
+
+
+def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool = True,
+          console: Console | None = None, with_chaos: bool = False) -> dict:
+    """Run to the end and return the summary; with_chaos kills processes on the seeded schedule."""
+    console = console or Console(stderr=True)
+    setup = prepare(cfg, console)
+    jobs = LocalJobs(setup.run_dir / "logs", _child_env(setup.cfg))
+    run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
+    try:
+        run.watch(progress, setup.t_start)
+    finally:
+        jobs.stop_all()
+        run.events.close()
+    return finish(setup, run, console, summary_json)
 
 
 class LocalRun:
@@ -240,7 +274,8 @@ class LocalRun:
                 o[2] = time.time()
 
     # --- the loop ------------------------------------------------------------------------------
-    def watch(self, progress: bool, t0: float) -> None:
+    def watch(self, progress: bool, t0: float, on_tick=None) -> None:
+        """Until the syncer drained; `on_tick(self)` runs once per loop (evals, reports) and may take a while."""
         cfg = self.cfg
         self.start("syncer")
         with self.console.status("starting the syncer"):
@@ -289,6 +324,8 @@ class LocalRun:
                         del self.restart_at[name]
                         self.restarts[name] = self.restarts.get(name, 0) + 1
                         self.start(name)
+                if on_tick:
+                    on_tick(self)
                 learners_done = all(lid in self.finished for lid in cfg.learner_ids())
                 if learners_done and self.learners_done_at is None:
                     self.learners_done_at = now
@@ -419,10 +456,8 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
     }
 
 
-def summary_table(s: dict) -> Table:
-    t = Table(title=f"summary of {s['run_id']} ({s['wall_s']:.0f}s)", title_justify="left", show_header=False)
-    t.add_column("what")
-    t.add_column("value", justify="right")
+def summary_rows(s: dict) -> list[tuple[str, str]]:
+    """The summary's figures as (what, value) rows: the CLI's table and the flow's report show the same."""
     c = s["contributions"]
     rows = [
         ("held-out loss start -> end", f"{s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f} "
@@ -440,8 +475,13 @@ def summary_table(s: dict) -> Table:
     ]
     if s["rejections"]:
         rows.append(("rejections by reason", ", ".join(f"{k} {v}" for k, v in s["rejections"].items())))
-    for row in rows:
+    return rows
+
+
+def summary_table(s: dict) -> Table:
+    t = Table(title=f"summary of {s['run_id']} ({s['wall_s']:.0f}s)", title_justify="left", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    for row in summary_rows(s):
         t.add_row(*row)
     return t
-
-

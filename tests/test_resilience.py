@@ -115,8 +115,10 @@ def test_mixed_speeds_train_without_a_global_stall(tiny_config):
 
 
 def test_chaos_run_heals_and_applies_every_contribution_once(tiny_config, tmp_path):
-    cfg = tiny_config(inner={"steps": 200}, regions=[{"name": "us", "learners": 2, "speed": 0.5},
-                                                      {"name": "eu", "learners": 2, "speed": 0.5}],
+    # Learners slow enough for the syncer to keep up, as in a real run: a syncer that lags far behind
+    # tiny learners merges mostly stale deltas, which is a different (quality) question.
+    cfg = tiny_config(inner={"steps": 200}, fragments={"count": 4, "sync_every": 20, "chunk_bytes": 4096},
+                      regions=[{"name": "us", "learners": 2, "speed": 0.25}, {"name": "eu", "learners": 2, "speed": 0.25}],
                       chaos={"seed": 7, "learner_kills": 1, "syncer_kills": 1, "restart_after_s": 0.5},
                       syncer={"incomplete_timeout_s": 5.0})
     s = train(cfg, progress=False, console=_quiet(), with_chaos=True, summary_json=tmp_path / "s.json")
@@ -129,8 +131,10 @@ def test_chaos_run_heals_and_applies_every_contribution_once(tiny_config, tmp_pa
     assert s["eval_loss_end"] < 0.9 * s["eval_loss_start"]
     assert 0.5 < s["goodput"] <= 1.02 and 0 <= s["goodput_sync_equivalent"] < s["goodput"]
     assert_exact_accounting(cfg, s["run_id"])
-    joined = [e for e in run_events(cfg, s["run_id"]) if e["kind"] == "learner_joined" and e.get("was")]
-    assert {e["learner"] for e in joined} == set(cfg.learner_ids())   # each came back and re-registered
+    incarnations = Counter()  # each came back under a new incarnation and registered with the syncer
+    for lid, inc in {(e["learner"], e["incarnation"]) for e in run_events(cfg, s["run_id"]) if e["kind"] == "heartbeat"}:
+        incarnations[lid] += 1
+    assert incarnations == {lid: 2 for lid in cfg.learner_ids()}
 
 
 def test_redis_restart_mid_run(tiny_config, tmp_path):
@@ -172,7 +176,7 @@ def test_broker_restart_mid_run_with_durable_storage(tiny_config, tmp_path):
         r = state_mod.connect(cfg.state)
         _wait(lambda: any(k.endswith(":merges") and r.llen(k) >= 4 for k in r.keys("*:merges")), 300, "merges")
         services.stop("kafka", tmp_path / "kafka")
-        time.sleep(2.0)
+        time.sleep(5.0)                                           # several liveness checks see it gone
         services.start_broker(tmp_path / "kafka", kport, s3_port=s3)
         runner.join(timeout=600)
         s = result["s"]
@@ -182,8 +186,8 @@ def test_broker_restart_mid_run_with_durable_storage(tiny_config, tmp_path):
         assert c["rejected"] < 0.1 * c["published"]
         assert_exact_accounting(cfg, s["run_id"])
         logs = {p.stem: p.read_text() for p in (tmp_path / "runs" / s["run_id"] / "logs").glob("*.log")}
-        assert "Connection lost" in logs["syncer"]          # it noticed the outage, and reconnected: the run completed
-        assert any("Connection lost" in text for name, text in logs.items() if name != "syncer")
+        for name in ("syncer", *cfg.learner_ids()):  # each noticed the outage and its end; the run completed
+            assert "broker unavailable" in logs[name] and "broker reachable again" in logs[name], name
     finally:
         runner.join(timeout=600)
         services.stop("kafka", tmp_path / "kafka")

@@ -7,6 +7,7 @@ Tansu broker or to a production Kafka cluster with SASL/TLS.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -57,6 +58,38 @@ def _common(t: TransportConfig) -> dict:
     if t.ssl_cafile:
         kw["ssl_cafile"] = t.ssl_cafile
     return kw
+
+
+class BrokerWatch:
+    """Says in the log when the bootstrap brokers stop and start answering.
+
+    kafka-python reconnects by itself (with the backoff set in `_common`); this makes the outage and
+    the recovery visible in our own structured logs, once each, rather than as client noise.
+    """
+
+    def __init__(self, t: TransportConfig, who: str, period_s: float = 1.0):
+        self.addrs = [a.rsplit(":", 1) for a in t.bootstrap_servers.split(",")]
+        self.who, self.period_s = who, period_s
+        self.up, self._last = True, 0.0
+
+    def check(self) -> bool:
+        now = time.time()
+        if now - self._last >= self.period_s:
+            self._last = now
+            up = any(_answers(host, int(port)) for host, port in self.addrs)
+            if up != self.up:
+                log.warning("broker reachable again" if up else "broker unavailable; clients reconnect with backoff",
+                            extra={"who": self.who, "bootstrap": [":".join(a) for a in self.addrs]})
+            self.up = up
+        return self.up
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float = 30.0) -> None:

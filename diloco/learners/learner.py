@@ -29,6 +29,7 @@ from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import Corpus, sample_batches
 from diloco.learners.model import loss_fn
+from diloco.learners.parallel import data_parallel, local_batch_size
 from diloco.syncer.syncer import fragment_plan
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class Publisher(threading.Thread):
         topic = self.topics.fragments[self.region]
         part = self.topics.partition_of(fragment)
         key = str(fragment).encode()
+        # Emulated WAN: this thread holds the region's link for latency + bytes / its share of the bandwidth.
+        time.sleep(self.cfg.transport.wan_delay_s(sum(len(f) + len(key) for f in frames),
+                                                  sharers=self.cfg.region_of(self.learner).learners))
         delay = 0.5
         while True:  # resend the whole contribution until acked: the syncer drops repeats by id
             try:
@@ -119,15 +123,15 @@ class Publisher(threading.Thread):
 class Heartbeat(threading.Thread):
     """Sends the learner's latest status every period; the inner loop only updates a dict."""
 
-    def __init__(self, send, period_s: float):
+    def __init__(self, send, period_s: float, broker: kafka_io.BrokerWatch):
         super().__init__(daemon=True, name="heartbeat")
-        self.send, self.period_s = send, period_s
+        self.send, self.period_s, self.broker = send, period_s, broker
         self.status: dict = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(self.period_s):
-            if self.status:
+            if self.broker.check() and self.status:
                 try:
                     self.send(**self.status)
                 except KafkaError as err:  # the next beat will do; training goes on
@@ -194,9 +198,11 @@ class Learner:
         self.publisher = Publisher(cfg, run_id, learner_id, self.region.name, producer, self.topics, self.counters)
         self.fetcher = Fetcher(cfg, run_id, outer_consumer, store, self.topics, self.counters, self.plan)
         # A restarted learner draws other windows than before its crash, not the same ones again.
-        self.batches = sample_batches(corpus.train_tokens(self.index), batch_size=cfg.inner.batch_size,
-                                      seq_len=cfg.model.seq_len, seed=(cfg.data.seed, self.index, start_step))
-        self.heartbeat = Heartbeat(self._heartbeat, cfg.run.heartbeat_s)
+        self.dp = data_parallel(cfg.inner.batch_size)
+        self.batches = sample_batches(corpus.train_tokens(self.index), batch_size=local_batch_size(cfg.inner.batch_size),
+                                      seq_len=cfg.model.seq_len,
+                                      seed=(cfg.data.seed, self.index, start_step, jax.process_index()))
+        self.heartbeat = Heartbeat(self._heartbeat, cfg.run.heartbeat_s, kafka_io.BrokerWatch(cfg.transport, learner_id))
         self.stopping = False
 
     def _heartbeat(self, **fields) -> None:
@@ -222,18 +228,21 @@ class Learner:
     def run(self) -> dict:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         cfg = self.cfg
-        self.publisher.start()
+        leader = self.dp.is_leader  # the other hosts of a multi-host learner train, but do not publish
+        if leader:
+            self.publisher.start()
+            self.heartbeat.start()
         self.fetcher.start()
-        self.heartbeat.start()
         initial = self._wait_initial()
         base_version = {p: v for p, (v, _) in initial.items()}
         base = {p: fr for p, (_, fr) in initial.items()}
-        params = {n: jnp.asarray(a) for fr in base.values() for n, a in fr.items()}
-        log.info("joined", extra={"learner": self.id, "versions": base_version, "shard": self.index})
+        params = self.dp.replicate({n: a for fr in base.values() for n, a in fr.items()})
+        log.info("joined", extra={"learner": self.id, "versions": base_version, "shard": self.index,
+                                  "devices": self.dp.devices})
 
         opt = inner_optimizer(cfg, self.start_step)
         opt_state = opt.init(params)
-        batch = jnp.asarray(next(self.batches))
+        batch = self.dp.shard_batch(next(self.batches))
         # Compile before the clock starts: step times feed the grace window and the time budget.
         train_step = make_train_step(cfg, opt).lower(params, opt_state, batch).compile()
         P, H = cfg.fragments.count, cfg.fragments.sync_every
@@ -251,7 +260,7 @@ class Learner:
             params = self._apply_arrivals(params, base, base_version)
             t0 = time.perf_counter()
             params, opt_state, loss_arr = train_step(params, opt_state, batch)
-            batch = jnp.asarray(next(self.batches))
+            batch = self.dp.shard_batch(next(self.batches))
             loss = float(loss_arr)
             dt = time.perf_counter() - t0
             if self.region.speed < 1:  # stands for slower hardware in this region
@@ -272,31 +281,35 @@ class Learner:
         for p in range(P):  # hand in the work done since each fragment's last sync
             if since[p]["steps"]:
                 self._sync(p, params, base, base_version, since)
-        self.publisher.queue.put(None)
-        self.publisher.queue.join()
+        if leader:
+            self.publisher.queue.put(None)
+            self.publisher.queue.join()
+            self.heartbeat.stop.set()
+            self.heartbeat.join(timeout=30)
         self.fetcher.stop.set()
-        self.heartbeat.stop.set()
         self.fetcher.join(timeout=30)  # a TensorStore read still running at exit aborts the process
-        self.heartbeat.join(timeout=30)
         if self.publisher.error:
             raise self.publisher.error
         summary = {"step": step, "tokens": tokens, "loss": loss, "step_time": step_time, "compute_s": compute_s,
                    "versions": base_version}
-        self._heartbeat(**summary, state="finished")
-        self.producer.flush()
+        if leader:
+            self._heartbeat(**summary, state="finished")
+            self.producer.flush()
         log.info("finished", extra=summary)
         return summary
 
     def _sync(self, p: int, params, base, base_version, since) -> None:
         names = self.plan[p]
-        local = {n: np.asarray(params[n]) for n in names}
+        local = {n: self.dp.to_host(params[n]) for n in names}
         deltas = {n: base[p][n] - local[n] for n in names}  # outer delta: global - local
         # The next delta starts from what was just sent, so that if the merged global value is slow
         # to arrive, two contributions never carry the same progress twice.
         base[p] = local
         s = since[p]
-        self.publisher.queue.put({"fragment": p, "base_version": base_version[p], "tokens": s["tokens"],
-                                  "steps": s["steps"], "step_time": s["time"] / max(s["steps"], 1), "deltas": deltas})
+        if self.dp.is_leader:
+            self.publisher.queue.put({"fragment": p, "base_version": base_version[p], "tokens": s["tokens"],
+                                      "steps": s["steps"], "step_time": s["time"] / max(s["steps"], 1),
+                                      "deltas": deltas})
         since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
 
     def _apply_arrivals(self, params, base, base_version):
@@ -309,7 +322,8 @@ class Learner:
             if v <= base_version[p]:
                 continue
             for n, a in new.items():
-                params[n] = jnp.asarray(a if alpha == 1.0 else alpha * a + (1 - alpha) * np.asarray(params[n]))
+                mixed = a if alpha == 1.0 else alpha * a + (1 - alpha) * self.dp.to_host(params[n])
+                params[n] = self.dp.replicate(mixed)
             base[p], base_version[p] = new, v
             with self.counters.lock:
                 self.counters.versions_applied += 1

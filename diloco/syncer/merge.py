@@ -18,13 +18,13 @@ import optax
 _CANCELLED = 1e-6  # norm of the mean unit direction below which it is rounding noise
 
 
-def token_weights(tokens: Sequence[float], steps: Sequence[float]) -> np.ndarray:
-    """Dynamic token weighting, normalised to sum to 1: w = tokens * tokens / steps."""
+def token_weights(tokens: Sequence[float], steps: Sequence[float], weighted: bool = True) -> np.ndarray:
+    """Dynamic token weighting, normalised to sum to 1: w = tokens * tokens / steps (equal if not weighted)."""
     t = np.asarray(tokens, dtype=np.float64)
     s = np.asarray(steps, dtype=np.float64)
     if len(t) == 0 or np.any(t <= 0) or np.any(s <= 0):
         raise ValueError("token weights need positive tokens and steps for every contribution")
-    w = t * (t / s)
+    w = t * (t / s) if weighted else np.ones_like(t)
     return w / w.sum()
 
 
@@ -48,13 +48,17 @@ def rda(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
 
 
 def merge_deltas(contributions: Sequence[Mapping[str, np.ndarray]], weights: np.ndarray,
-                 mean_names: Sequence[str] = ()) -> dict[str, np.ndarray]:
-    """Merge per-tensor: RDA by default, weighted mean for tensors in `mean_names`."""
+                 mean_names: Sequence[str] = (), rule: str = "rda") -> dict[str, np.ndarray]:
+    """Merge per-tensor: RDA by default, weighted mean for tensors in `mean_names` or for every
+    tensor when rule="mean" (the plain average of synchronous DiLoCo)."""
+    if rule not in ("rda", "mean"):
+        raise ValueError(f"unknown merge rule {rule!r}")
     names = contributions[0].keys()
     out = {}
     for name in names:
         tensors = [c[name] for c in contributions]
-        out[name] = weighted_mean(tensors, weights) if name in mean_names else rda(tensors, weights)
+        plain = rule == "mean" or name in mean_names
+        out[name] = weighted_mean(tensors, weights) if plain else rda(tensors, weights)
     return out
 
 

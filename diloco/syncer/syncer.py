@@ -124,6 +124,7 @@ class Syncer:
         self.sync_time_s = 0.0
         self.stopping = False
         self._broker_down = False
+        self.broker = kafka_io.BrokerWatch(cfg.transport, "syncer")
         self._last_offsets_save = 0.0
         self._last_registry_check = 0.0
 
@@ -217,6 +218,7 @@ class Syncer:
                 except Exception as err:  # one bad record must never stop the syncer
                     log.exception("record handling failed", extra={"topic": tp.topic, "offset": rec.offset})
                     self._reject(None, "internal_error", f"{type(err).__name__}: {err}", where=(tp.topic, tp.partition, rec.offset))
+        self.broker.check()
         now = self.clock()
         for d in self.assembler.expire(now):
             self._reject_dropped(d)
@@ -233,7 +235,7 @@ class Syncer:
 
         While the broker is away the outbox waits in Redis and the next step tries again.
         """
-        while records := self.state.outbox_peek():
+        while self.broker.check() and (records := self.state.outbox_peek()):  # no blocking flush while it is away
             try:
                 futures = [self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"])
                            for r in records]
@@ -407,8 +409,10 @@ class Syncer:
         if not contribs:
             return
         metas = [c.manifest_meta for c in contribs]
-        weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas])
-        delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, self.cfg.syncer.mean_merge_tensors)
+        sc = self.cfg.syncer
+        weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
+                                           weighted=sc.token_weighting)
+        delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, sc.mean_merge_tensors, rule=sc.merge)
         names = self.plan[p]
         params, opt_state = merge_math.outer_step(self.opt, {n: st.params[n] for n in names}, st.opt_state, delta)
         crash_point("merge_computed")

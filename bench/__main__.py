@@ -1,0 +1,107 @@
+"""`python -m bench [--methods ...] [--scenarios ...] [--quick] [--output DIR]` runs the side-by-side
+benchmark; `python -m bench merge` runs the merge-path micro-benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from bench import merge_bench, report, setups
+from diloco.config import ModelConfig
+
+
+def _list(text: str, allowed) -> list[str]:
+    items = [x for x in text.split(",") if x]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {list(allowed)}")
+    return items
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    ap.add_argument("--methods", type=lambda s: _list(s, setups.METHODS), default=["dp", "sync", "decoupled"],
+                    help=f"comma-separated, of {', '.join(setups.METHODS)}")
+    ap.add_argument("--scenarios", type=lambda s: _list(s, setups.SCENARIOS), default=list(setups.SCENARIOS),
+                    help=f"comma-separated, of {', '.join(setups.SCENARIOS)}")
+    ap.add_argument("--quick", action="store_true", help="the small size (~1 min per DiLoCo run)")
+    ap.add_argument("--output", type=Path, default=Path(".diloco/bench"))
+    ap.add_argument("--points", type=int, default=6, help="held-out evaluations per run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="base config override for every run (e.g. transport.bootstrap_servers=host:9092)")
+    return ap.parse_args(argv)
+
+
+def parse_merge(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench merge", description=merge_bench.__doc__)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--contributions", type=int, default=4)
+    ap.add_argument("--scheme", choices=["fp32", "bf16", "int8"], default="int8")
+    ap.add_argument("--repeats", type=int, default=5)
+    return ap.parse_args(argv)
+
+
+def main_merge(argv: list[str]) -> dict:
+    a = parse_merge(argv)
+    out = merge_bench.run(ModelConfig(d_model=a.d_model, n_layers=a.layers, n_heads=4), k=a.contributions,
+                          scheme=a.scheme, repeats=a.repeats)
+    print(json.dumps(out, indent=1))
+    print(f"merge path: {out['merge_mb_per_s']:.1f} MB/s of contributions ({out['payload_mb']:.2f} MB in "
+          f"{1000 * out['merge_s']:.0f} ms); NumPy copy of the same bytes: {out['copy_mb_per_s']:.0f} MB/s "
+          f"({out['copy_over_merge']:.0f}x faster)")
+    return out
+
+
+def main(argv: list[str]) -> Path:
+    a = parse(argv)
+    from bench import dp as dp_mod
+    from bench import runs
+    from diloco.learners.data import ensure_corpus, eval_batches
+    console = Console(stderr=True)
+    size = "quick" if a.quick else "full"
+    base = a.set
+    any_cfg = setups.build("decoupled", "healthy", size, base)
+    corpus = ensure_corpus(any_cfg.data.corpus, any_cfg.data.dir, learners=any_cfg.num_learners,
+                           heldout_fraction=any_cfg.data.heldout_fraction, max_bytes=any_cfg.data.max_corpus_bytes,
+                           seed=any_cfg.data.seed)
+    held = eval_batches(corpus.heldout_tokens(), n_batches=any_cfg.run.eval_batches,
+                        batch_size=any_cfg.run.eval_batch_size, seq_len=any_cfg.model.seq_len)
+    a.output.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    results, by_key, dp = [], {}, None
+    # DiLoCo runs first: data-parallel's clock in a scenario borrows the measured step times and outages.
+    pairs = sorted(setups.plan(a.methods, a.scenarios), key=lambda ms: ms[0] == "dp")
+    for method, scenario in pairs:
+        cfg = setups.build(method, scenario, size, base)
+        console.rule(f"{method} / {scenario}  ({time.time() - t0:.0f}s)")
+        if method == "dp":
+            dp = dp or dp_mod.train_dp(cfg, corpus, held, evals=a.points)
+            r = runs.dp_in_scenario(cfg, scenario, dp, by_key.get(("decoupled", scenario)))
+        else:
+            r = runs.run_diloco(cfg, scenario, held, a.points, console)
+        r |= {"method": method, "scenario": scenario}
+        by_key[(method, scenario)] = r
+        results.append(r)
+        (a.output / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    order = {s: i for i, s in enumerate(a.scenarios)}
+    results.sort(key=lambda r: (order[r["scenario"]], a.methods.index(r["method"])))
+    (a.output / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    header = (f"Command: python -m bench {' '.join(argv)}\nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}; "
+              f"total {time.time() - t0:.0f}s\n\n")
+    md = report.write(results, a.output, header)
+    print(md.read_text())
+    return md
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args[:1] == ["merge"]:
+        main_merge(args[1:])
+    else:
+        main(args)

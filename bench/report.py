@@ -1,0 +1,92 @@
+"""The benchmark's markdown table and plots, from the results dict alone (so they can be redrawn)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from bench import metrics
+
+COLUMNS = ["scenario", "method", "tokens", "held-out loss", "gap to DP", "time to target", "bytes across regions",
+           "DP bytes / bytes", "goodput", "learner idle", "merge MB/s", "merge p50 / p90 / p99", "accept→merge p50 / p90"]
+
+
+def targets(results: list[dict]) -> dict[str, float]:
+    """Per scenario, the target loss: the worst final loss among its methods, so every method reaches it."""
+    out: dict[str, float] = {}
+    for r in results:
+        out[r["scenario"]] = max(out.get(r["scenario"], -math.inf), r["loss_end"])
+    return out
+
+
+def _fmt(x: float, spec: str, suffix: str = "") -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:{spec}}{suffix}"
+
+
+def rows(results: list[dict]) -> list[list[str]]:
+    target = targets(results)
+    dp = {r["scenario"]: r for r in results if r["method"] == "dp"}
+    out = []
+    for r in results:
+        ref = dp.get(r["scenario"])
+        c = r["curve"]
+        tt = metrics.time_to_target(c["time_s"], c["loss"], target[r["scenario"]])
+        m = r.get("merge")
+        out.append([
+            r["scenario"], r["method"], f"{r['tokens']:,}", f"{r['loss_end']:.4f}",
+            _fmt(metrics.gap_percent(r["loss_end"], ref["loss_end"]) if ref else None, "+.2f", "%"),
+            _fmt(tt, ".1f", " s"), f"{r['bytes_sent'] / 1e6:,.2f} MB",
+            _fmt(r["bytes_dp"] / r["bytes_sent"] if r["bytes_sent"] else None, ",.0f", "x"),
+            f"{100 * r['goodput']:.1f}%", f"{100 * r['idle']:.1f}%",
+            _fmt(m["merge_mb_per_s"] if m else None, ".1f"),
+            " / ".join(_fmt(1000 * v, ".0f") for v in m["merge_s"].values()) + " ms" if m else "–",
+            " / ".join(_fmt(v, ".2f") for v in list(m["accept_to_merge_s"].values())[:2]) + " s" if m else "–",
+        ])
+    return out
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows(results)]
+    tgt = ", ".join(f"{s} {v:.4f}" for s, v in targets(results).items())
+    return "\n".join(lines) + f"\n\nTarget loss per scenario (worst final loss among its methods): {tgt}\n"
+
+
+def plot(results: list[dict], out: Path) -> list[str]:
+    scenarios = list(dict.fromkeys(r["scenario"] for r in results))
+    files = []
+    for key, xlabel, name in (("tokens", "tokens (all workers)", "loss_vs_tokens.png"),
+                              ("time_s", "wall-clock (s)", "loss_vs_time.png")):
+        fig, axes = plt.subplots(1, len(scenarios), figsize=(5 * len(scenarios), 4), squeeze=False)
+        for ax, sc in zip(axes[0], scenarios):
+            for r in results:
+                if r["scenario"] == sc:
+                    ax.plot(r["curve"][key], r["curve"]["loss"], marker="o", ms=3, label=r["method"])
+            ax.set(title=sc, xlabel=xlabel, ylabel="held-out loss (nats)")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(results)), 4))
+    labels = [f"{r['method']}\n{r['scenario']}" for r in results]
+    ax.bar(range(len(results)), [r["bytes_sent"] / 1e6 for r in results])
+    ax.set_xticks(range(len(results)), labels, fontsize=6, rotation=90)
+    ax.set(yscale="log", ylabel="MB across regions")
+    fig.tight_layout()
+    fig.savefig(out / "bytes.png", dpi=110)
+    plt.close(fig)
+    return files + ["bytes.png"]
+
+
+def write(results: list[dict], out: Path, header: str = "") -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    files = plot(results, out)
+    md = out / "bench.md"
+    md.write_text(header + markdown(results) + "\nPlots: " + ", ".join(files) + "\n")
+    return md

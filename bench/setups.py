@@ -1,0 +1,70 @@
+"""Methods and scenarios as config overrides on one shared base, so every run differs only in
+what the method or scenario names."""
+
+from __future__ import annotations
+
+from diloco.config import Config, build_config
+
+# Sizes: quick (~1 min per run on 2 shared CPU cores) and full (closer to the demo).
+SIZES = {
+    "quick": {
+        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64},
+        "inner": {"steps": 240, "batch_size": 8, "lr": 3e-3, "warmup_steps": 20},
+        "fragments": {"count": 4, "sync_every": 20, "quantization": "int8"},
+        "run": {"heartbeat_s": 0.5, "eval_batches": 8, "eval_batch_size": 16, "timeout_s": 900},
+    },
+    "full": {
+        "model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 128},
+        "inner": {"steps": 600, "batch_size": 8, "lr": 3e-3, "warmup_steps": 50},
+        "fragments": {"count": 4, "sync_every": 40, "quantization": "int8"},
+        "run": {"heartbeat_s": 1.0, "eval_batches": 16, "eval_batch_size": 16, "timeout_s": 1800},
+    },
+}
+REGIONS = [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2}]  # M = 4
+
+# Each DiLoCo method: overrides of the syncer / fragments sections. "dp" runs in bench.dp instead.
+METHODS: dict[str, dict] = {
+    "dp": {},
+    # OpenDiLoCo / torchft style: wait for every learner, no grace, equal-weight plain mean.
+    "sync": {"syncer": {"quorum": sum(r["learners"] for r in REGIONS), "grace_max_s": 0.0, "merge": "mean",
+                        "token_weighting": False}},
+    "decoupled": {"syncer": {"quorum": 2}},
+    "decoupled-p1": {"syncer": {"quorum": 2}, "fragments": {"count": 1}},
+    "decoupled-fp32": {"syncer": {"quorum": 2}, "fragments": {"quantization": "fp32"}},
+    "decoupled-bf16": {"syncer": {"quorum": 2}, "fragments": {"quantization": "bf16"}},
+}
+
+# The emulated WAN is scaled to the tiny model: an all-reduce of ~0.5 MB per step on 10 Mbit/s
+# per region costs about what a 2-5 Gbit/s link costs a billion-parameter model.
+WAN = {"wan_bandwidth_mbps": 10.0, "wan_latency_ms": 50.0}
+
+SCENARIOS: dict[str, dict] = {
+    "healthy": {},
+    "mixed": {"regions": [REGIONS[0], {**REGIONS[1], "speed": 0.5}]},
+    "failures": {"chaos": {"seed": 0, "learner_kills": 1, "syncer_kills": 1, "restart_after_s": 2.0}},
+    "wan": {"transport": WAN},
+}
+
+# Quick mode runs the fragment and quantization variants only where they matter: quality and bytes.
+VARIANTS_ONLY_IN = "healthy"
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build(method: str, scenario: str, size: str = "quick", overrides: list[str] = ()) -> Config:
+    """The config of one (method, scenario) run; `overrides` (key=value) carry local services and paths."""
+    tree = _merge({"regions": REGIONS, **SIZES[size]}, METHODS[method])
+    tree = _merge(tree, SCENARIOS[scenario])
+    tree = _merge(tree, {"run": {"name": f"bench-{method}-{scenario}"}})
+    return build_config(tree, overrides)
+
+
+def plan(methods: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
+    """(method, scenario) pairs to run; variants (decoupled-*) only in the healthy scenario."""
+    return [(m, s) for s in scenarios for m in methods
+            if not (m.startswith("decoupled-") and s != VARIANTS_ONLY_IN)]

@@ -1,0 +1,63 @@
+"""Held-out evaluation of a run's global parameters, read from TensorStore at given versions."""
+
+from __future__ import annotations
+
+import math
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from diloco.config import Config, load_config
+from diloco.flows import reports
+from diloco.infra.store import FragmentStore
+from diloco.learners.data import ensure_corpus
+from diloco.learners.model import evaluate
+from diloco.run import heldout_batches, load_global
+
+
+def latest_versions(cfg: Config, store: FragmentStore) -> list[int]:
+    return [store.versions(p)[-1] for p in range(cfg.fragments.count)]
+
+
+def tokens_at(cfg: Config, store: FragmentStore, versions: list[int]) -> int:
+    """Tokens the global model has seen: every fragment merges each step once, so the mean over fragments."""
+    per_fragment = [sum(store.read_meta(p, v)["tokens"] for v in range(1, versions[p] + 1))
+                    for p in range(cfg.fragments.count)]
+    return round(sum(per_fragment) / len(per_fragment))
+
+
+def evaluate_versions(cfg: Config, versions: list[int]) -> dict:
+    """Loss and perplexity of the global parameters at `versions` (one per fragment) on the held-out set."""
+    store = FragmentStore(cfg.store.url, cfg.run.id)
+    corpus = ensure_corpus(cfg.data.corpus, cfg.data.dir, learners=cfg.num_learners,
+                           heldout_fraction=cfg.data.heldout_fraction, max_bytes=cfg.data.max_corpus_bytes,
+                           seed=cfg.data.seed)
+    params = load_global(cfg, store, dict(enumerate(versions)))
+    loss = evaluate(params, heldout_batches(cfg, corpus), cfg.model)
+    return {"version": min(versions), "versions": list(versions), "tokens": tokens_at(cfg, store, versions),
+            "loss": loss, "perplexity": math.exp(loss)}
+
+
+@task(retries=2, retry_delay_seconds=[2, 8], cache_policy=NO_CACHE)
+def read_versions(cfg: Config) -> list[int]:
+    return latest_versions(cfg, FragmentStore(cfg.store.url, cfg.run.id))
+
+
+@task(retries=2, retry_delay_seconds=[2, 8], cache_policy=NO_CACHE)
+def measure(cfg: Config, versions: list[int]) -> dict:
+    return evaluate_versions(cfg, versions)
+
+
+@task(cache_policy=NO_CACHE)
+def report_eval(run_id: str, figures: dict) -> None:
+    reports.eval_artifact(run_id, figures)
+
+
+@flow(name="diloco-eval")
+def evaluate_checkpoint(config: str, versions: list[int] | None = None) -> dict:
+    """Evaluate a run's checkpoint: `config` is the run's own config.yaml (it names the run); `versions`
+    one per fragment, default the latest complete version of each."""
+    cfg = load_config(config)
+    figures = measure(cfg, versions if versions is not None else read_versions(cfg))
+    report_eval(cfg.run.id, figures)
+    return figures

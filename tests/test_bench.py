@@ -1,0 +1,189 @@
+"""The benchmark harness at a tiny size, the merge options it needs (plain mean, equal weights) and
+the WAN throttle arithmetic. Benchmarks themselves are not timed here."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import dp, merge_bench, metrics, report, runs, setups
+from diloco.config import ConfigError, ModelConfig, TransportConfig, build_config
+from diloco.learners.data import FORMAT, Corpus
+from diloco.learners.model import loss_fn
+from diloco.syncer import merge
+
+# --- merge options -------------------------------------------------------------------------------
+
+
+def test_token_weights_are_equal_when_weighting_is_off():
+    np.testing.assert_allclose(merge.token_weights([1000, 10, 500], [10, 20, 5], weighted=False), [1 / 3] * 3)
+    with pytest.raises(ValueError):
+        merge.token_weights([10, 0], [1, 1], weighted=False)
+
+
+def test_mean_rule_is_a_plain_weighted_mean_of_every_tensor():
+    rng = np.random.default_rng(0)
+    contribs = [{"a": rng.normal(size=(3, 4)).astype(np.float32), "tok_embed": rng.normal(size=5).astype(np.float32)}
+                for _ in range(3)]
+    w = np.array([0.2, 0.3, 0.5])
+    out = merge.merge_deltas(contribs, w, ("tok_embed",), rule="mean")
+    for name in ("a", "tok_embed"):
+        np.testing.assert_allclose(out[name], sum(wi * c[name] for wi, c in zip(w, contribs)), rtol=1e-5)
+    rda = merge.merge_deltas(contribs, w, ("tok_embed",))
+    np.testing.assert_allclose(rda["a"], merge.rda([c["a"] for c in contribs], w), rtol=1e-6)
+    assert not np.allclose(rda["a"], out["a"])
+    with pytest.raises(ValueError, match="unknown merge rule"):
+        merge.merge_deltas(contribs, w, rule="median")
+
+
+def test_config_takes_the_merge_options_and_rejects_unknown_rules():
+    cfg = build_config({"syncer": {"merge": "mean", "token_weighting": False}})
+    assert (cfg.syncer.merge, cfg.syncer.token_weighting) == ("mean", False)
+    assert (build_config({}).syncer.merge, build_config({}).syncer.token_weighting) == ("rda", True)
+    with pytest.raises(ConfigError, match="syncer.merge"):
+        build_config({"syncer": {"merge": "median"}})
+
+
+# --- WAN throttle --------------------------------------------------------------------------------
+
+
+def test_wan_delay_is_latency_plus_bytes_over_the_share_of_the_link():
+    t = TransportConfig(wan_bandwidth_mbps=8.0, wan_latency_ms=50.0)
+    assert t.wan_delay_s(1_000_000) == pytest.approx(0.05 + 1.0)
+    assert t.wan_delay_s(1_000_000, sharers=2) == pytest.approx(0.05 + 2.0)
+    assert TransportConfig(wan_latency_ms=20.0).wan_delay_s(10**9) == pytest.approx(0.02)
+    assert TransportConfig().wan_delay_s(10**9) == 0.0
+    assert metrics.dp_comm_s(1_000_000, 8.0, 50.0, 2) == pytest.approx(t.wan_delay_s(1_000_000, sharers=2))
+
+
+def test_dp_clock_charges_every_step_and_each_stall_once():
+    clock = metrics.dp_clock(4, 1.0, 0.5, {2: 10.0})
+    np.testing.assert_allclose(clock, [1.5, 3.0, 14.5, 16.0])
+
+
+def test_dp_stalls_follow_the_seeded_learner_kills_only():
+    cfg = setups.build("dp", "failures")
+    stalls = runs.dp_stalls(cfg, 100, {"us-0": 7.0})
+    assert sum(stalls.values()) == pytest.approx(7.0 + 3 * cfg.chaos.restart_after_s)  # 4 learners, syncer ignored
+    assert all(0 <= s < 100 for s in stalls)
+
+
+# --- figures -------------------------------------------------------------------------------------
+
+
+def test_time_to_target_interpolates_and_is_inf_when_never_reached():
+    assert metrics.time_to_target([0, 10, 20], [4.0, 3.0, 2.0], 2.5) == pytest.approx(15.0)
+    assert metrics.time_to_target([0, 10], [4.0, 3.0], 4.5) == 0.0
+    assert metrics.time_to_target([0, 10], [4.0, 3.0], 1.0) == math.inf
+    assert metrics.gap_percent(1.02, 1.0) == pytest.approx(2.0)
+
+
+def test_merge_stats_from_events():
+    ev = [{"kind": "contribution_accepted", "id": "a", "bytes": 2_000_000, "time": 1.0},
+          {"kind": "contribution_accepted", "id": "b", "bytes": 1_000_000, "time": 2.0},
+          {"kind": "merge", "ids": ["a", "b"], "seconds": 0.5, "time": 3.0},
+          {"kind": "contribution_accepted", "id": "c", "bytes": 1_000_000, "time": 3.0},
+          {"kind": "merge", "ids": ["c"], "seconds": 0.5, "time": 3.5}]
+    s = metrics.merge_stats(ev)
+    assert (s["merges"], s["merged_mb"], s["merge_mb_per_s"]) == (2, 4.0, 4.0)
+    assert s["merge_s"]["p50"] == 0.5
+    assert s["accept_to_merge_s"]["p50"] == pytest.approx(1.0)
+
+
+def test_learner_time_and_tokens_from_heartbeats():
+    beats = [{"kind": "heartbeat", "learner": "a", "incarnation": "1", "time": 12.0, "compute_s": 2.0, "tokens": 10,
+              "step": 4},
+             {"kind": "heartbeat", "learner": "a", "incarnation": "2", "time": 20.0, "compute_s": 3.0, "tokens": 30,
+              "step": 10},
+             {"kind": "heartbeat", "learner": "b", "incarnation": "1", "time": 15.0, "compute_s": 5.0, "tokens": 20,
+              "step": 20}]
+    lt = metrics.learner_time(beats, ["a", "b"])
+    assert lt["origin"] == 10.0
+    assert lt["compute_s"] == {"a": 5.0, "b": 5.0}
+    assert lt["wall_s"] == {"a": 10.0, "b": 5.0}
+    assert lt["step_s"] == {"a": 0.5, "b": 0.25}
+    assert metrics.tokens_at(beats, 16.0) == 30
+
+
+# --- setups --------------------------------------------------------------------------------------
+
+
+def test_methods_differ_only_in_what_they_name():
+    sync, dec = setups.build("sync", "healthy"), setups.build("decoupled", "healthy")
+    assert (sync.syncer.quorum, sync.syncer.merge, sync.syncer.token_weighting, sync.syncer.grace_max_s) == (
+        sync.num_learners, "mean", False, 0.0)
+    assert dec.syncer.quorum < dec.num_learners and dec.syncer.merge == "rda"
+    assert sync.model == dec.model and sync.inner == dec.inner and sync.fragments == dec.fragments
+    assert setups.build("decoupled", "mixed").regions[1].speed == 0.5
+    assert setups.build("decoupled", "wan").transport.wan_bandwidth_mbps == setups.WAN["wan_bandwidth_mbps"]
+    assert setups.plan(["dp", "decoupled-p1"], ["healthy", "wan"]) == [
+        ("dp", "healthy"), ("decoupled-p1", "healthy"), ("dp", "wan")]
+
+
+# --- harness at a tiny size ----------------------------------------------------------------------
+
+TINY_MODEL = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8}
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path):
+    rng = np.random.default_rng(0)
+    shards = []
+    for i in range(4):
+        name = f"train-{i}.bin"
+        rng.integers(1, 256, 4000).astype("<u2").tofile(tmp_path / name)
+        shards.append({"name": name, "tokens": 4000})
+    rng.integers(1, 256, 2000).astype("<u2").tofile(tmp_path / "heldout.bin")
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"format": FORMAT, "shards": shards, "heldout": {"name": "heldout.bin", "tokens": 2000}}))
+    return Corpus.open(tmp_path)
+
+
+def test_dp_step_averages_the_workers_gradients(tiny_corpus):
+    cfg = setups.build("dp", "healthy", overrides=[f"model.{k}={v}" for k, v in TINY_MODEL.items()])
+    params = {k: jnp.asarray(v) for k, v in dp.init_params(cfg.model).items()}
+    batches = jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 2, 9)), jnp.int32)
+    per_worker = [jax.grad(loss_fn)(params, b, cfg.model) for b in batches]
+    allreduced = jax.tree_util.tree_map(lambda *g: sum(g) / 4, *per_worker)
+    whole = jax.grad(loss_fn)(params, batches.reshape(8, 9), cfg.model)  # equal batches: the same gradient
+    for k in params:
+        np.testing.assert_allclose(allreduced[k], whole[k], rtol=1e-4, atol=1e-6)
+
+
+def test_dp_baseline_runs_a_few_steps_and_its_scenarios(tiny_corpus):
+    cfg = setups.build("dp", "wan", overrides=[f"model.{k}={v}" for k, v in TINY_MODEL.items()]
+                       + ["inner.steps=4", "inner.warmup_steps=1"])
+    held = np.random.default_rng(2).integers(0, 256, (2, 2, 9)).astype(np.int32)
+    out = dp.train_dp(cfg, tiny_corpus, held, evals=2)
+    assert out["curve"]["step"] == [0, 2, 4] and all(np.isfinite(out["curve"]["loss"]))
+    r = runs.dp_in_scenario(cfg, "wan", out, {"step_times": {"us-0": 0.1, "eu-0": 0.2}})
+    assert r["step_s"] == 0.2 and r["comm_s"] > 0.05
+    assert r["time_s"] == pytest.approx(4 * (0.2 + r["comm_s"]))
+    assert r["bytes_sent"] == runs.dp_allreduce_bytes(runs.num_params(cfg), 4, 16)
+
+
+def test_merge_micro_benchmark_at_a_tiny_size():
+    out = merge_bench.run(ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, seq_len=8), k=2, repeats=1)
+    assert out["contributions"] == 2 and out["payload_mb"] > 0
+    assert out["merge_mb_per_s"] > 0 and out["copy_mb_per_s"] > 0
+
+
+def _fake(method, scenario, loss, bytes_sent, merge_stats=None):
+    return {"method": method, "scenario": scenario, "tokens": 1000, "loss_end": loss, "bytes_sent": bytes_sent,
+            "bytes_dp": 1e9, "goodput": 0.9, "idle": 0.05, "merge": merge_stats,
+            "curve": {"tokens": [0, 500, 1000], "time_s": [0.0, 5.0, 10.0], "loss": [5.0, 3.0, loss]}}
+
+
+def test_report_writes_a_table_and_plots(tmp_path):
+    ms = metrics.merge_stats([{"kind": "contribution_accepted", "id": "a", "bytes": 10, "time": 0.0},
+                              {"kind": "merge", "ids": ["a"], "seconds": 0.01, "time": 0.5}])
+    results = [_fake("dp", "healthy", 2.0, 1e9), _fake("decoupled", "healthy", 2.1, 1e6, ms)]
+    md = report.write(results, tmp_path, "header\n")
+    text = md.read_text()
+    assert text.startswith("header\n") and "| healthy | decoupled | 1,000 | 2.1000 | +5.00% |" in text
+    assert "1,000x" in text and "healthy 2.1000" in text
+    for name in ("loss_vs_tokens.png", "loss_vs_time.png", "bytes.png"):
+        assert (tmp_path / name).stat().st_size > 0

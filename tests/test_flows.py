@@ -1,0 +1,309 @@
+"""Prefect flows on a real Prefect server: a tiny run end to end (with a learner SIGKILLed and restarted),
+cancellation through the API, evals against a direct evaluation, and the TPU backend's rendering."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # before prefect is imported
+os.environ["DO_NOT_TRACK"] = "1"
+
+import pytest
+import yaml
+from helpers import assert_exact_accounting
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+from prefect.states import Cancelling
+from rich.console import Console
+
+from diloco.config import build_config, dump_config, load_config
+from diloco.flows import reports, tpu
+from diloco.flows.evals import evaluate_checkpoint
+from diloco.flows.training import decoupled_diloco
+from diloco.infra import services
+from diloco.learners.model import evaluate
+from diloco.run import load_global, prepare
+from diloco.syncer import state as state_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """`prefect server start` on a free port with its own PREFECT_HOME and sqlite database."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = services.free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
+    env.pop("PREFECT_API_URL", None)
+    with open(home / "server.log", "wb") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                 "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.time() + 90
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, (home / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def prefect_env(prefect_api, tmp_path):
+    """This test's client settings: the session's server, its own PREFECT_HOME."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api, PREFECT_HOME: str(home)}):
+        yield {**os.environ, "PREFECT_API_URL": prefect_api, "PREFECT_HOME": str(home)}
+
+
+def run_processes(marker: str) -> dict[int, str]:
+    """pid -> command line of every process whose command line mentions `marker` (a run's directory)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if marker in cmd and stat.rsplit(")", 1)[1].split()[0] != "Z":  # zombies hold no resources
+                out[int(d.name)] = cmd
+    return out
+
+
+def artifacts(key: str) -> list:
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+
+@pytest.mark.integration
+def test_flow_trains_restarts_a_killed_learner_and_reports(tiny_config, tmp_path, prefect_env):
+    cfg = tiny_config()
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    killed: list[int] = []
+
+    def kill_us0_once_it_contributed():
+        deadline = time.time() + 240
+        while time.time() < deadline and not killed:
+            runs = list(Path(cfg.run.dir).glob("*/config.yaml"))
+            if runs:
+                run_id = runs[0].parent.name
+                state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
+                if state.counters().get("accepted", 0) >= 2:
+                    for pid, cmd in run_processes(str(runs[0])).items():
+                        if " learner " in cmd and "--learner us-0 " in cmd:
+                            os.kill(pid, signal.SIGKILL)
+                            killed.append(pid)
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_us0_once_it_contributed, daemon=True)
+    killer.start()
+    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), overrides=["run.restart_backoff_s=0.5"],
+                               eval_every=3)
+    killer.join()
+    assert len(killed) == 1
+    assert summary["restarts"] == {"us-0": 1}
+    c = summary["contributions"]
+    assert c["published"] == c["applied"] > 0 and c["applied_twice"] == c["rejected"] == c["pending"] == 0
+    assert_exact_accounting(cfg, summary["run_id"])
+    assert summary["eval_loss_end"] < 0.9 * summary["eval_loss_start"]
+    assert not run_processes(summary["run_dir"])
+
+    (evals,) = artifacts(reports.artifact_key(summary["run_id"], "evals"))
+    rows = json.loads(evals.data)
+    assert len(rows) >= 2 and rows[0]["version"] == 0 and rows[0]["tokens"] == 0
+    assert len({r["fragment versions"] for r in rows}) == len(rows)      # no checkpoint evaluated twice
+    assert rows[0]["loss"] == round(summary["eval_loss_start"], 4)
+    assert rows[-1]["loss"] == round(summary["eval_loss_end"], 4)        # the end eval is the summary's own
+    assert [r["tokens"] for r in rows] == sorted(r["tokens"] for r in rows)
+    (plot,) = artifacts(reports.artifact_key(summary["run_id"], "loss-curve"))
+    assert plot.data.startswith("![held-out loss against tokens](data:image/png;base64,iVBORw0KGgo")
+    (text,) = artifacts(reports.artifact_key(summary["run_id"], "summary"))
+    assert f"| contributions published | {c['published']} |" in text.data and "| restarts | us-0 1 |" in text.data
+
+
+@pytest.mark.integration
+def test_eval_flow_matches_a_direct_evaluation(tiny_config, prefect_env):
+    setup = prepare(tiny_config(), Console(quiet=True))
+    figures = evaluate_checkpoint(str(setup.cfg_path))
+    cfg = setup.cfg
+    direct = evaluate(load_global(cfg, setup.store, {p: 0 for p in range(cfg.fragments.count)}), setup.held, cfg.model)
+    assert figures["versions"] == [0] * cfg.fragments.count and figures["tokens"] == 0
+    assert figures["loss"] == pytest.approx(direct, abs=1e-6) == pytest.approx(setup.eval_start, abs=1e-6)
+    assert figures["perplexity"] == pytest.approx(2.718281828 ** direct, rel=1e-6)
+    (table,) = artifacts(reports.artifact_key(cfg.run.id, "eval"))
+    assert json.loads(table.data)[0]["loss"] == round(direct, 4)
+
+
+@pytest.mark.integration
+def test_cancelled_flow_run_leaves_no_processes(tiny_config, tmp_path, prefect_env):
+    cfg = tiny_config(inner={"steps": 2000})
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    serve = "from diloco.flows.training import decoupled_diloco; decoupled_diloco.serve(name='cancel-test')"
+    with open(tmp_path / "serve.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-c", serve], env=prefect_env, cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while True:  # serve registers the deployment
+            try:
+                fr = run_deployment("decoupled-diloco/cancel-test", timeout=0,
+                                    parameters={"config": str(tmp_path / "config.yaml"), "eval_every": 0})
+                break
+            except ObjectNotFound:  # not registered yet
+                assert time.time() < deadline and server.poll() is None, (tmp_path / "serve.log").read_text()
+                time.sleep(1)
+        while len([c for c in run_processes(cfg.run.dir).values() if " learner " in c]) < cfg.num_learners:
+            assert time.time() < deadline + 120, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(fr.id, Cancelling(), force=True)
+            while not client.read_flow_run(fr.id).state.is_final():
+                assert time.time() < deadline + 240, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(1)
+            assert client.read_flow_run(fr.id).state.is_cancelled()
+        while run_processes(cfg.run.dir):  # the flow run stopped its jobs before it exited
+            assert time.time() < deadline + 260, run_processes(cfg.run.dir)
+            time.sleep(0.5)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_prefect_yaml_deploys_the_training_flow_with_a_valid_config():
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    (dep,) = [d for d in spec["deployments"] if d["name"] == "local"]
+    assert dep["entrypoint"] == "diloco/flows/training.py:decoupled_diloco"
+    cfg = load_config(ROOT / dep["parameters"]["config"], dep["parameters"]["overrides"])
+    assert cfg.inner.steps <= 100 and cfg.model.d_model <= 32   # tiny
+    assert dep["work_pool"]["name"]
+
+
+# --- the tpu backend: every field that comes from the config ---------------------------------------
+
+def tpu_config():
+    return build_config({
+        "run": {"id": "prod_Run-7"},
+        "regions": [{"name": "us", "learners": 2}, {"name": "eu", "learners": 1}],
+        "backend": {"kind": "gke", "project": "acme-train", "image": "eu.gcr.io/acme/diloco:1.2", "namespace": "pretrain",
+                    "config_dir": "/cfg", "corpus_dir": "/mnt/corpus",
+                    "slices": {"us": {"generation": "v5p", "topology": "2x2x2", "zone": "us-east5-a"},
+                               "eu": {"generation": "v6e", "topology": "2x4", "zone": "europe-west4-a",
+                                      "runtime_version": "v2-alpha-tpuv6e", "spot": True}}},
+    })
+
+
+def test_slice_shapes():
+    assert tpu.slice_shape(build_config({}).backend.slice_of("us")) == tpu.SliceShape("v5p-8", "tpu-v5p-slice", 4, 1, 4)
+    cfg = tpu_config()
+    assert tpu.slice_shape(cfg.backend.slice_of("us")) == tpu.SliceShape("v5p-16", "tpu-v5p-slice", 8, 2, 4)
+    assert tpu.slice_shape(cfg.backend.slice_of("eu")) == tpu.SliceShape("v6e-8", "tpu-v6e-slice", 8, 1, 8)
+    with pytest.raises(ValueError, match="v6e slices have 2 axes"):
+        build_config({"backend": {"slices": {"eu": {"generation": "v6e", "topology": "2x2x1"}}}})
+
+
+def test_gke_jobsets_carry_every_config_field(tmp_path):
+    cfg = tpu_config()
+    docs = list(yaml.safe_load_all((tpu.write_plan(cfg, dump_config(cfg), tmp_path)[0]).read_text()))
+    cm, syncer, us0, us1, eu0 = docs
+    assert cm["kind"] == "ConfigMap" and cm["metadata"] == {"name": "dl-prod-run-7-config", "namespace": "pretrain"}
+    assert load_config(tmp_path / "config.yaml") == cfg and cm["data"]["config.yaml"] == dump_config(cfg)
+    for doc, name, cmd, hosts, selector, chips in [
+        (syncer, "syncer", ["diloco", "syncer", "--config", "/cfg/config.yaml"], 1, None, None),
+        (us0, "us-0", ["diloco", "learner", "--config", "/cfg/config.yaml", "--learner", "us-0", "--corpus", "/mnt/corpus"],
+         2, {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice", "cloud.google.com/gke-tpu-topology": "2x2x2"}, 4),
+        (us1, "us-1", ["diloco", "learner", "--config", "/cfg/config.yaml", "--learner", "us-1", "--corpus", "/mnt/corpus"],
+         2, {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice", "cloud.google.com/gke-tpu-topology": "2x2x2"}, 4),
+        (eu0, "eu-0", ["diloco", "learner", "--config", "/cfg/config.yaml", "--learner", "eu-0", "--corpus", "/mnt/corpus"],
+         1, {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice", "cloud.google.com/gke-tpu-topology": "2x4",
+             "cloud.google.com/gke-spot": "true"}, 8),
+    ]:
+        assert doc["kind"] == "JobSet" and doc["metadata"]["name"] == f"dl-prod-run-7-{name}"
+        assert doc["metadata"]["namespace"] == "pretrain"
+        assert doc["metadata"]["labels"] == {"diloco/run": "prod_Run-7", "diloco/job": name}
+        assert doc["spec"]["failurePolicy"] == {"maxRestarts": 0}
+        (rj,) = doc["spec"]["replicatedJobs"]
+        job = rj["template"]["spec"]
+        assert job["parallelism"] == job["completions"] == hosts and job["backoffLimit"] == 0
+        pod = job["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["image"] == "eu.gcr.io/acme/diloco:1.2" and c["command"] == cmd
+        assert c["volumeMounts"] == [{"name": "config", "mountPath": "/cfg", "readOnly": True}]
+        assert pod["volumes"] == [{"name": "config", "configMap": {"name": "dl-prod-run-7-config"}}]
+        assert pod.get("nodeSelector") == selector
+        assert c.get("resources", {}).get("limits", {}).get("google.com/tpu") == chips
+
+
+def test_queued_resource_requests_carry_every_config_field(tmp_path):
+    cfg = tpu_config()
+    plan = json.loads(tpu.write_plan(cfg, dump_config(cfg), tmp_path)[1].read_text())
+    assert sorted(plan) == ["eu-0", "us-0", "us-1"]
+    us, eu = plan["us-1"], plan["eu-0"]
+    where = ["--project=acme-train", "--zone=us-east5-a"]
+    assert us["create"] == ["gcloud", "compute", "tpus", "queued-resources", "create", "dl-prod-run-7-us-1",
+                            "--node-id=dl-prod-run-7-us-1", *where, "--accelerator-type=v5p-16",
+                            "--runtime-version=v2-alpha-tpuv5"]
+    assert eu["create"][-3:] == ["--accelerator-type=v6e-8", "--runtime-version=v2-alpha-tpuv6e", "--spot"]
+    assert "--zone=europe-west4-a" in eu["create"]
+    assert us["copy_config"] == ["gcloud", "compute", "tpus", "tpu-vm", "scp", str(tmp_path / "config.yaml"),
+                                 "dl-prod-run-7-us-1:/cfg/config.yaml", "--worker=all", *where]
+    assert us["run"][:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "dl-prod-run-7-us-1", "--worker=all", *where][:8]
+    assert us["run"][-2] == "--command" and us["run"][-1].endswith(
+        "eu.gcr.io/acme/diloco:1.2 diloco learner --config /cfg/config.yaml --learner us-1 --corpus /mnt/corpus")
+    assert "-v /cfg:/cfg:ro -v /mnt/corpus:/mnt/corpus:ro" in us["run"][-1]
+    assert us["delete"] == ["gcloud", "compute", "tpus", "queued-resources", "delete", "dl-prod-run-7-us-1", "--force",
+                            "--quiet", *where]
+
+
+def test_gke_jobs_drive_kubectl(tmp_path):
+    cfg = tpu_config()
+    calls = []
+
+    def fake(argv, **kw):
+        calls.append((argv, yaml.safe_load(kw["input"]) if kw.get("input") else None))
+        out = json.dumps({"status": {"terminalState": "Failed"}}) if argv[3:5] == ["get", "jobset"] else ""
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+    jobs = tpu.GkeJobs(cfg, dump_config(cfg), run=fake)
+    jobs.start("eu-0", ["learner", "--config", str(tmp_path / "c.yaml"), "--learner", "eu-0", "--corpus", "/x",
+                        "--start-step", "40"])
+    assert jobs.poll("eu-0") == 1
+    jobs.signal("eu-0", signal.SIGKILL)
+    jobs.stop_all()
+    ns = ["kubectl", "--namespace", "pretrain"]
+    assert [a for a, _ in calls] == [
+        [*ns, "apply", "-f", "-"],
+        [*ns, "delete", "jobset", "dl-prod-run-7-eu-0", "--ignore-not-found", "--wait=true"],
+        [*ns, "apply", "-f", "-"],
+        [*ns, "get", "jobset", "dl-prod-run-7-eu-0", "-o", "json"],
+        [*ns, "delete", "jobset", "dl-prod-run-7-eu-0", "--ignore-not-found", "--wait=false", "--grace-period=0", "--force"],
+        [*ns, "delete", "jobset", "-l", "diloco/run=prod_Run-7", "--ignore-not-found", "--timeout=10s"],
+    ]
+    assert calls[0][1]["kind"] == "ConfigMap"
+    assert calls[2][1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"][-2:] \
+        == ["--start-step", "40"]

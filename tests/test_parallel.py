@@ -1,0 +1,57 @@
+"""A learner over several devices trains exactly like over one, for the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from diloco.config import build_config
+from diloco.learners.learner import inner_optimizer, make_train_step
+from diloco.learners.model import init_params
+from diloco.learners.parallel import data_parallel, local_batch_size
+cfg = build_config({"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16},
+                    "inner": {"batch_size": 8, "lr": 0.01, "warmup_steps": 2, "steps": 20}})
+dp = data_parallel(cfg.inner.batch_size)
+assert local_batch_size(cfg.inner.batch_size) == 8
+params = dp.replicate(init_params(cfg.model))
+opt = inner_optimizer(cfg)
+state = opt.init(params)
+data = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)  # learnable: seen each step
+step = make_train_step(cfg, opt)
+losses = []
+for _ in range(12):
+    batch = dp.shard_batch(data)
+    params, state, loss = step(params, state, batch)
+    losses.append(float(loss))
+print(json.dumps({"devices": dp.devices, "shards": len(batch.addressable_shards), "losses": losses,
+                  "checksum": float(sum(float(np.abs(dp.to_host(v)).sum()) for v in params.values()))}))
+"""
+
+
+def _run(devices: int) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_four_cpu_devices_follow_the_single_device_loss_curve():
+    one, four = _run(1), _run(4)
+    assert one["devices"] == 1 and four["devices"] == 4 and four["shards"] == 4
+    np.testing.assert_allclose(four["losses"], one["losses"], rtol=2e-5)
+    assert four["losses"][-1] < four["losses"][0]
+    assert abs(four["checksum"] - one["checksum"]) < 1e-4 * one["checksum"]
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_refused():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}
+    code = "from diloco.learners.parallel import data_parallel; data_parallel(8)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "must be divisible by the learner's 3 devices" in out.stderr
