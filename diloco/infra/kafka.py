@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -60,28 +61,28 @@ def _common(t: TransportConfig) -> dict:
     return kw
 
 
-class BrokerWatch:
+class BrokerWatch(threading.Thread):
     """Says in the log when the bootstrap brokers stop and start answering.
 
     kafka-python reconnects by itself (with the backoff set in `_common`); this makes the outage and
-    the recovery visible in our own structured logs, once each, rather than as client noise.
+    the recovery visible in our own structured logs, once each, rather than as client noise. It runs
+    on its own thread because a client call can block for seconds while the broker is away.
     """
 
-    def __init__(self, t: TransportConfig, who: str, period_s: float = 1.0):
+    def __init__(self, t: TransportConfig, who: str, period_s: float = 0.5):
+        super().__init__(daemon=True, name="broker-watch")
         self.addrs = [a.rsplit(":", 1) for a in t.bootstrap_servers.split(",")]
         self.who, self.period_s = who, period_s
-        self.up, self._last = True, 0.0
+        self.up = True
 
-    def check(self) -> bool:
-        now = time.time()
-        if now - self._last >= self.period_s:
-            self._last = now
+    def run(self) -> None:
+        while True:
             up = any(_answers(host, int(port)) for host, port in self.addrs)
             if up != self.up:
                 log.warning("broker reachable again" if up else "broker unavailable; clients reconnect with backoff",
                             extra={"who": self.who, "bootstrap": [":".join(a) for a in self.addrs]})
             self.up = up
-        return self.up
+            time.sleep(self.period_s)
 
 
 def _answers(host: str, port: int) -> bool:

@@ -130,8 +130,9 @@ class Heartbeat(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
+        self.broker.start()
         while not self.stop.wait(self.period_s):
-            if self.broker.check() and self.status:
+            if self.broker.up and self.status:
                 try:
                     self.send(**self.status)
                 except KafkaError as err:  # the next beat will do; training goes on

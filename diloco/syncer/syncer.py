@@ -130,6 +130,8 @@ class Syncer:
 
     # --- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
+        if not self.broker.is_alive():
+            self.broker.start()
         snap = self.state.snapshot(len(self.plan))
         if len(snap.versions) != len(self.plan):
             raise RuntimeError(f"run {self.run_id} is not provisioned in Redis (versions: {snap.versions}); "
@@ -218,7 +220,6 @@ class Syncer:
                 except Exception as err:  # one bad record must never stop the syncer
                     log.exception("record handling failed", extra={"topic": tp.topic, "offset": rec.offset})
                     self._reject(None, "internal_error", f"{type(err).__name__}: {err}", where=(tp.topic, tp.partition, rec.offset))
-        self.broker.check()
         now = self.clock()
         for d in self.assembler.expire(now):
             self._reject_dropped(d)
@@ -235,7 +236,7 @@ class Syncer:
 
         While the broker is away the outbox waits in Redis and the next step tries again.
         """
-        while self.broker.check() and (records := self.state.outbox_peek()):  # no blocking flush while it is away
+        while self.broker.up and (records := self.state.outbox_peek()):  # no blocking flush while it is away
             try:
                 futures = [self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"])
                            for r in records]
