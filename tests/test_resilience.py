@@ -140,14 +140,15 @@ def test_chaos_run_heals_and_applies_every_contribution_once(tiny_config, tmp_pa
 def test_redis_restart_mid_run(tiny_config, tmp_path):
     port = services.free_port()
     services.start_redis(tmp_path / "redis", port)
-    cfg = tiny_config(state={"redis_url": f"redis://127.0.0.1:{port}/0"}, inner={"steps": 240},
+    run_id = f"redis-restart-{time.time_ns() % 10**8}"
+    cfg = tiny_config(state={"redis_url": f"redis://127.0.0.1:{port}/0"}, inner={"steps": 240}, run={"id": run_id},
                       regions=[{"name": "us", "learners": 2, "speed": 0.4}, {"name": "eu", "learners": 2, "speed": 0.4}])
     result = {}
     runner = threading.Thread(target=lambda: result.update(s=train(cfg, progress=False, console=_quiet())))
     runner.start()
     try:
         r = state_mod.connect(cfg.state)
-        _wait(lambda: any(k.endswith(":merges") and r.llen(k) >= 4 for k in r.keys("*:merges")), 300, "merges")
+        _wait(lambda: r.llen(f"{cfg.state.key_prefix}:{run_id}:merges") >= 4, 300, "this run's merges")
         services.stop("redis", tmp_path / "redis")
         time.sleep(2.0)
         services.start_redis(tmp_path / "redis", port)              # same append-only file
@@ -167,14 +168,15 @@ def test_broker_restart_mid_run_with_durable_storage(tiny_config, tmp_path):
     s3, kport = services.free_port(), services.free_port()
     services.start_s3(tmp_path / "s3", s3)
     services.start_broker(tmp_path / "kafka", kport, s3_port=s3)
-    cfg = tiny_config(transport={"bootstrap_servers": f"127.0.0.1:{kport}"}, inner={"steps": 200},
+    run_id = f"broker-restart-{time.time_ns() % 10**8}"   # the session's Redis holds other runs' merges too
+    cfg = tiny_config(transport={"bootstrap_servers": f"127.0.0.1:{kport}"}, inner={"steps": 200}, run={"id": run_id},
                       regions=[{"name": "us", "learners": 2, "speed": 0.2}, {"name": "eu", "learners": 2, "speed": 0.2}])
     result = {}
     runner = threading.Thread(target=lambda: result.update(s=train(cfg, progress=False, console=_quiet())))
     runner.start()
     try:
         r = state_mod.connect(cfg.state)
-        _wait(lambda: any(k.endswith(":merges") and r.llen(k) >= 4 for k in r.keys("*:merges")), 300, "merges")
+        _wait(lambda: r.llen(f"{cfg.state.key_prefix}:{run_id}:merges") >= 4, 300, "this run's merges")
         services.stop("kafka", tmp_path / "kafka")
         time.sleep(5.0)                                           # several liveness checks see it gone
         services.start_broker(tmp_path / "kafka", kport, s3_port=s3)
