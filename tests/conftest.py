@@ -21,26 +21,25 @@ def service_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("services")
 
 
-@pytest.fixture(scope="session")
-def kafka_bootstrap(service_dir) -> str:
-    if os.environ.get("DILOCO_TEST_KAFKA"):
-        yield os.environ["DILOCO_TEST_KAFKA"]
+def _service(env_var: str, name: str, start, address: str, service_dir: Path):
+    """The service named by `env_var`, or one started on a free port for the session."""
+    if os.environ.get(env_var):
+        yield os.environ[env_var]
         return
     port = services.free_port()
-    services.start_broker(service_dir, port)
-    yield f"127.0.0.1:{port}"
-    services.stop("kafka", service_dir)
+    start(service_dir, port)
+    yield address.format(port=port)
+    services.stop(name, service_dir)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(service_dir) -> str:
+    yield from _service("DILOCO_TEST_KAFKA", "kafka", services.start_broker, "127.0.0.1:{port}", service_dir)
 
 
 @pytest.fixture(scope="session")
 def redis_url(service_dir) -> str:
-    if os.environ.get("DILOCO_TEST_REDIS"):
-        yield os.environ["DILOCO_TEST_REDIS"]
-        return
-    port = services.free_port()
-    services.start_redis(service_dir, port)
-    yield f"redis://127.0.0.1:{port}/0"
-    services.stop("redis", service_dir)
+    yield from _service("DILOCO_TEST_REDIS", "redis", services.start_redis, "redis://127.0.0.1:{port}/0", service_dir)
 
 
 @pytest.fixture(scope="session")

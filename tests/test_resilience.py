@@ -33,6 +33,19 @@ def _wait(cond, timeout, what):
         time.sleep(0.05)
 
 
+def _train_in_background(cfg) -> tuple[threading.Thread, dict]:
+    """train() on a thread, so the test can break services under it; the summary lands in result["s"]."""
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(s=train(cfg, progress=False, console=_quiet())))
+    runner.start()
+    return runner, result
+
+
+def _wait_for_merges(cfg, n: int) -> None:
+    r = state_mod.connect(cfg.state)  # this run's merges: the session's Redis holds other runs' too
+    _wait(lambda: r.llen(f"{cfg.state.key_prefix}:{cfg.run.id}:merges") >= n, 300, "this run's merges")
+
+
 @pytest.mark.parametrize("point, nth", [
     ("record_received", 7),      # between two chunks of one contribution
     ("merge_computed", 2),       # during a merge, before anything is written
@@ -143,12 +156,9 @@ def test_redis_restart_mid_run(tiny_config, tmp_path):
     run_id = f"redis-restart-{time.time_ns() % 10**8}"
     cfg = tiny_config(state={"redis_url": f"redis://127.0.0.1:{port}/0"}, inner={"steps": 240}, run={"id": run_id},
                       regions=[{"name": "us", "learners": 2, "speed": 0.4}, {"name": "eu", "learners": 2, "speed": 0.4}])
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(s=train(cfg, progress=False, console=_quiet())))
-    runner.start()
+    runner, result = _train_in_background(cfg)
     try:
-        r = state_mod.connect(cfg.state)
-        _wait(lambda: r.llen(f"{cfg.state.key_prefix}:{run_id}:merges") >= 4, 300, "this run's merges")
+        _wait_for_merges(cfg, 4)
         services.stop("redis", tmp_path / "redis")
         time.sleep(2.0)
         services.start_redis(tmp_path / "redis", port)              # same append-only file
@@ -168,15 +178,12 @@ def test_broker_restart_mid_run_with_durable_storage(tiny_config, tmp_path):
     s3, kport = services.free_port(), services.free_port()
     services.start_s3(tmp_path / "s3", s3)
     services.start_broker(tmp_path / "kafka", kport, s3_port=s3)
-    run_id = f"broker-restart-{time.time_ns() % 10**8}"   # the session's Redis holds other runs' merges too
+    run_id = f"broker-restart-{time.time_ns() % 10**8}"
     cfg = tiny_config(transport={"bootstrap_servers": f"127.0.0.1:{kport}"}, inner={"steps": 200}, run={"id": run_id},
                       regions=[{"name": "us", "learners": 2, "speed": 0.2}, {"name": "eu", "learners": 2, "speed": 0.2}])
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(s=train(cfg, progress=False, console=_quiet())))
-    runner.start()
+    runner, result = _train_in_background(cfg)
     try:
-        r = state_mod.connect(cfg.state)
-        _wait(lambda: r.llen(f"{cfg.state.key_prefix}:{run_id}:merges") >= 4, 300, "this run's merges")
+        _wait_for_merges(cfg, 4)
         services.stop("kafka", tmp_path / "kafka")
         time.sleep(5.0)                                           # several liveness checks see it gone
         services.start_broker(tmp_path / "kafka", kport, s3_port=s3)

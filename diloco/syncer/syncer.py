@@ -109,8 +109,8 @@ class Syncer:
         self.cfg, self.run_id, self.state, self.store = cfg, run_id, state, store
         self.producer, self.consumer, self.clock = producer, consumer, clock
         self.topics = kafka_io.Topics.for_run(cfg, run_id)
-        _, self.plan = fragment_plan(cfg)
-        self.shapes = {n: a.shape for n, a in fragment_plan(cfg)[0].items()}
+        params, self.plan = fragment_plan(cfg)
+        self.shapes = {n: a.shape for n, a in params.items()}
         self.opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
                                    cfg.syncer.grace_max_s)
