@@ -244,6 +244,16 @@ class LocalRun:
         self.kill_counts[kill.target] = self.kill_counts.get(kill.target, 0) + 1
         self._down(kill.target, now, self.cfg.chaos.restart_after_s, "killed by chaos (SIGKILL)")
 
+    def _apply_due_kills(self, now: float, stop_sent: bool) -> None:
+        # Each kill waits on its own target's progress: a lagging target (say the syncer, whose
+        # progress is the mean over learners) must not hold back the others until they finish.
+        for kill in [k for k in self.kills if self._progress_of(k.target) >= k.at_progress]:
+            if stop_sent or kill.target in self.restart_at:
+                continue  # down right now (or draining): the kill stays due until it runs again
+            self.kills.remove(kill)
+            if kill.target not in self.finished:
+                self._kill(kill, now)
+
     def _progress_of(self, target: str) -> float:
         steps = self.cfg.inner.steps
         if target == "syncer":
@@ -302,11 +312,7 @@ class LocalRun:
                 elif now - last_line > 10:
                     self.console.print(progress_line(self.prog, now - t0), soft_wrap=True)
                     last_line = now
-                while self.kills and not stop_sent and self._progress_of(self.kills[0].target) >= self.kills[0].at_progress:
-                    kill = self.kills.pop(0)
-                    if kill.target in self.finished or kill.target in self.restart_at:
-                        continue
-                    self._kill(kill, now)
+                self._apply_due_kills(now, stop_sent)
                 for name in [*cfg.learner_ids(), "syncer"]:
                     rc = self.jobs.poll(name) if name in self.jobs.jobs else None
                     if rc is None or name in self.restart_at or name in self.finished:
