@@ -21,7 +21,7 @@ from diloco.config import Config
 
 @dataclass(frozen=True)
 class Kill:
-    target: str          # a learner id or "syncer"
+    target: str          # a learner id or a syncer shard ("syncer", or "syncer-<i>" when sharded)
     at_progress: float   # learner: its inner step / steps; syncer: the mean over learners
 
 
@@ -29,7 +29,9 @@ def schedule(cfg: Config) -> list[Kill]:
     rng = random.Random(cfg.chaos.seed)
     lo, hi = cfg.chaos.window
     kills = [Kill(lid, rng.uniform(lo, hi)) for lid in cfg.learner_ids() for _ in range(cfg.chaos.learner_kills)]
-    kills += [Kill("syncer", rng.uniform(lo, hi)) for _ in range(cfg.chaos.syncer_kills)]
+    syncers = cfg.syncer_ids()
+    kills += [Kill(syncers[0] if len(syncers) == 1 else rng.choice(syncers), rng.uniform(lo, hi))
+              for _ in range(cfg.chaos.syncer_kills)]
     return sorted(kills, key=lambda k: (k.at_progress, k.target))
 
 

@@ -137,6 +137,9 @@ def chaos(config: ConfigOpt = None, set_: SetOpt = None,
     console.print(f"goodput {100 * summary['goodput']:.1f}% (synchronous run under the same failures: "
                   f"{100 * summary['goodput_sync_equivalent']:.1f}%); kills {summary['kills']}, "
                   f"restarts {summary['restarts']}")
+    if summary["takeovers"]:
+        console.print("syncer takeovers: " + ", ".join(
+            f"p{t['fragment']} {t['from']} -> {t['to']} after {t['after_s']:.1f}s" for t in summary["takeovers"]))
 
 
 def _run(cfg: Config, summary_json: Optional[Path], progress: bool, *, with_chaos: bool) -> dict:
@@ -156,17 +159,46 @@ def _run(cfg: Config, summary_json: Optional[Path], progress: bool, *, with_chao
 
 @app.command()
 def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run's config (with run.id)")],
-           set_: SetOpt = None):
-    """Run the syncer of an existing run until SIGTERM (then drain, flush rounds, exit)."""
+           set_: SetOpt = None,
+           shard: Annotated[Optional[int], typer.Option(help="run as this shard (0..syncer.shards-1)")] = None,
+           shards: Annotated[Optional[int], typer.Option(
+               help="start this many shard processes here (sets syncer.shards) and wait for them")] = None):
+    """Run the syncer of an existing run until SIGTERM (then drain, flush rounds, exit).
+
+    Sharded (syncer.shards > 1 or --shards N): each shard owns the fragments it holds Redis leases
+    on, homes first (fragment p belongs to shard p % N); a shard that stops renewing loses its
+    fragments to the live ones after syncer.lease_ttl_s, and gets them back when it returns.
+    """
     from diloco import logs
     from diloco.syncer.syncer import main as syncer_main
 
-    cfg = _config(config, set_)
+    overrides = [*(set_ or []), *([f"syncer.shards={shards}"] if shards else [])]
+    cfg = _config(config, overrides)
     if not cfg.run.id:
         console.print("[red]error:[/] the syncer needs run.id (the run's config.yaml has it)")
         raise typer.Exit(2)
-    logs.setup("syncer")
-    syncer_main(cfg, cfg.run.id)
+    if shard is None and cfg.syncer.shards > 1:
+        raise typer.Exit(_run_shards(config, overrides, cfg.syncer.shards))
+    shard = shard or 0
+    if not 0 <= shard < cfg.syncer.shards:
+        console.print(f"[red]error:[/] --shard {shard} is not in 0..{cfg.syncer.shards - 1} (syncer.shards)")
+        raise typer.Exit(2)
+    logs.setup("syncer" if cfg.syncer.shards == 1 else f"syncer-{shard}")
+    syncer_main(cfg, cfg.run.id, shard)
+
+
+def _run_shards(config: Path, overrides: list[str], n: int) -> int:
+    """Start n shard processes, pass SIGTERM/SIGINT on, and return the worst exit status."""
+    import signal
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "diloco", "syncer", "--config", str(config)]
+    base += [a for o in overrides for a in ("--set", o)]
+    procs = [subprocess.Popen([*base, "--shard", str(i)]) for i in range(n)]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: [p.send_signal(s) for p in procs if p.poll() is None])
+    return max(p.wait() for p in procs)
 
 
 @app.command()

@@ -96,6 +96,8 @@ class SyncerConfig(_Section):
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")
     poll_ms: int = Field(100, ge=1)
+    shards: int = Field(1, ge=1, description="syncer instances; each owns the fragments it holds Redis leases on")
+    lease_ttl_s: float = Field(3.0, gt=0, description="a shard silent this long loses its fragments to the others")
 
 
 class TransportConfig(_Section):
@@ -209,11 +211,19 @@ class Config(_Section):
             raise ValueError(f"backend.slices: {unknown} are not regions of this run ({names})")
         if self.syncer.quorum > self.num_learners:
             raise ValueError(f"syncer.quorum ({self.syncer.quorum}) exceeds the number of learners ({self.num_learners})")
+        if self.syncer.shards > self.fragments.count:
+            raise ValueError(f"syncer.shards ({self.syncer.shards}) exceeds fragments.count ({self.fragments.count}): "
+                             "a shard owns whole fragments")
         return self
 
     @property
     def num_learners(self) -> int:
         return sum(r.learners for r in self.regions)
+
+    def syncer_ids(self) -> list[str]:
+        """Job names of the syncer shards: `syncer` alone, `syncer-<i>` when sharded."""
+        n = self.syncer.shards
+        return ["syncer"] if n == 1 else [f"syncer-{i}" for i in range(n)]
 
     def learner_ids(self) -> list[str]:
         """Learner ids in data-shard order: `<region>-<index>`."""

@@ -242,6 +242,11 @@ class ChunkAssembler:
     def discard(self, cid: str) -> None:
         self._partial.pop(cid, None)
 
+    def discard_where(self, where: str) -> None:
+        """Forget the partial sets read from one partition (its fragment moved to another shard)."""
+        for cid in [cid for cid, p in self._partial.items() if p.where == where]:
+            del self._partial[cid]
+
     def expire(self, now: float) -> list[Dropped]:
         old = [cid for cid, p in self._partial.items() if now - p.first_seen > self.timeout_s]
         out = []

@@ -212,16 +212,18 @@ class LocalRun:
         self.outages: list[list] = []          # [name, start, end or None]
         self.compute: dict[tuple[str, str], dict] = {}   # (learner, incarnation) -> last heartbeat figures
         self.tails_s: dict[str, float] = {}     # compute after a killed incarnation's last heartbeat
-        self.syncer_ready = False
+        self.syncers = cfg.syncer_ids()
+        self.syncers_up: set[str] = set()       # shards that said syncer_started since their last start
+        self.takeovers: list[dict] = []        # fragments claimed by a shard from another one
         self.first_beat: float | None = None
         self.learners_done_at: float | None = None
 
     # --- processes -----------------------------------------------------------------------------
     def start(self, name: str) -> None:
         conf = ["--config", str(self.cfg_path)]
-        if name == "syncer":
-            self.syncer_ready = False
-            self.jobs.start(name, ["syncer", *conf])
+        if name in self.syncers:
+            self.syncers_up.discard(name)
+            self.jobs.start(name, ["syncer", *conf, "--shard", str(self.syncers.index(name))])
             return
         step = self.prog.learners.get(name, {}).get("step", 0)  # resume where its heartbeats left off
         self.jobs.start(name, ["learner", *conf, "--learner", name, "--corpus", str(self.corpus.dir),
@@ -233,7 +235,7 @@ class LocalRun:
         self.console.print(f"[yellow]{name} {why}; restarting in {delay:.1f}s[/]")
 
     def _kill(self, kill: chaos.Kill, now: float) -> None:
-        if kill.target != "syncer":
+        if kill.target not in self.syncers:
             hb = self.prog.learners.get(kill.target, {})
             key = (kill.target, hb.get("incarnation"))
             if key in self.compute and hb.get("state") == "running":
@@ -256,7 +258,7 @@ class LocalRun:
 
     def _progress_of(self, target: str) -> float:
         steps = self.cfg.inner.steps
-        if target == "syncer":
+        if target in self.syncers:
             return sum(self.prog.learners.get(lid, {}).get("step", 0) for lid in self.cfg.learner_ids()) / (
                 steps * self.cfg.num_learners)
         return self.prog.learners.get(target, {}).get("step", 0) / steps
@@ -275,8 +277,12 @@ class LocalRun:
                                                                              "at": ev.get("at", ev["time"])}
                     self._close_outage(ev["learner"])
                 elif ev["kind"] == "syncer_started":
-                    self.syncer_ready = True
-                    self._close_outage("syncer")
+                    name = self.syncers[ev.get("shard", 0)]
+                    self.syncers_up.add(name)
+                    self._close_outage(name)
+                elif ev["kind"] == "fragment_claimed" and ev.get("previous") \
+                        and not ev["previous"].startswith(f"{ev['shard']}:"):
+                    self.takeovers.append(ev)
 
     def _close_outage(self, name: str) -> None:
         for o in self.outages:
@@ -287,13 +293,15 @@ class LocalRun:
     def watch(self, progress: bool, t0: float, on_tick=None) -> None:
         """Until the syncer drained; `on_tick(self)` runs once per loop (evals, reports) and may take a while."""
         cfg = self.cfg
-        self.start("syncer")
-        with self.console.status("starting the syncer"):
-            while not self.syncer_ready:
-                if self.jobs.poll("syncer") is not None:
-                    raise RunError(f"syncer exited with {self.jobs.poll('syncer')}:\n" + self.jobs.tail("syncer"))
+        for name in self.syncers:
+            self.start(name)
+        with self.console.status("starting the syncer" + (f" ({len(self.syncers)} shards)" if len(self.syncers) > 1 else "")):
+            while self.syncers_up != set(self.syncers):
+                for name in self.syncers:
+                    if self.jobs.poll(name) is not None:
+                        raise RunError(f"{name} exited with {self.jobs.poll(name)}:\n" + self.jobs.tail(name))
                 if time.time() - t0 > cfg.run.timeout_s:
-                    raise RunError("the syncer did not start in time:\n" + self.jobs.tail("syncer"))
+                    raise RunError("the syncer did not start in time:\n" + self.jobs.tail(self.syncers[0]))
                 self._pump(200)
         for lid in cfg.learner_ids():  # learners start once the syncer consumes: deltas would only pile up
             self.start(lid)
@@ -313,11 +321,11 @@ class LocalRun:
                     self.console.print(progress_line(self.prog, now - t0), soft_wrap=True)
                     last_line = now
                 self._apply_due_kills(now, stop_sent)
-                for name in [*cfg.learner_ids(), "syncer"]:
+                for name in [*cfg.learner_ids(), *self.syncers]:
                     rc = self.jobs.poll(name) if name in self.jobs.jobs else None
                     if rc is None or name in self.restart_at or name in self.finished:
                         continue
-                    if rc == 0 and (name != "syncer" or stop_sent):
+                    if rc == 0 and (name not in self.syncers or stop_sent):
                         self.finished.add(name)
                         continue
                     n = self.restarts.get(name, 0)
@@ -335,11 +343,13 @@ class LocalRun:
                 learners_done = all(lid in self.finished for lid in cfg.learner_ids())
                 if learners_done and self.learners_done_at is None:
                     self.learners_done_at = now
-                if learners_done and not stop_sent and self.syncer_ready and "syncer" not in self.restart_at:
-                    self.jobs.signal("syncer", signal.SIGTERM)  # drain, flush open rounds, exit
+                if learners_done and not stop_sent and self.syncers_up == set(self.syncers) \
+                        and not set(self.syncers) & set(self.restart_at):
+                    for name in self.syncers:
+                        self.jobs.signal(name, signal.SIGTERM)  # drain, flush open rounds, exit
                     stop_sent = True
                     deadline = min(deadline, now + 180)
-                if "syncer" in self.finished:
+                if set(self.syncers) <= self.finished:
                     self._pump(500)  # the syncer's last events
                     return
                 if now > deadline:
@@ -375,7 +385,20 @@ class LocalRun:
             "kills": dict(self.kill_counts),
             "restarts": dict(self.restarts),
             "outages_s": {o[0]: round(o[2] - o[1], 2) for o in self.outages if o[2] is not None},
+            "takeovers": self.takeover_times(),
         }
+
+    def takeover_times(self) -> list[dict]:
+        """Each fragment another shard claimed from a shard that went down: seconds from the outage."""
+        out = []
+        for ev in self.takeovers:
+            down = self.syncers[int(ev["previous"].split(":", 1)[0])]
+            starts = [o[1] for o in self.outages  # the outage it was claimed in (not a hand-back)
+                      if o[0] == down and o[1] <= ev["time"] and (o[2] is None or o[2] >= ev["time"])]
+            if starts:
+                out.append({"fragment": ev["fragment"], "from": down, "to": self.syncers[ev["shard"]],
+                            "after_s": round(ev["time"] - max(starts), 2)})
+        return out
 
 
 def _loss(hb: dict) -> str:

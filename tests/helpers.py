@@ -69,9 +69,9 @@ class Harness:
         self.sent = {}
         self.syncer = self.new_syncer() if in_process else None
 
-    def new_syncer(self):
+    def new_syncer(self, shard=0):
         s = Syncer(self.cfg, self.run_id, state=self.state, store=self.store, producer=self.producer,
-                   consumer=kafka_io.consumer(self.cfg.transport))
+                   consumer=kafka_io.consumer(self.cfg.transport), shard=shard)
         s.start()
         return s
 

@@ -1,10 +1,18 @@
 """TensorStore adapter: global fragment parameters and outer-optimizer state, one version per merge.
 
 Layout under `<store.url>/<run>/`:
-    fragments/<ppp>/v<vvvvvvvv>/params/<tensor>   zarr3 float32 arrays
-    fragments/<ppp>/v<vvvvvvvv>/opt/<state leaf>  zarr3 float32 arrays
-    fragments/<ppp>/v<vvvvvvvv>/meta.json         written last: a version without it is incomplete
+    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/params/<tensor>   zarr3 float32 arrays
+    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/opt/<state leaf>  zarr3 float32 arrays
+    fragments/<ppp>/v<vvvvvvvv>/meta.json    written last, names its e<eeeeee> folder: a version
+                                             without it is incomplete
 Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at an emulator).
+
+Fencing: the epoch is the writer's ownership epoch of the fragment (a counter in Redis that each
+takeover bumps). Each writer puts its arrays in its own epoch folder, so a stale owner never
+overwrites a newer owner's arrays, and meta.json is replaced only by a conditional write (TensorStore's
+`if_equal` generation, a compare-and-swap on file and GCS) when its epoch is not older than the one
+already there. A stale owner's late write is refused with `Fenced`; what decides the version is the
+fenced commit in Redis that follows the write.
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ import tensorstore as ts
 
 class StoreError(RuntimeError):
     pass
+
+
+class StoreFenced(StoreError):
+    """A newer owner of the fragment already wrote this version."""
 
 
 def kvstore_spec(url: str) -> dict:
@@ -64,10 +76,14 @@ class FragmentStore:
                                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}}}
         return spec
 
+    def data_dir(self, fragment: int, version: int, meta: dict) -> str:
+        return self._dir(fragment, version) + meta.get("data", "")
+
     def write(self, fragment: int, version: int, params: dict[str, np.ndarray], opt: dict[str, np.ndarray],
-              meta: dict) -> None:
+              meta: dict, *, epoch: int = 0) -> None:
         """Write one version; meta.json goes last so readers never see a half-written version."""
-        d = self._dir(fragment, version)
+        data = f"e{epoch:06d}/"
+        d = self._dir(fragment, version) + data
         futures = []
         for group, arrays in (("params", params), ("opt", opt)):
             for name, arr in arrays.items():
@@ -77,9 +93,19 @@ class FragmentStore:
                 futures.append(t.write(arr))
         for f in futures:
             f.result()
-        body = {**meta, "fragment": fragment, "version": version,
+        body = {**meta, "fragment": fragment, "version": version, "epoch": epoch, "data": data,
                 "params": sorted(params), "opt": sorted(opt)}
-        self._kv.write(d + "meta.json", json.dumps(body, sort_keys=True).encode()).result()
+        self._commit_meta(fragment, version, epoch, json.dumps(body, sort_keys=True).encode())
+
+    def _commit_meta(self, fragment: int, version: int, epoch: int, body: bytes) -> None:
+        key = self._dir(fragment, version) + "meta.json"
+        while True:
+            cur = self._kv.read(key).result()
+            if cur.state == "value" and json.loads(cur.value).get("epoch", 0) > epoch:
+                raise StoreFenced(f"{self.url}: fragment {fragment} v{version} was written by epoch "
+                                  f"{json.loads(cur.value)['epoch']}; this writer holds epoch {epoch}")
+            if self._kv.write(key, body, if_equal=cur.stamp.generation).result().generation:
+                return  # an empty generation means the compare-and-swap lost a race: look again
 
     def read_meta(self, fragment: int, version: int) -> dict:
         r = self._kv.read(self._dir(fragment, version) + "meta.json").result()
@@ -89,7 +115,7 @@ class FragmentStore:
 
     def read(self, fragment: int, version: int, *, with_opt: bool = True) -> FragmentVersion:
         meta = self.read_meta(fragment, version)
-        d = self._dir(fragment, version)
+        d = self.data_dir(fragment, version, meta)
         out = {}
         for group in ("params", "opt") if with_opt else ("params",):
             stores = {n: ts.open(self._array_spec(f"{d}{group}/{n}"), open=True) for n in meta[group]}

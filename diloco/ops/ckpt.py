@@ -118,7 +118,7 @@ def _check_chunks(ck: Checkpoint, fragment: int, version: int, meta: dict, group
     """Every array needs its zarr.json; every `params` array needs all its chunks. TensorStore reads a
     missing chunk as the fill value (0) without complaint, and parameters are never all zero, so a
     missing parameter chunk means lost data. Optimizer chunks may legitimately be absent (zeros)."""
-    d = f"fragments/{fragment:03d}/v{version:08d}/"
+    d = ck.store.data_dir(fragment, version, meta)
     for group in groups:
         for name in meta.get(group, []):
             base = f"{d}{group}/{name}/"

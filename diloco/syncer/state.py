@@ -4,7 +4,12 @@ Keys, all under `<key_prefix>:<run>:`:
     version          hash  fragment -> current global version
     round:<p>        hash  contribution id -> JSON meta of a pending contribution (arrival time, offsets...)
     status           hash  contribution id -> "pending:<p>" | "applied:<p>:<v>" | "rejected:<reason>"
-    offsets          hash  "<topic>|<partition>" -> next offset to read on restart
+    offsets          hash  "<topic>|<partition>" -> next offset to read on restart (fragment partitions)
+    events_offset    hash  shard -> next offset of the events topic that shard reads
+    lease:<p>        string "<shard>:<incarnation>" of the fragment's owner, with a TTL the owner renews
+    owner:<p>        string the last owner to claim it (kept after its lease expires)
+    epoch:<p>        int   the fragment's fencing token: bumped by every claim, checked by every write
+    member:<shard>   string the shard's incarnation, with a TTL: the shard is live while it exists
     counters         hash  accepted, applied, late, rejected, rejected:<reason>, duplicates, merges
     merges           list  JSON record per merge (fragment, version, contribution ids, tokens)
     registry         hash  learner -> JSON (last heartbeat, step, tokens, step time)
@@ -14,8 +19,12 @@ Keys, all under `<key_prefix>:<run>:`:
 Every state change that consumed Kafka records writes the replay offsets in the same MULTI/EXEC,
 so a restarted syncer replays exactly the records whose effects are not yet durable. The events and
 announcements a change produces go into the outbox in that same transaction and are relayed to
-Kafka afterwards, so a crash can repeat them (readers dedupe) but never lose them. A merge commit
-WATCHes the fragment's version, so a second syncer holding a stale view cannot commit over it.
+Kafka afterwards, so a crash can repeat them (readers dedupe) but never lose them.
+
+Ownership: a syncer shard owns a fragment while it holds `lease:<p>`; claiming it bumps `epoch:<p>`.
+Every write about a fragment WATCHes that epoch and checks it is still the writer's, so a stale
+owner (one whose lease expired while it was paused, say) has its writes refused with `Fenced`; a
+merge commit also WATCHes the fragment's version.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis
@@ -41,6 +51,40 @@ class StateError(RuntimeError):
 
 class StaleVersion(StateError):
     """The fragment's version moved under us: another syncer committed first."""
+
+
+class Fenced(StaleVersion):
+    """This syncer no longer owns the fragment: another shard claimed it (a newer epoch)."""
+
+    def __init__(self, fragment: int, detail: str):
+        super().__init__(f"fragment {fragment}: {detail}")
+        self.fragment = fragment
+
+
+# Claim a fragment if its lease is free or held by an earlier incarnation of the same shard (which is
+# dead or about to be fenced); returns {new epoch, previous owner}, or {0, holder} if another shard holds it.
+_CLAIM = """
+local cur = redis.call('GET', KEYS[1])
+if cur and string.match(cur, '^[^:]+') ~= ARGV[2] then return {0, cur} end
+local previous = redis.call('GET', KEYS[3]) or ''
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('SET', KEYS[3], ARGV[1])
+return {redis.call('INCR', KEYS[2]), previous}
+"""
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# Several shards relay the one outbox: trim only if the head is still what this relayer sent, so a
+# race repeats records (readers dedupe) and never drops one.
+_TRIM_IF_HEAD = """
+if redis.call('LINDEX', KEYS[1], 0) == ARGV[1] then redis.call('LTRIM', KEYS[1], tonumber(ARGV[2]), -1) return 1 end
+return 0
+"""
 
 
 @dataclass
@@ -82,6 +126,9 @@ def wait_until_up(r: redis.Redis, url: str, timeout_s: float) -> None:
             delay = min(delay * 2, 2.0)
 
 
+Fence = Mapping[int, int] | None  # fragment -> the epoch the writer holds
+
+
 def _offset_key(tp: tuple[str, int]) -> str:
     return f"{tp[0]}|{tp[1]}"
 
@@ -96,12 +143,29 @@ class SyncerState:
         versions = {int(p): int(v) for p, v in self.r.hgetall(self.k + "version").items()}
         rounds = {p: {cid: json.loads(m) for cid, m in self.r.hgetall(f"{self.k}round:{p}").items()}
                   for p in range(fragments)}
-        offsets = {}
+        return Snapshot(versions, rounds, self.statuses(), self.offsets(), self.counters(), self.stats())
+
+    def version(self, fragment: int) -> int:
+        return int(self.r.hget(self.k + "version", str(fragment)))
+
+    def round(self, fragment: int) -> dict[str, dict]:
+        return {cid: json.loads(m) for cid, m in self.r.hgetall(f"{self.k}round:{fragment}").items()}
+
+    def statuses(self) -> dict[str, str]:
+        return self.r.hgetall(self.k + "status")
+
+    def offsets(self) -> dict[tuple[str, int], int]:
+        out = {}
         for key, off in self.r.hgetall(self.k + "offsets").items():
             topic, part = key.rsplit("|", 1)
-            offsets[(topic, int(part))] = int(off)
-        return Snapshot(versions, rounds, self.r.hgetall(self.k + "status"), offsets, self.counters(),
-                        {k: float(v) for k, v in self.r.hgetall(self.k + "stats").items()})
+            out[(topic, int(part))] = int(off)
+        return out
+
+    def events_offset(self, shard: int) -> int:
+        return int(self.r.hget(self.k + "events_offset", str(shard)) or 0)
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.r.hgetall(self.k + "stats").items()}
 
     def versions(self) -> dict[int, int]:
         return {int(p): int(v) for p, v in self.r.hgetall(self.k + "version").items()}
@@ -129,19 +193,19 @@ class SyncerState:
         return all(created)
 
     def accept(self, fragment: int, cid: str, meta: dict, offsets: dict[tuple[str, int], int],
-               outbox: list[dict] = ()) -> None:
-        with self.r.pipeline(transaction=True) as p:
+               outbox: list[dict] = (), *, fence: Fence = None) -> None:
+        def build(p):
             p.hset(f"{self.k}round:{fragment}", cid, json.dumps(meta))
             p.hset(self.k + "status", cid, f"pending:{fragment}")
             p.hincrby(self.k + "counters", "accepted", 1)
             self._offsets(p, offsets)
             self._outbox(p, outbox)
-            p.execute()
+        self._transact(fence, build)
 
     def reject(self, cid: str | None, reason: str, offsets: dict[tuple[str, int], int],
-               fragment: int | None = None, outbox: list[dict] = ()) -> None:
+               fragment: int | None = None, outbox: list[dict] = (), *, fence: Fence = None) -> None:
         """Record a rejection; `cid` None for a record that names no contribution."""
-        with self.r.pipeline(transaction=True) as p:
+        def build(p):
             if cid is not None:
                 p.hset(self.k + "status", cid, f"rejected:{reason}")
                 if fragment is not None:
@@ -150,42 +214,102 @@ class SyncerState:
             p.hincrby(self.k + "counters", f"rejected:{reason}", 1)
             self._offsets(p, offsets)
             self._outbox(p, outbox)
-            p.execute()
+        self._transact(fence, build)
 
     def count(self, name: str, n: int = 1) -> None:
         self.r.hincrby(self.k + "counters", name, n)
 
-    def save_offsets(self, offsets: dict[tuple[str, int], int]) -> None:
+    def save_offsets(self, offsets: dict[tuple[str, int], int], *, fence: Fence = None) -> None:
         if offsets:
-            with self.r.pipeline(transaction=True) as p:
-                self._offsets(p, offsets)
-                p.execute()
+            self._transact(fence, lambda p: self._offsets(p, offsets))
+
+    def save_events_offset(self, shard: int, offset: int) -> None:
+        self.r.hset(self.k + "events_offset", str(shard), offset)
 
     def commit_merge(self, fragment: int, *, from_version: int, ids: list[str], late: int, record: dict,
-                     offsets: dict[tuple[str, int], int], sync_time_s: float, outbox: list[dict] = ()) -> None:
+                     offsets: dict[tuple[str, int], int], sync_time_s: float, outbox: list[dict] = (),
+                     fence: Fence = None) -> None:
         """Atomically: bump the version, mark ids applied, clear them from the round, store offsets."""
         vkey = self.k + "version"
-        with self.r.pipeline(transaction=True) as p:
-            try:
-                p.watch(vkey)
-                current = int(p.hget(vkey, str(fragment)))
-                if current != from_version:
-                    raise StaleVersion(f"fragment {fragment} is at version {current}, merge was built on {from_version}")
-                p.multi()
-                p.hset(vkey, str(fragment), from_version + 1)
-                if ids:
-                    p.hdel(f"{self.k}round:{fragment}", *ids)
-                    p.hset(self.k + "status", mapping={cid: f"applied:{fragment}:{from_version + 1}" for cid in ids})
-                p.hincrby(self.k + "counters", "applied", len(ids))
-                p.hincrby(self.k + "counters", "late", late)
-                p.hincrby(self.k + "counters", "merges", 1)
-                p.rpush(self.k + "merges", json.dumps(record))
-                p.hset(self.k + "stats", "sync_time_s", sync_time_s)
-                self._offsets(p, offsets)
-                self._outbox(p, outbox)
-                p.execute()
-            except WatchError:
-                raise StaleVersion(f"fragment {fragment} changed during the merge commit") from None
+
+        def check(p):
+            current = int(p.hget(vkey, str(fragment)))
+            if current != from_version:
+                raise StaleVersion(f"fragment {fragment} is at version {current}, merge was built on {from_version}")
+
+        def build(p):
+            p.hset(vkey, str(fragment), from_version + 1)
+            if ids:
+                p.hdel(f"{self.k}round:{fragment}", *ids)
+                p.hset(self.k + "status", mapping={cid: f"applied:{fragment}:{from_version + 1}" for cid in ids})
+            p.hincrby(self.k + "counters", "applied", len(ids))
+            p.hincrby(self.k + "counters", "late", late)
+            p.hincrby(self.k + "counters", "merges", 1)
+            p.rpush(self.k + "merges", json.dumps(record))
+            p.hset(self.k + "stats", "sync_time_s", sync_time_s)
+            self._offsets(p, offsets)
+            self._outbox(p, outbox)
+        self._transact(fence, build, watch=(vkey,), check=check)
+
+    def _transact(self, fence: Fence, build, *, watch: tuple[str, ...] = (), check=None, attempts: int = 20) -> None:
+        """One MULTI/EXEC of `build`, refused with Fenced unless every fragment in `fence` still has
+        the given epoch (WATCHed, so a claim between the check and EXEC also refuses it).
+
+        The watched version hash is shared by all fragments, so another shard's commit also aborts
+        EXEC: then the checks run again on the new values and the transaction is retried."""
+        fence = dict(fence or {})
+        keys = [self.k + f"epoch:{f}" for f in fence] + list(watch)
+        for _ in range(attempts):
+            with self.r.pipeline(transaction=True) as p:
+                try:
+                    if keys:
+                        p.watch(*keys)
+                    self._check_fence(p, fence)
+                    if check:
+                        check(p)
+                    p.multi()
+                    build(p)
+                    p.execute()
+                    return
+                except WatchError:
+                    continue
+        raise StaleVersion(f"the commit kept losing races on {keys} ({attempts} attempts)")
+
+    def _check_fence(self, r, fence: dict[int, int]) -> None:
+        for frag, epoch in fence.items():
+            now = r.get(self.k + f"epoch:{frag}")
+            if now is None or int(now) != epoch:
+                raise Fenced(frag, f"epoch is {now}, this writer holds {epoch}: another shard owns it now")
+
+    # --- ownership ---------------------------------------------------------------------------
+    def claim(self, fragment: int, shard: int, member: str, ttl_s: float) -> tuple[int, str | None]:
+        """(new epoch, previous owner) if this shard now owns the fragment, else (0, current holder)."""
+        epoch, who = self.r.eval(_CLAIM, 3, self.k + f"lease:{fragment}", self.k + f"epoch:{fragment}",
+                                 self.k + f"owner:{fragment}", member, str(shard), int(ttl_s * 1000))
+        return int(epoch), who or None
+
+    def renew(self, fragment: int, member: str, ttl_s: float) -> bool:
+        return bool(self.r.eval(_RENEW, 1, self.k + f"lease:{fragment}", member, int(ttl_s * 1000)))
+
+    def release(self, fragment: int, member: str) -> None:
+        self.r.eval(_RELEASE, 1, self.k + f"lease:{fragment}", member)
+
+    def lease_holder(self, fragment: int) -> str | None:
+        return self.r.get(self.k + f"lease:{fragment}")
+
+    def epoch(self, fragment: int) -> int:
+        return int(self.r.get(self.k + f"epoch:{fragment}") or 0)
+
+    def join(self, shard: int, member: str, ttl_s: float) -> None:
+        """Say this shard is live for another ttl_s seconds."""
+        self.r.set(self.k + f"member:{shard}", member, px=int(ttl_s * 1000))
+
+    def leave(self, shard: int, member: str) -> None:
+        self.r.eval(_RELEASE, 1, self.k + f"member:{shard}", member)
+
+    def live_shards(self, shards: int) -> set[int]:
+        found = self.r.mget([self.k + f"member:{i}" for i in range(shards)])
+        return {i for i, m in enumerate(found) if m is not None}
 
     def heartbeat(self, learner: str, info: dict) -> None:
         self.r.hset(self.k + "registry", learner, json.dumps(info))
@@ -193,12 +317,15 @@ class SyncerState:
     def drop_learner(self, learner: str) -> None:
         self.r.hdel(self.k + "registry", learner)
 
-    def outbox_peek(self, n: int = 500) -> list[dict]:
-        return [json.loads(e) for e in self.r.lrange(self.k + "outbox", 0, n - 1)]
+    def outbox_peek(self, n: int = 500) -> list[str]:
+        """The first n outbox records as stored (JSON text): the trim below matches on that text."""
+        return self.r.lrange(self.k + "outbox", 0, n - 1)
 
-    def outbox_trim(self, n: int) -> None:
-        """Drop the first n outbox records once Kafka acknowledged them."""
-        self.r.ltrim(self.k + "outbox", n, -1)
+    def outbox_trim(self, sent: list[str]) -> bool:
+        """Drop the records just relayed, unless another relayer already did (False then)."""
+        if not sent:
+            return True
+        return bool(self.r.eval(_TRIM_IF_HEAD, 1, self.k + "outbox", sent[0], len(sent)))
 
     def _outbox(self, p, records: list[dict]) -> None:
         if records:

@@ -20,10 +20,12 @@ their payloads back, and new ids are handled as usual.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,12 +40,13 @@ from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.fragments import plan_fragments
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore
+from diloco.infra.store import FragmentStore, StoreFenced
 from diloco.learners.model import init_params
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
 from diloco.syncer import merge as merge_math
 from diloco.syncer.policy import QuorumPolicy, decide
-from diloco.syncer.state import StaleVersion, SyncerState, wait_until_up
+from diloco.syncer import shards as shards_mod
+from diloco.syncer.state import Fenced, StaleVersion, SyncerState, wait_until_up
 
 log = logging.getLogger(__name__)
 
@@ -104,64 +107,65 @@ def announce(producer, topics: kafka_io.Topics, cfg: Config, run_id: str, fragme
 
 
 class Syncer:
+    """One syncer shard: merges the fragments it holds leases on (all of them when it runs alone)."""
+
     def __init__(self, cfg: Config, run_id: str, *, state: SyncerState, store: FragmentStore, producer, consumer,
-                 clock=time.time):
+                 shard: int = 0, clock=time.time):
         self.cfg, self.run_id, self.state, self.store = cfg, run_id, state, store
         self.producer, self.consumer, self.clock = producer, consumer, clock
         self.topics = kafka_io.Topics.for_run(cfg, run_id)
         params, self.plan = fragment_plan(cfg)
+        if self.topics.partitions != len(self.plan):  # ownership follows partitions one to one
+            raise ValueError(f"{self.topics.partitions} partitions per region topic for {len(self.plan)} fragments")
+        if not 0 <= shard < cfg.syncer.shards:
+            raise ValueError(f"shard {shard} is not in 0..{cfg.syncer.shards - 1} (syncer.shards={cfg.syncer.shards})")
+        self.shard, self.member = shard, f"{shard}:{uuid.uuid4().hex[:12]}"
+        self.ttl_s = cfg.syncer.lease_ttl_s
         self.shapes = {n: a.shape for n, a in params.items()}
         self.opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
                                    cfg.syncer.grace_max_s)
-        self.assembler = ChunkAssembler(max_bytes=cfg.syncer.max_contribution_bytes,
-                                        timeout_s=cfg.syncer.incomplete_timeout_s)
+        self.events_tp: TP = (self.topics.events, 0)
         self.learners = set(cfg.learner_ids())
-        self.fragments: list[FragmentState] = []
+        self.stopping = False
+        self._broker_down = False
+        self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget everything held in memory: what start() rebuilds from Redis, TensorStore and Kafka."""
+        self.fragments: dict[int, FragmentState] = {}   # the fragments this shard owns
+        self.epochs: dict[int, int] = {}                # their fencing epochs
         self.status: dict[str, str] = {}
         self.consumed: dict[TP, int] = {}
         self.registry: dict[str, dict] = {}
+        self.assembler = ChunkAssembler(max_bytes=self.cfg.syncer.max_contribution_bytes,
+                                        timeout_s=self.cfg.syncer.incomplete_timeout_s)
         self.sync_time_s = 0.0
-        self.stopping = False
-        self._broker_down = False
-        self.broker = kafka_io.BrokerWatch(cfg.transport, "syncer")
-        self._last_offsets_save = 0.0
-        self._last_registry_check = 0.0
+        self.coordinator = False
+        self._replaying = False
+        self._last_offsets_save = self._last_registry_check = self._last_lease = 0.0
 
     # --- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         if not self.broker.is_alive():
             self.broker.start()
-        snap = self.state.snapshot(len(self.plan))
-        if len(snap.versions) != len(self.plan):
-            raise RuntimeError(f"run {self.run_id} is not provisioned in Redis (versions: {snap.versions}); "
+        versions = self.state.versions()
+        if len(versions) != len(self.plan):
+            raise RuntimeError(f"run {self.run_id} is not provisioned in Redis (versions: {versions}); "
                                "`diloco train` provisions it")
-        self.status = snap.status
-        self.sync_time_s = snap.stats.get("sync_time_s", 0.0)
+        self.sync_time_s = self.state.stats().get("sync_time_s", 0.0)
         now = self.clock()  # the registry survives a restart; its clocks restart from now
         self.registry = {lid: hb | {"seen": now} for lid, hb in self.state.registry().items() if lid in self.learners}
-        for p, names in enumerate(self.plan):
-            v = snap.versions[p]
-            fv = self.store.read(p, v)
-            template = self.opt.init({n: fv.params[n] for n in names})
-            st = FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt))
-            for cid, meta in snap.rounds[p].items():
-                st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
-            self.fragments.append(st)
-        positions = {}
-        for topic in [*self.topics.fragments.values(), self.topics.events]:
-            n = self.topics.partitions if topic != self.topics.events else 1
-            for tp in kafka_io.partitions_of(topic, n):
-                positions[tp] = snap.offsets.get((tp.topic, tp.partition), 0)
-                self.consumed[(tp.topic, tp.partition)] = positions[tp]
-        kafka_io.assign_from(self.consumer, positions)
-        self._replaying = any(st.round for st in self.fragments)
+        self.status = self.state.statuses()
+        self.consumed = {self.events_tp: self.state.events_offset(self.shard)}
+        self.started_at = now
+        self.rebalance(force=True)
         self.relay()  # what a crashed predecessor committed but did not get to publish
-        for p, st in enumerate(self.fragments):  # at-least-once announcements: learners dedupe
-            announce(self.producer, self.topics, self.cfg, self.run_id, p, st.version)
-        self._event("syncer_started", versions={p: f.version for p, f in enumerate(self.fragments)},
-                    pending=sum(len(f.round) for f in self.fragments))
-        log.info("syncer started", extra={"run": self.run_id, "versions": [f.version for f in self.fragments],
+        self._event("syncer_started", shard=self.shard, fragments=sorted(self.fragments),
+                    versions={p: f.version for p, f in self.fragments.items()},
+                    pending=sum(len(f.round) for f in self.fragments.values()))
+        log.info("syncer started", extra={"run": self.run_id, "shard": self.shard, "fragments": sorted(self.fragments),
                                           "replay_from": {f"{t}|{p}": o for (t, p), o in self.consumed.items()}})
 
     def run(self, *, drain_timeout_s: float = 30.0) -> None:
@@ -180,11 +184,15 @@ class Syncer:
                     if self.caught_up() or self.clock() > stop_at:
                         break
             if self.cfg.syncer.flush_on_stop:
-                for p in range(len(self.fragments)):
-                    self.maybe_close(p, final=True)
+                for p in list(self.fragments):
+                    self._guarded(p, lambda p=p: self.maybe_close(p, final=True))
             self.relay()
             self.save_offsets(force=True)
-            self._event("syncer_stopped", versions={p: f.version for p, f in enumerate(self.fragments)})
+            self._event("syncer_stopped", shard=self.shard,
+                        versions={p: f.version for p, f in self.fragments.items()})
+            for p in list(self.fragments):  # hand over at once rather than after the lease times out
+                self.state.release(p, self.member)
+            self.state.leave(self.shard, self.member)
         finally:
             self.producer.flush()
             self.consumer.close()
@@ -199,44 +207,133 @@ class Syncer:
                     extra={"error": f"{type(err).__name__}: {err}"})
         wait_until_up(self.state.r, self.cfg.state.redis_url, timeout_s=self.cfg.run.timeout_s)
         log.warning("redis is back; reloading state and replaying from the stored offsets")
-        self.fragments, self.status, self.consumed = [], {}, {}
-        self.assembler = ChunkAssembler(max_bytes=self.cfg.syncer.max_contribution_bytes,
-                                        timeout_s=self.cfg.syncer.incomplete_timeout_s)
+        self._reset()
         self.start()
 
     def step(self) -> None:
         """One poll: handle records, expire partial chunk sets, close the rounds that are due."""
         batch = self.consumer.poll(timeout_ms=self.cfg.syncer.poll_ms, max_records=500)
         for tp, records in batch.items():
+            key = (tp.topic, tp.partition)
             for rec in records:
+                if key not in self.consumed:
+                    break                         # the partition went with its fragment meanwhile
                 try:
-                    if tp.topic == self.topics.events:
-                        self.consumed[(tp.topic, tp.partition)] = rec.offset + 1
+                    if key == self.events_tp:
+                        self.consumed[key] = rec.offset + 1
                         self.handle_event(rec.value)
                     else:
-                        self.handle_record(rec.value, (tp.topic, tp.partition), rec.offset)
+                        self._guarded(self._fragment_of(key), lambda: self.handle_record(rec.value, key, rec.offset))
                 except (RedisError, KafkaError):
                     raise                     # the service, not the record: handled by run()
                 except Exception as err:  # one bad record must never stop the syncer
                     log.exception("record handling failed", extra={"topic": tp.topic, "offset": rec.offset})
-                    self._reject(None, "internal_error", f"{type(err).__name__}: {err}", where=(tp.topic, tp.partition, rec.offset))
+                    self._guarded(self._fragment_of(key), lambda: self._reject(
+                        None, "internal_error", f"{type(err).__name__}: {err}", where=(*key, rec.offset)))
         now = self.clock()
         for d in self.assembler.expire(now):
             self._reject_dropped(d)
         if self._replaying and self.caught_up():
             self._give_up_lost_payloads()
         self.update_registry()
-        for p in range(len(self.fragments)):
-            self.maybe_close(p)
+        for p in list(self.fragments):
+            self._guarded(p, lambda p=p: self.maybe_close(p))
         self.relay()
         self.save_offsets()
+        self.rebalance()
+
+    # --- ownership -----------------------------------------------------------------------------
+    def rebalance(self, *, force: bool = False) -> None:
+        """Renew leases and membership; hand back fragments whose home shard is live again; claim
+        the fragments this shard should own that nobody holds. Runs every third of the lease TTL."""
+        now = self.clock()
+        if not force and now - self._last_lease < self.ttl_s / 3:
+            return
+        self._last_lease = now
+        self.state.join(self.shard, self.member, self.ttl_s)
+        changed = False
+        for p in [p for p in self.fragments if not self.state.renew(p, self.member, self.ttl_s)]:
+            self.drop(p, "lease lost (this shard stalled past the lease TTL)")
+            changed = True
+        live = self.state.live_shards(self.cfg.syncer.shards) | {self.shard}
+        self.coordinator = self.shard == min(live)
+        want = shards_mod.wanted(self.shard, len(self.plan), self.cfg.syncer.shards, live)
+        for p in sorted(set(self.fragments) - want):
+            self.release(p)
+            changed = True
+        if not self.stopping:
+            settled = now - self.started_at >= self.ttl_s  # the other shards had time to say they are live
+            for p in sorted(want - set(self.fragments)):
+                if shards_mod.home_shard(p, self.cfg.syncer.shards) == self.shard or settled:
+                    changed |= self.claim(p)
+        if changed or force:
+            kafka_io.assign_from(self.consumer, {TopicPartition(*tp): off for tp, off in self.consumed.items()})
+
+    def claim(self, p: int) -> bool:
+        """Take fragment p if its lease is free: load its version, open round and replay offsets."""
+        epoch, previous = self.state.claim(p, self.shard, self.member, self.ttl_s)
+        if not epoch:
+            return False
+        v = self.state.version(p)
+        fv = self.store.read(p, v)
+        template = self.opt.init({n: fv.params[n] for n in self.plan[p]})
+        st = FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt))
+        self.status.update(self.state.statuses())
+        for cid, meta in self.state.round(p).items():
+            st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
+        offsets = self.state.offsets()
+        for tp in self._tps(p):
+            self.consumed[tp] = offsets.get(tp, 0)
+        self.fragments[p], self.epochs[p] = st, epoch
+        self._replaying |= bool(st.round)  # their payloads come back from the log
+        announce(self.producer, self.topics, self.cfg, self.run_id, p, v)  # at least once: learners dedupe
+        self._event("fragment_claimed", fragment=p, shard=self.shard, epoch=epoch, version=v,
+                    pending=len(st.round), previous=previous)
+        log.info("fragment claimed", extra={"fragment": p, "shard": self.shard, "epoch": epoch, "version": v,
+                                            "previous_owner": previous, "pending": len(st.round)})
+        return True
+
+    def release(self, p: int) -> None:
+        """Hand fragment p back: its replay offsets first, so the next owner resumes where this one was."""
+        try:
+            self.state.save_offsets(self.replay_offsets([p]), fence={p: self.epochs[p]})
+        except Fenced:
+            pass
+        self.state.release(p, self.member)
+        self.drop(p, "handed to its home shard")
+
+    def drop(self, p: int, why: str) -> None:
+        """Forget fragment p here; what was accepted for it is in Redis for its next owner."""
+        if self.fragments.pop(p, None) is None:
+            return
+        self.epochs.pop(p, None)
+        for tp in self._tps(p):
+            self.consumed.pop(tp, None)
+            self.assembler.discard_where(f"{tp[0]}|{tp[1]}")
+        self._event("fragment_released", fragment=p, shard=self.shard, reason=why)
+        log.warning("fragment released", extra={"fragment": p, "shard": self.shard, "reason": why})
+
+    def _guarded(self, p: int, fn) -> None:
+        """Run fn; if it finds that another shard took fragment p (fenced), let the fragment go."""
+        try:
+            fn()
+        except Fenced as err:
+            self.drop(err.fragment, f"fenced: {err}")
+            kafka_io.assign_from(self.consumer, {TopicPartition(*tp): off for tp, off in self.consumed.items()})
+
+    def _tps(self, p: int) -> list[TP]:
+        return [(t, self.topics.partition_of(p)) for t in self.topics.fragments.values()]
+
+    def _fragment_of(self, tp: TP) -> int:
+        return tp[1]  # one partition per fragment (checked in __init__)
 
     def relay(self) -> None:
         """Publish the outbox to Kafka; trim only what the broker acknowledged.
 
         While the broker is away the outbox waits in Redis and the next step tries again.
         """
-        while self.broker.up and (records := self.state.outbox_peek()):  # no blocking flush while it is away
+        while self.broker.up and (raw := self.state.outbox_peek()):  # no blocking flush while it is away
+            records = [json.loads(r) for r in raw]
             try:
                 futures = [self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"])
                            for r in records]
@@ -252,7 +349,8 @@ class Syncer:
             if self._broker_down:
                 log.warning("broker reachable again; outbox relayed")
                 self._broker_down = False
-            self.state.outbox_trim(len(records))
+            if not self.state.outbox_trim(raw):
+                return  # another shard relayed the same records first: they went out twice, not zero times
 
     def caught_up(self) -> bool:
         for tp in self.consumer.assignment():
@@ -271,6 +369,8 @@ class Syncer:
         ev["seen"] = self.clock()  # the syncer's clock decides liveness, not the learner's
         ev["status"] = "finished" if ev.get("state") == "finished" else "alive"
         self.registry[lid] = ev
+        if not self.coordinator:  # every shard tracks liveness; one keeps the shared registry and says so
+            return
         self.state.heartbeat(lid, ev)
         if before is None or before.get("incarnation") != ev.get("incarnation") or before["status"] != "alive":
             if ev["status"] == "alive":
@@ -287,10 +387,14 @@ class Syncer:
             age = now - hb["seen"]
             if hb["status"] == "alive" and age > self.cfg.syncer.silent_after_s:
                 hb["status"] = "silent"
+                if not self.coordinator:
+                    continue
                 self._event("learner_silent", learner=lid, last_step=hb.get("step"), silent_s=round(age, 1))
                 log.warning("learner silent", extra={"learner": lid, "silent_s": round(age, 1)})
             elif hb["status"] == "silent" and age > self.cfg.syncer.drop_after_s:
                 hb["status"] = "dropped"
+                if not self.coordinator:
+                    continue
                 self.state.drop_learner(lid)
                 self._event("learner_dropped", learner=lid, silent_s=round(age, 1))
                 log.warning("learner dropped from the registry", extra={"learner": lid})
@@ -327,6 +431,10 @@ class Syncer:
     def on_complete(self, a: Assembled, tp: TP) -> None:
         m = a.manifest
         pending = self._pending(m.id)
+        if 0 <= m.fragment < len(self.plan) and m.fragment != self._fragment_of(tp):
+            self._reject(m.id, "misrouted", f"fragment {m.fragment} on partition {tp[1]}, which carries fragment "
+                         f"{self._fragment_of(tp)}", manifest=m, where=(*tp, a.first_offset))
+            return
         verdict = self.validate(m, a.payload, replay=pending is not None)
         if isinstance(verdict, tuple):
             self._reject(m.id, *verdict, manifest=m, where=(*tp, a.first_offset))
@@ -341,9 +449,10 @@ class Syncer:
         st = self.fragments[m.fragment]
         st.round[m.id] = Pending(meta, meta["arrival"], tp, a.first_offset, verdict)
         self.status[m.id] = f"pending:{m.fragment}"
-        self.state.accept(m.fragment, m.id, meta, self.replay_offsets(), outbox=[self._outbox_event(
+        self.state.accept(m.fragment, m.id, meta, self.replay_offsets([m.fragment]), outbox=[self._outbox_event(
             "contribution_accepted", id=m.id, learner=m.learner, region=m.region, fragment=m.fragment,
-            base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes)])
+            base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes)],
+            fence={m.fragment: self.epochs[m.fragment]})
 
     def validate(self, m: Manifest, payload: bytes, *, replay: bool = False):
         """Decoded deltas, or (reason, detail) saying why the contribution cannot enter a merge."""
@@ -424,7 +533,11 @@ class Syncer:
                   "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
                   "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
                   "missing": sorted(self.live_learners() - {m["learner"] for m in metas}), "time": self.clock()}
-        self.store.write(p, st.version + 1, params, merge_math.flatten_state(opt_state), record)
+        try:
+            self.store.write(p, st.version + 1, params, merge_math.flatten_state(opt_state), record,
+                             epoch=self.epochs[p])
+        except StoreFenced as err:
+            raise Fenced(p, str(err)) from None
         crash_point("store_written")
         for cid in ids:
             del st.round[cid]
@@ -435,8 +548,11 @@ class Syncer:
                                              learners=record["learners"], tokens=record["tokens"], late=late,
                                              reason=reason, missing=record["missing"], seconds=round(sync_time, 4))
             self.state.commit_merge(p, from_version=st.version, ids=ids, late=late, record=record,
-                                    offsets=self.replay_offsets(), sync_time_s=ema, outbox=[
-                                        announcement(self.topics, self.cfg, self.run_id, p, st.version + 1), merge_event])
+                                    offsets=self.replay_offsets([p]), sync_time_s=ema, outbox=[
+                                        announcement(self.topics, self.cfg, self.run_id, p, st.version + 1), merge_event],
+                                    fence={p: self.epochs[p]})
+        except Fenced:
+            raise
         except StaleVersion:
             log.error("merge lost a race for fragment %d; reloading", p)
             raise
@@ -446,7 +562,7 @@ class Syncer:
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = f"applied:{p}:{st.version}"
-        log.info("merged", extra={"fragment": p, "version": st.version, "contributions": len(ids), "late": late,
+        log.info("merged", extra={"shard": self.shard, "fragment": p, "version": st.version, "contributions": len(ids), "late": late,
                                   "reason": reason, "seconds": round(sync_time, 4)})
 
     def _drop_norm_outliers(self, p: int, contribs: list[Pending]) -> list[Pending]:
@@ -464,14 +580,16 @@ class Syncer:
         return keep
 
     # --- offsets and bookkeeping ---------------------------------------------------------------
-    def replay_offsets(self) -> dict[TP, int]:
-        """Per partition, the first offset whose effect is not yet durable (where a restart resumes)."""
-        out = dict(self.consumed)
-        for st in self.fragments:
-            for c in st.round.values():
-                if c.first_offset is not None:
-                    out[c.tp] = min(out.get(c.tp, c.first_offset), c.first_offset)
-        for tp in list(out):
+    def replay_offsets(self, fragments=None) -> dict[TP, int]:
+        """Per partition of the given owned fragments (default all), the first offset whose effect is
+        not yet durable (where a restart or the next owner resumes)."""
+        frags = sorted(self.fragments) if fragments is None else fragments
+        out = {tp: self.consumed[tp] for p in frags for tp in self._tps(p) if tp in self.consumed}
+        for p in frags:
+            for c in self.fragments[p].round.values():
+                if c.first_offset is not None and c.tp in out:
+                    out[c.tp] = min(out[c.tp], c.first_offset)
+        for tp in out:
             partial = self.assembler.pending_offsets(f"{tp[0]}|{tp[1]}")
             if partial:
                 out[tp] = min(out[tp], min(partial))
@@ -479,43 +597,52 @@ class Syncer:
 
     def save_offsets(self, force: bool = False) -> None:
         now = self.clock()
-        if force or now - self._last_offsets_save > 1.0:
-            self.state.save_offsets(self.replay_offsets())
-            self._last_offsets_save = now
+        if not (force or now - self._last_offsets_save > 1.0):
+            return
+        self._last_offsets_save = now
+        self.state.save_events_offset(self.shard, self.consumed[self.events_tp])
+        for p in list(self.fragments):
+            self._guarded(p, lambda p=p: self.state.save_offsets(self.replay_offsets([p]), fence={p: self.epochs[p]}))
 
     def _pending(self, cid: str) -> Pending | None:
         status = self.status.get(cid, "")
         if not status.startswith("pending:"):
             return None
-        return self.fragments[int(status.split(":")[1])].round.get(cid)
+        st = self.fragments.get(int(status.split(":")[1]))
+        return st.round.get(cid) if st else None
 
     def _give_up_lost_payloads(self) -> None:
         """After a full replay, pending ids whose records are gone from the log cannot be merged."""
         self._replaying = False
-        for st in self.fragments:
+        for p, st in list(self.fragments.items()):
             for cid in [cid for cid, c in st.round.items() if c.deltas is None]:
-                self._reject(cid, "lost_payload", "records not found in the log on replay")
+                self._guarded(p, lambda cid=cid: self._reject(cid, "lost_payload", "records not found in the log on replay"))
 
     def _reject_dropped(self, d: Dropped) -> None:
         where = tuple(d.where.rsplit("|", 1)) + (d.first_offset,) if d.where else None
-        self._reject(d.id, d.reason, d.detail, manifest=d.manifest, where=where)
+        p = int(where[1]) if where else (d.manifest.fragment if d.manifest else -1)
+        self._guarded(p, lambda: self._reject(d.id, d.reason, d.detail, manifest=d.manifest, where=where))
 
     def _reject(self, cid: str | None, reason: str, detail: str, *, manifest: Manifest | None = None,
                 where=None) -> None:
         fragment = None
         if cid is not None and self.status.get(cid, "").startswith("pending:"):
             fragment = int(self.status[cid].split(":")[1])  # leaves its round, in memory and in Redis
-            self.fragments[fragment].round.pop(cid, None)
-        if cid is not None:
-            self.status[cid] = f"rejected:{reason}"
+            if fragment in self.fragments:
+                self.fragments[fragment].round.pop(cid, None)
+        # the fragment whose partition the record came from: only its owner may say anything about it
+        about = fragment if fragment is not None else (int(where[1]) if where is not None else None)
+        fence = {about: self.epochs[about]} if about in self.epochs else None
         fields = {"id": cid, "reason": reason, "detail": detail}
         if manifest is not None:
             fields |= {"learner": manifest.learner, "region": manifest.region, "fragment": manifest.fragment,
                        "base_version": manifest.base_version}
         if where is not None:
             fields["where"] = {"topic": where[0], "partition": int(where[1]), "offset": where[2]}
-        self.state.reject(cid, reason, self.replay_offsets(), fragment=fragment,
-                          outbox=[self._outbox_event("contribution_rejected", **fields)])
+        self.state.reject(cid, reason, self.replay_offsets([about] if fence else []), fragment=fragment,
+                          outbox=[self._outbox_event("contribution_rejected", **fields)], fence=fence)
+        if cid is not None:
+            self.status[cid] = f"rejected:{reason}"
         log.warning("rejected contribution", extra=fields)
 
     def _outbox_event(self, kind: str, **fields) -> dict:
@@ -527,8 +654,8 @@ class Syncer:
                            partition=0)
 
 
-def main(cfg: Config, run_id: str) -> None:
-    """Entry point of the syncer process."""
+def main(cfg: Config, run_id: str, shard: int = 0) -> None:
+    """Entry point of one syncer shard's process."""
     from diloco.syncer import state as state_mod
 
     r = state_mod.connect(cfg.state)
@@ -536,7 +663,7 @@ def main(cfg: Config, run_id: str) -> None:
     store = FragmentStore(cfg.store.url, run_id)
     producer = kafka_io.producer(cfg.transport)
     consumer = kafka_io.consumer(cfg.transport)
-    Syncer(cfg, run_id, state=st, store=store, producer=producer, consumer=consumer).run()
+    Syncer(cfg, run_id, state=st, store=store, producer=producer, consumer=consumer, shard=shard).run()
     producer.close()
 
 
