@@ -234,7 +234,7 @@ def test_gke_jobsets_carry_every_config_field(tmp_path):
     assert cm["kind"] == "ConfigMap" and cm["metadata"] == {"name": "dl-prod-run-7-config", "namespace": "pretrain"}
     assert load_config(tmp_path / "config.yaml") == cfg and cm["data"]["config.yaml"] == dump_config(cfg)
     for doc, name, cmd, hosts, selector, chips in [
-        (syncer, "syncer", ["diloco", "syncer", "--config", "/cfg/config.yaml"], 1, None, None),
+        (syncer, "syncer", ["diloco", "syncer", "--config", "/cfg/config.yaml", "--shard", "0"], 1, None, None),
         (us0, "us-0", ["diloco", "learner", "--config", "/cfg/config.yaml", "--learner", "us-0", "--corpus", "/mnt/corpus"],
          2, {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice", "cloud.google.com/gke-tpu-topology": "2x2x2"}, 4),
         (us1, "us-1", ["diloco", "learner", "--config", "/cfg/config.yaml", "--learner", "us-1", "--corpus", "/mnt/corpus"],
@@ -257,6 +257,16 @@ def test_gke_jobsets_carry_every_config_field(tmp_path):
         assert pod["volumes"] == [{"name": "config", "configMap": {"name": "dl-prod-run-7-config"}}]
         assert pod.get("nodeSelector") == selector
         assert c.get("resources", {}).get("limits", {}).get("google.com/tpu") == chips
+
+
+def test_gke_plan_starts_one_jobset_per_syncer_shard(tmp_path):
+    cfg = build_config({**tpu_config().model_dump(mode="json"), "syncer": {"shards": 3}})
+    docs = list(yaml.safe_load_all((tpu.write_plan(cfg, dump_config(cfg), tmp_path)[0]).read_text()))
+    shards = [d for d in docs if d["kind"] == "JobSet" and d["metadata"]["labels"]["diloco/job"].startswith("syncer")]
+    assert [d["metadata"]["name"] for d in shards] == [f"dl-prod-run-7-syncer-{i}" for i in range(3)]
+    for i, d in enumerate(shards):
+        (c,) = d["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+        assert c["command"] == ["diloco", "syncer", "--config", "/cfg/config.yaml", "--shard", str(i)]
 
 
 def test_queued_resource_requests_carry_every_config_field(tmp_path):

@@ -64,9 +64,9 @@ def test_topics_agree_with_the_broker_and_the_syncer_offsets(done):
     cfg, run_id, conf, _ = done
     rep = invoke_json("topics", "--config", conf, "--interval", "0.3")
     assert rep["run"] == run_id and rep["caught_up"]
-    offsets = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id) \
-        .snapshot(cfg.fragments.count).offsets
     topics = kafka_io.Topics.for_run(cfg, run_id)
+    offsets = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id) \
+        .committed(topics.events)
     by_name = {t["topic"]: t for t in rep["topics"]}
     assert set(by_name) == set(topics.all())
     for topic, n in topics.all().items():

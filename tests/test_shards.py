@@ -3,6 +3,9 @@ TensorStore, takeover and hand-back between shard processes."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -11,8 +14,9 @@ import pytest
 from helpers import Harness, assert_exact_accounting, run_events
 from rich.console import Console
 
+from diloco.config import ConfigError, build_config, dump_config
 from diloco.infra.store import FragmentStore, StoreFenced
-from diloco.run import train
+from diloco.run import _child_env, train
 from diloco.syncer import shards
 from diloco.syncer.state import Fenced, SyncerState, connect
 
@@ -28,6 +32,13 @@ def test_every_fragment_has_exactly_one_owner(live):
             assert owner == shards.home_shard(p, n)   # a live home keeps its fragments: no churn
     claimed = [p for s in range(n) for p in shards.wanted(s, fragments, n, live) if s in live]
     assert sorted(claimed) == sorted(p for p in range(fragments) if owners[p] in live)
+
+
+def test_a_shard_owns_whole_fragments():
+    with pytest.raises(ConfigError, match=r"syncer.shards \(5\) exceeds fragments.count \(4\)"):
+        build_config({"syncer": {"shards": 5}, "fragments": {"count": 4}})
+    assert build_config({"syncer": {"shards": 3}}).syncer_ids() == ["syncer-0", "syncer-1", "syncer-2"]
+    assert build_config({}).syncer_ids() == ["syncer"]
 
 
 def test_a_dead_shards_fragments_are_spread_over_the_live_ones():
@@ -105,6 +116,33 @@ def test_a_stalled_shard_loses_its_fragments_and_its_late_merge_is_refused(tiny_
 
 
 # --- shard processes ---------------------------------------------------------------------------
+def test_syncer_cli_runs_n_shards_and_hands_everything_back_on_sigterm(tiny_config, tmp_path):
+    run_id = f"cli-shards-{time.time_ns() % 10**6}"
+    cfg = tiny_config(run={"id": run_id}, syncer={"lease_ttl_s": 2.0})
+    h = Harness(cfg, run_id, in_process=False)
+    conf = tmp_path / "config.yaml"
+    conf.write_text(dump_config(cfg))
+    bad = subprocess.run([sys.executable, "-m", "diloco", "syncer", "-c", str(conf), "--shard", "2"],
+                         capture_output=True, text=True, env=_child_env(cfg))
+    assert bad.returncode == 2 and "--shard 2 is not in 0..0" in bad.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "-c", str(conf), "--shards", "2"],
+                            env=_child_env(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while len(started := [e for e in h.events() if e["kind"] == "syncer_started"]) < 2:
+            assert time.time() < deadline and proc.poll() is None, "the shards did not start"
+            time.sleep(0.5)
+        assert sorted((e["shard"], tuple(e["fragments"])) for e in started) == [(0, (0, 2)), (1, (1, 3))]
+        holders = {p: h.state.lease_holder(p).split(":")[0] for p in range(4)}
+        assert holders == {0: "0", 1: "1", 2: "0", 3: "1"}                    # each at its home shard
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    assert rc == 0
+    assert all(h.state.lease_holder(p) is None for p in range(4))             # released, not left to expire
+    assert h.state.live_shards(2) == set()
+
+
 def test_three_shards_survive_one_killed_and_rebalance_when_it_returns(tiny_config, tmp_path):
     ttl = 1.5
     # ~30 s of training: the killed shard is down for a few seconds early on and back well before the end

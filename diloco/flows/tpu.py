@@ -60,7 +60,7 @@ def config_map(cfg: Config, config_text: str) -> dict:
 
 
 def jobset(cfg: Config, name: str, argv: list[str]) -> dict:
-    """A JobSet for one learner (its region's TPU slice, one pod per host) or for the syncer (CPU)."""
+    """A JobSet for one learner (its region's TPU slice, one pod per host) or a syncer shard (CPU)."""
     b = cfg.backend
     learner = argv[0] == "learner"
     container = {"name": "diloco", "image": b.image, "command": remote_argv(cfg, argv),
@@ -173,7 +173,8 @@ def write_plan(cfg: Config, config_text: str, out: Path) -> list[Path]:
     """Every manifest and command of the run into `out`, for review or `kubectl apply -f`."""
     out.mkdir(parents=True, exist_ok=True)
     conf = ["--config", "config.yaml"]
-    docs = [config_map(cfg, config_text), jobset(cfg, "syncer", ["syncer", *conf])]
+    docs = [config_map(cfg, config_text), *(jobset(cfg, name, ["syncer", *conf, "--shard", str(i)])
+                                            for i, name in enumerate(cfg.syncer_ids()))]
     qr = {}
     for lid in cfg.learner_ids():
         argv = ["learner", *conf, "--learner", lid, "--corpus", "corpus"]

@@ -133,7 +133,7 @@ def topics(config: ConfigOpt = None, set_: SetOpt = None, run: RunOpt = None,
 
         def snapshot(prev):
             cur = monitor.sample(timeout_s)
-            committed = state.snapshot(cfg.fragments.count).offsets  # the syncer's replay offsets
+            committed = state.committed(monitor.topics.events)  # the syncer's replay offsets
             return cur, ops_topics.report(monitor.topics, prev, cur, committed)
 
         prev, _ = snapshot(None)

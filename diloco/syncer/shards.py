@@ -7,14 +7,14 @@ round-robin, and when it comes back the foster releases them (the load rebalance
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Set as AbstractSet
 
 
 def home_shard(fragment: int, shards: int) -> int:
     return fragment % shards
 
 
-def owner_of(fragment: int, shards: int, live: Set[int]) -> int:
+def owner_of(fragment: int, shards: int, live: AbstractSet[int]) -> int:
     """The shard that should own `fragment` when `live` shards are up (its home if none is)."""
     home = home_shard(fragment, shards)
     if home in live or not live:
@@ -23,5 +23,5 @@ def owner_of(fragment: int, shards: int, live: Set[int]) -> int:
     return fosters[fragment % len(fosters)]
 
 
-def wanted(shard: int, fragments: int, shards: int, live: Set[int]) -> set[int]:
+def wanted(shard: int, fragments: int, shards: int, live: AbstractSet[int]) -> set[int]:
     return {p for p in range(fragments) if owner_of(p, shards, live | {shard}) == shard}

@@ -164,6 +164,13 @@ class SyncerState:
     def events_offset(self, shard: int) -> int:
         return int(self.r.hget(self.k + "events_offset", str(shard)) or 0)
 
+    def committed(self, events_topic: str) -> dict[tuple[str, int], int]:
+        """Where the syncer resumes on every partition it reads; for the events topic, the shard furthest behind."""
+        out = self.offsets()
+        if shards := self.r.hvals(self.k + "events_offset"):
+            out[(events_topic, 0)] = min(int(v) for v in shards)
+        return out
+
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.r.hgetall(self.k + "stats").items()}
 

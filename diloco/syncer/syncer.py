@@ -44,8 +44,8 @@ from diloco.infra.store import FragmentStore, StoreFenced
 from diloco.learners.model import init_params
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
 from diloco.syncer import merge as merge_math
-from diloco.syncer.policy import QuorumPolicy, decide
 from diloco.syncer import shards as shards_mod
+from diloco.syncer.policy import QuorumPolicy, decide
 from diloco.syncer.state import Fenced, StaleVersion, SyncerState, wait_until_up
 
 log = logging.getLogger(__name__)
@@ -218,18 +218,7 @@ class Syncer:
             for rec in records:
                 if key not in self.consumed:
                     break                         # the partition went with its fragment meanwhile
-                try:
-                    if key == self.events_tp:
-                        self.consumed[key] = rec.offset + 1
-                        self.handle_event(rec.value)
-                    else:
-                        self._guarded(self._fragment_of(key), lambda: self.handle_record(rec.value, key, rec.offset))
-                except (RedisError, KafkaError):
-                    raise                     # the service, not the record: handled by run()
-                except Exception as err:  # one bad record must never stop the syncer
-                    log.exception("record handling failed", extra={"topic": tp.topic, "offset": rec.offset})
-                    self._guarded(self._fragment_of(key), lambda: self._reject(
-                        None, "internal_error", f"{type(err).__name__}: {err}", where=(*key, rec.offset)))
+                self._guarded(self._fragment_of(key), lambda k=key, r=rec: self._handle(k, r))
         now = self.clock()
         for d in self.assembler.expire(now):
             self._reject_dropped(d)
@@ -241,6 +230,19 @@ class Syncer:
         self.relay()
         self.save_offsets()
         self.rebalance()
+
+    def _handle(self, key: TP, rec) -> None:
+        try:
+            if key == self.events_tp:
+                self.consumed[key] = rec.offset + 1
+                self.handle_event(rec.value)
+            else:
+                self.handle_record(rec.value, key, rec.offset)
+        except (RedisError, KafkaError, Fenced):
+            raise                     # the service or the ownership, not the record: handled above
+        except Exception as err:  # one bad record must never stop the syncer
+            log.exception("record handling failed", extra={"topic": key[0], "offset": rec.offset})
+            self._reject(None, "internal_error", f"{type(err).__name__}: {err}", where=(*key, rec.offset))
 
     # --- ownership -----------------------------------------------------------------------------
     def rebalance(self, *, force: bool = False) -> None:
