@@ -1,7 +1,8 @@
-"""Delta codecs for the wire: fp32, bf16 and int8 with one float32 scale per row.
+"""Delta codecs for the wire: fp32, bf16, and int8 / int4 with one float32 scale per row.
 
-A tensor of shape (..., C) is treated as rows of C values (a 1-D tensor is one row). int8 stores
-`round(x / s)` with s = max|row| / 127, so every element is off by at most s / 2.
+A tensor of shape (..., C) is treated as rows of C values (a 1-D tensor is one row). intB stores
+`round(x / s)` with s = max|row| / L (L = 127 for int8, 7 for int4), so every element is off by at
+most s / 2. int4 packs two values per byte (low nibble first, a row padded to an even length).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import math
 import ml_dtypes
 import numpy as np
 
-SCHEMES = ("fp32", "bf16", "int8")
+SCHEMES = ("fp32", "bf16", "int8", "int4")
+LEVELS = {"int8": 127, "int4": 7}
 
 
 class CodecError(ValueError):
@@ -34,6 +36,9 @@ def encoded_nbytes(shape: tuple[int, ...], scheme: str) -> int:
     if scheme == "int8":
         rows, _ = _rows(shape)
         return 4 * rows + n
+    if scheme == "int4":
+        rows, cols = _rows(shape)
+        return 4 * rows + rows * ((cols + 1) // 2)
     raise CodecError(f"unknown quantization scheme {scheme!r}; known: {SCHEMES}")
 
 
@@ -43,12 +48,16 @@ def encode(x: np.ndarray, scheme: str) -> bytes:
         return x.astype("<f4").tobytes()
     if scheme == "bf16":
         return x.astype(ml_dtypes.bfloat16).tobytes()
-    if scheme == "int8":
+    if scheme in LEVELS:
+        levels = LEVELS[scheme]
         rows, cols = _rows(x.shape)
         m = x.reshape(rows, cols)
-        scale = np.max(np.abs(m), axis=1) / 127.0
+        scale = np.max(np.abs(m), axis=1) / levels
         scale = np.where(scale > 0, scale, 1.0).astype("<f4")
-        q = np.clip(np.rint(m / scale[:, None]), -127, 127).astype(np.int8)
+        q = np.clip(np.rint(m / scale[:, None]), -levels, levels).astype(np.int8)
+        if scheme == "int4":
+            q = np.pad(q, ((0, 0), (0, cols % 2))) + 8                 # 1..15 in a nibble
+            q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
         return scale.tobytes() + q.tobytes()
     raise CodecError(f"unknown quantization scheme {scheme!r}; known: {SCHEMES}")
 
@@ -64,5 +73,12 @@ def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.n
         return np.frombuffer(buf, dtype=ml_dtypes.bfloat16).astype(np.float32).reshape(shape)
     rows, cols = _rows(shape)
     scale = np.frombuffer(buf, dtype="<f4", count=rows)
-    q = np.frombuffer(buf, dtype=np.int8, offset=4 * rows).reshape(rows, cols)
+    if scheme == "int4":
+        packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, -1)
+        q = np.empty((rows, 2 * packed.shape[1]), np.int8)
+        q[:, 0::2] = (packed & 0x0F).astype(np.int8) - 8
+        q[:, 1::2] = (packed >> 4).astype(np.int8) - 8
+        q = q[:, :cols]
+    else:
+        q = np.frombuffer(buf, dtype=np.int8, offset=4 * rows).reshape(rows, cols)
     return (q.astype(np.float32) * scale[:, None]).reshape(shape)

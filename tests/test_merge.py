@@ -92,7 +92,10 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra.numpy import arrays  # noqa: E402
 
-_vec = arrays(np.float32, 16, elements=st.floats(-100, 100, allow_nan=False, width=32))
+# No values near float32's underflow: scaling them by k rounds to zero and turns their direction,
+# which is float arithmetic, not a property of the merge.
+_vec = arrays(np.float32, 16, elements=st.floats(-100, 100, allow_nan=False, width=32)
+              .filter(lambda v: v == 0 or abs(v) > 1e-6))
 
 
 @settings(max_examples=150, deadline=None)

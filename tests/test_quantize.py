@@ -24,20 +24,25 @@ def test_bf16_relative_error_is_at_most_half_an_ulp(x):
     assert np.all(np.abs(y - x) <= np.abs(x) * 2.0 ** -8 + 1e-38)
 
 
+@pytest.mark.parametrize("scheme, levels", [("int8", 127), ("int4", 7)])
 @settings(max_examples=60, deadline=None)
-@given(arrays(np.float32, shapes, elements=finite))
-def test_int8_error_is_at_most_half_a_step_of_its_row(x):
-    y = quantize.decode(quantize.encode(x, "int8"), x.shape, "int8")
+@given(x=arrays(np.float32, shapes, elements=finite))
+def test_integer_codes_are_off_by_at_most_half_a_step_of_their_row(scheme, levels, x):
+    y = quantize.decode(quantize.encode(x, scheme), x.shape, scheme)
     rows = x.reshape(-1, x.shape[-1])
-    step = np.abs(rows).max(axis=1, keepdims=True) / 127
+    step = np.abs(rows).max(axis=1, keepdims=True) / levels
     assert np.all(np.abs(y.reshape(rows.shape) - rows) <= step / 2 * (1 + 1e-5) + 1e-30)
+    again = quantize.decode(quantize.encode(y, scheme), x.shape, scheme)
+    np.testing.assert_allclose(again, y, rtol=1e-6, atol=1e-30)  # idempotent: what the learner keeps is what is sent
 
 
 def test_sizes_shrink_as_promised():
     x = np.ones((64, 32), np.float32)
     sizes = {s: len(quantize.encode(x, s)) for s in quantize.SCHEMES}
-    assert sizes == {"fp32": 8192, "bf16": 4096, "int8": 64 * 4 + 2048}
+    assert sizes == {"fp32": 8192, "bf16": 4096, "int8": 64 * 4 + 2048, "int4": 64 * 4 + 1024}
     assert all(quantize.encoded_nbytes(x.shape, s) == n for s, n in sizes.items())
+    odd = np.ones((3, 5), np.float32)
+    assert len(quantize.encode(odd, "int4")) == quantize.encoded_nbytes(odd.shape, "int4") == 3 * 4 + 3 * 3
 
 
 def test_bf16_matches_ml_dtypes_rounding():
