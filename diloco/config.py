@@ -74,9 +74,11 @@ class OuterConfig(_Section):
 class FragmentsConfig(_Section):
     count: int = Field(4, ge=1)
     sync_every: int = Field(40, ge=1, description="H: inner steps between two syncs of one fragment")
-    quantization: Literal["fp32", "bf16", "int8"] = "int8"
+    quantization: Literal["fp32", "bf16", "int8", "int4"] = "int8"
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=32 * 1024 * 1024)
-    apply: Literal["overwrite", "mix"] = "overwrite"
+    apply: Literal["rebase", "overwrite", "mix"] = Field(
+        "rebase", description="a new global fragment: rebase = it plus the local steps not sent yet; "
+                              "overwrite = it alone; mix = mix_alpha * it + (1 - mix_alpha) * local")
     mix_alpha: float = Field(0.5, ge=0, le=1, description="weight of the global value when apply=mix")
 
 

@@ -82,3 +82,8 @@ def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.n
     else:
         q = np.frombuffer(buf, dtype=np.int8, offset=4 * rows).reshape(rows, cols)
     return (q.astype(np.float32) * scale[:, None]).reshape(shape)
+
+
+def roundtrip(x: np.ndarray, scheme: str) -> np.ndarray:
+    """What a receiver decodes from `encode(x, scheme)`."""
+    return decode(encode(x, scheme), np.shape(x), scheme)

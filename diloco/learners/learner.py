@@ -22,7 +22,7 @@ import optax
 from kafka import TopicPartition
 from kafka.errors import KafkaError
 
-from diloco import messages
+from diloco import messages, quantize
 from diloco.config import Config
 from diloco.fragments import fragments_due
 from diloco.infra import kafka as kafka_io
@@ -302,10 +302,12 @@ class Learner:
     def _sync(self, p: int, params, base, base_version, since) -> None:
         names = self.plan[p]
         local = {n: self.dp.to_host(params[n]) for n in names}
-        deltas = {n: base[p][n] - local[n] for n in names}  # outer delta: global - local
+        scheme = self.cfg.fragments.quantization
+        deltas = {n: quantize.roundtrip(base[p][n] - local[n], scheme) for n in names}  # global - local, as sent
         # The next delta starts from what was just sent, so that if the merged global value is slow
-        # to arrive, two contributions never carry the same progress twice.
-        base[p] = local
+        # to arrive, two contributions never carry the same progress twice; what quantization left
+        # out stays in the difference and travels with the next delta (error feedback).
+        base[p] = {n: base[p][n] - deltas[n] for n in names}
         s = since[p]
         if self.dp.is_leader:
             self.publisher.queue.put({"fragment": p, "base_version": base_version[p], "tokens": s["tokens"],
@@ -318,13 +320,17 @@ class Learner:
         if not arrived:
             return params
         params = dict(params)
-        alpha = 1.0 if self.cfg.fragments.apply == "overwrite" else self.cfg.fragments.mix_alpha
+        mode = self.cfg.fragments.apply
+        alpha = self.cfg.fragments.mix_alpha if mode == "mix" else 1.0
         for p, (v, new) in arrived.items():
             if v <= base_version[p]:
                 continue
             for n, a in new.items():
-                mixed = a if alpha == 1.0 else alpha * a + (1 - alpha) * self.dp.to_host(params[n])
-                params[n] = self.dp.replicate(mixed)
+                if mode == "rebase":  # keep the steps taken since the last send: they are in no delta yet
+                    a = a + (self.dp.to_host(params[n]) - base[p][n])
+                elif alpha != 1.0:
+                    a = alpha * a + (1 - alpha) * self.dp.to_host(params[n])
+                params[n] = self.dp.replicate(a)
             base[p], base_version[p] = new, v
             with self.counters.lock:
                 self.counters.versions_applied += 1
