@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bench import merge_bench, report, setups
+from diloco import quantize
 from diloco.config import ModelConfig
 
 
@@ -42,7 +43,7 @@ def parse_merge(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--contributions", type=int, default=4)
-    ap.add_argument("--scheme", choices=["fp32", "bf16", "int8"], default="int8")
+    ap.add_argument("--scheme", choices=list(quantize.SCHEMES), default="int8")
     ap.add_argument("--repeats", type=int, default=5)
     return ap.parse_args(argv)
 

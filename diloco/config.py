@@ -94,6 +94,7 @@ class SyncerConfig(_Section):
     mean_merge_tensors: tuple[str, ...] = Field(("tok_embed", "pos_embed"), description="plain mean instead of RDA")
     merge: Literal["rda", "mean"] = Field("rda", description="mean = plain weighted mean of every tensor (sync DiLoCo)")
     token_weighting: bool = Field(True, description="weigh by tokens * tokens / steps; off = equal weights")
+    scale_partial_rounds: bool = Field(True, description="a round with n of M learners applies n/M of its merged delta")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")

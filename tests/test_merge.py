@@ -118,3 +118,9 @@ def test_rda_norm_is_the_weighted_mean_norm_and_order_does_not_matter(deltas, da
 def test_rda_scales_with_its_inputs(deltas, k):
     w = np.ones(len(deltas))
     np.testing.assert_allclose(merge.rda([k * d for d in deltas], w), k * merge.rda(deltas, w), rtol=1e-3, atol=1e-3 * k)
+
+
+def test_a_partial_round_carries_its_share_of_a_full_one():
+    assert merge.round_share(2, 4) == 0.5 and merge.round_share(4, 4) == 1.0
+    assert merge.round_share(6, 4) == 1.5   # a lagging syncer's round holds more than one delta per learner
+    assert merge.round_share(1, 0) == 1.0

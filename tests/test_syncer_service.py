@@ -36,11 +36,12 @@ def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
     v0 = h.store.read(0, 0)
     opt = merge_math.outer_optimizer(h.cfg.outer.lr, h.cfg.outer.momentum, h.cfg.outer.nesterov)
     merged = merge_math.merge_deltas([d0, d1], w, h.cfg.syncer.mean_merge_tensors)
+    merged = {n: 0.5 * d for n, d in merged.items()}  # 2 of the 4 learners: half a full round's step
     expect, _ = merge_math.outer_step(opt, v0.params, opt.init(v0.params), merged)
     got = h.store.read(0, 1)
     for n in expect:
         np.testing.assert_allclose(got.params[n], expect[n], rtol=1e-5, atol=1e-7)
-    assert got.meta["ids"] == [a.id, b.id] and got.meta["tokens"] == 1500
+    assert got.meta["ids"] == [a.id, b.id] and got.meta["tokens"] == 1500 and got.meta["share"] == 0.5
     assert h.store.versions(0) == [0, 1]
     merges = [e for e in h.events() if e["kind"] == "merge"]
     assert [(e["fragment"], e["version"], e["ids"]) for e in merges] == [(0, 1, [a.id, b.id])]

@@ -62,6 +62,16 @@ def merge_deltas(contributions: Sequence[Mapping[str, np.ndarray]], weights: np.
     return out
 
 
+def round_share(contributions: int, expected_learners: int) -> float:
+    """The share of a full round's progress that a round with this many contributions carries.
+
+    A round that closes with n of the M expected learners applies n/M of its merged delta, so that
+    each delta counts 1/M of itself whichever round it lands in. Without it, K < M rounds take about
+    M/K full outer steps per sync period where synchronous DiLoCo takes one.
+    """
+    return contributions / max(expected_learners, 1)
+
+
 def outer_optimizer(lr: float, momentum: float, nesterov: bool) -> optax.GradientTransformation:
     return optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov and momentum > 0)
 

@@ -525,6 +525,10 @@ class Syncer:
         weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
                                            weighted=sc.token_weighting)
         delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, sc.mean_merge_tensors, rule=sc.merge)
+        expected = len(self.live_learners() | {m["learner"] for m in metas})
+        share = merge_math.round_share(len(contribs), expected) if sc.scale_partial_rounds else 1.0
+        if share != 1.0:
+            delta = {n: d * np.float32(share) for n, d in delta.items()}
         names = self.plan[p]
         params, opt_state = merge_math.outer_step(self.opt, {n: st.params[n] for n in names}, st.opt_state, delta)
         crash_point("merge_computed")
@@ -534,6 +538,7 @@ class Syncer:
                   "tokens": sum(m["tokens"] for m in metas), "weights": [round(float(w), 6) for w in weights],
                   "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
                   "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
+                  "share": round(share, 4),
                   "missing": sorted(self.live_learners() - {m["learner"] for m in metas}), "time": self.clock()}
         try:
             self.store.write(p, st.version + 1, params, merge_math.flatten_state(opt_state), record,
