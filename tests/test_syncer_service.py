@@ -102,7 +102,7 @@ def test_replayed_records_are_not_applied_twice_after_restart(harness):
 
     # The broker redelivers everything (as after a restart of an in-memory broker).
     for m_id in (a.id, b.id):
-        assert h.state.snapshot(4).status[m_id].startswith("applied")
+        assert h.state.statuses()[m_id].startswith("applied")
     h.syncer = h.new_syncer()
     assert h.syncer.fragments[1].round[c.id].deltas is None   # known from Redis, payload replays from Kafka
     again = h.publish("eu-1", 1)
@@ -134,7 +134,7 @@ def test_truncated_unknown_fragment_and_inf_are_rejected(tiny_config):
     c = h.state.counters()
     assert {k: v for k, v in c.items() if k.startswith("rejected:")} == {
         "rejected:wrong_shape": 1, "rejected:non_finite": 1, "rejected:unknown_fragment": 1, "rejected:incomplete": 1}
-    assert h.state.snapshot(4).status[cut.id] == "rejected:incomplete"
+    assert h.state.statuses()[cut.id] == "rejected:incomplete"
 
 
 def test_manifest_over_the_size_limit_is_rejected_before_its_chunks_arrive(tiny_config):

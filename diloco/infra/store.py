@@ -101,9 +101,10 @@ class FragmentStore:
         key = self._dir(fragment, version) + "meta.json"
         while True:
             cur = self._kv.read(key).result()
-            if cur.state == "value" and json.loads(cur.value).get("epoch", 0) > epoch:
+            written_by = json.loads(cur.value).get("epoch", 0) if cur.state == "value" else -1
+            if written_by > epoch:
                 raise StoreFenced(f"{self.url}: fragment {fragment} v{version} was written by epoch "
-                                  f"{json.loads(cur.value)['epoch']}; this writer holds epoch {epoch}")
+                                  f"{written_by}; this writer holds epoch {epoch}")
             if self._kv.write(key, body, if_equal=cur.stamp.generation).result().generation:
                 return  # an empty generation means the compare-and-swap lost a race: look again
 

@@ -33,7 +33,6 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import redis
 from redis.exceptions import AuthenticationError, WatchError
@@ -87,16 +86,6 @@ return 0
 """
 
 
-@dataclass
-class Snapshot:
-    versions: dict[int, int]
-    rounds: dict[int, dict[str, dict]]
-    status: dict[str, str]
-    offsets: dict[tuple[str, int], int]
-    counters: dict[str, int]
-    stats: dict[str, float] = field(default_factory=dict)
-
-
 def connect(cfg: StateConfig, timeout_s: float = 20.0) -> redis.Redis:
     """A Redis client for the config's URL and ACL credentials, once the server answers."""
     r = redis.Redis.from_url(cfg.redis_url, username=cfg.username,
@@ -139,12 +128,6 @@ class SyncerState:
         self.k = f"{key_prefix}:{run_id}:"
 
     # --- reads -------------------------------------------------------------------------------
-    def snapshot(self, fragments: int) -> Snapshot:
-        versions = {int(p): int(v) for p, v in self.r.hgetall(self.k + "version").items()}
-        rounds = {p: {cid: json.loads(m) for cid, m in self.r.hgetall(f"{self.k}round:{p}").items()}
-                  for p in range(fragments)}
-        return Snapshot(versions, rounds, self.statuses(), self.offsets(), self.counters(), self.stats())
-
     def version(self, fragment: int) -> int:
         return int(self.r.hget(self.k + "version", str(fragment)))
 
@@ -271,7 +254,7 @@ class SyncerState:
                 try:
                     if keys:
                         p.watch(*keys)
-                    self._check_fence(p, fence)
+                    self._check_fence(p, fence)  # reads on a WATCHing pipeline run at once
                     if check:
                         check(p)
                     p.multi()
@@ -282,9 +265,9 @@ class SyncerState:
                     continue
         raise StaleVersion(f"the commit kept losing races on {keys} ({attempts} attempts)")
 
-    def _check_fence(self, r, fence: dict[int, int]) -> None:
+    def _check_fence(self, p, fence: dict[int, int]) -> None:
         for frag, epoch in fence.items():
-            now = r.get(self.k + f"epoch:{frag}")
+            now = p.get(self.k + f"epoch:{frag}")
             if now is None or int(now) != epoch:
                 raise Fenced(frag, f"epoch is {now}, this writer holds {epoch}: another shard owns it now")
 
@@ -303,9 +286,6 @@ class SyncerState:
 
     def lease_holder(self, fragment: int) -> str | None:
         return self.r.get(self.k + f"lease:{fragment}")
-
-    def epoch(self, fragment: int) -> int:
-        return int(self.r.get(self.k + f"epoch:{fragment}") or 0)
 
     def join(self, shard: int, member: str, ttl_s: float) -> None:
         """Say this shard is live for another ttl_s seconds."""

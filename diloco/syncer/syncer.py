@@ -157,7 +157,6 @@ class Syncer:
         self.sync_time_s = self.state.stats().get("sync_time_s", 0.0)
         now = self.clock()  # the registry survives a restart; its clocks restart from now
         self.registry = {lid: hb | {"seen": now} for lid, hb in self.state.registry().items() if lid in self.learners}
-        self.status = self.state.statuses()
         self.consumed = {self.events_tp: self.state.events_offset(self.shard)}
         self.started_at = now
         self.rebalance(force=True)
@@ -265,17 +264,24 @@ class Syncer:
             changed = True
         if not self.stopping:
             settled = now - self.started_at >= self.ttl_s  # the other shards had time to say they are live
-            for p in sorted(want - set(self.fragments)):
-                if shards_mod.home_shard(p, self.cfg.syncer.shards) == self.shard or settled:
-                    changed |= self.claim(p)
+            changed |= self.claim([p for p in sorted(want - set(self.fragments))
+                                   if shards_mod.home_shard(p, self.cfg.syncer.shards) == self.shard or settled])
         if changed or force:
-            kafka_io.assign_from(self.consumer, {TopicPartition(*tp): off for tp, off in self.consumed.items()})
+            self._assign()
 
-    def claim(self, p: int) -> bool:
-        """Take fragment p if its lease is free: load its version, open round and replay offsets."""
-        epoch, previous = self.state.claim(p, self.shard, self.member, self.ttl_s)
-        if not epoch:
-            return False
+    def claim(self, candidates: list[int]) -> bool:
+        """Take those of `candidates` whose lease is free; load each one's version, open round and
+        replay offsets (statuses and offsets read once for all of them). True if any was taken."""
+        taken = [(p, *self.state.claim(p, self.shard, self.member, self.ttl_s)) for p in candidates]
+        taken = [(p, epoch, previous) for p, epoch, previous in taken if epoch]
+        if taken:
+            self.status.update(self.state.statuses())
+            offsets = self.state.offsets()
+            for p, epoch, previous in taken:
+                self._load(p, epoch, previous, offsets)
+        return bool(taken)
+
+    def _load(self, p: int, epoch: int, previous: str | None, offsets: dict[TP, int]) -> None:
         v = self.state.version(p)
         fv = self.store.read(p, v)
         template = self.opt.init({n: fv.params[n] for n in self.plan[p]})
@@ -283,7 +289,6 @@ class Syncer:
         self.status.update(self.state.statuses())
         for cid, meta in self.state.round(p).items():
             st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
-        offsets = self.state.offsets()
         for tp in self._tps(p):
             self.consumed[tp] = offsets.get(tp, 0)
         self.fragments[p], self.epochs[p] = st, epoch
@@ -293,7 +298,6 @@ class Syncer:
                     pending=len(st.round), previous=previous)
         log.info("fragment claimed", extra={"fragment": p, "shard": self.shard, "epoch": epoch, "version": v,
                                             "previous_owner": previous, "pending": len(st.round)})
-        return True
 
     def release(self, p: int) -> None:
         """Hand fragment p back: its replay offsets first, so the next owner resumes where this one was."""
@@ -321,7 +325,11 @@ class Syncer:
             fn()
         except Fenced as err:
             self.drop(err.fragment, f"fenced: {err}")
-            kafka_io.assign_from(self.consumer, {TopicPartition(*tp): off for tp, off in self.consumed.items()})
+            self._assign()
+
+    def _assign(self) -> None:
+        """Read exactly the partitions of the owned fragments (and the events), each from where it was."""
+        kafka_io.assign_from(self.consumer, {TopicPartition(*tp): off for tp, off in self.consumed.items()})
 
     def _tps(self, p: int) -> list[TP]:
         return [(t, self.topics.partition_of(p)) for t in self.topics.fragments.values()]
@@ -525,7 +533,8 @@ class Syncer:
         weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
                                            weighted=sc.token_weighting)
         delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, sc.mean_merge_tensors, rule=sc.merge)
-        expected = len(self.live_learners() | {m["learner"] for m in metas})
+        live, contributors = self.live_learners(), {m["learner"] for m in metas}
+        expected = len(live | contributors)
         share = merge_math.round_share(len(contribs), expected) if sc.scale_partial_rounds else 1.0
         if share != 1.0:
             delta = {n: d * np.float32(share) for n, d in delta.items()}
@@ -539,7 +548,7 @@ class Syncer:
                   "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
                   "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
                   "share": round(share, 4),
-                  "missing": sorted(self.live_learners() - {m["learner"] for m in metas}), "time": self.clock()}
+                  "missing": sorted(live - contributors), "time": self.clock()}
         try:
             self.store.write(p, st.version + 1, params, merge_math.flatten_state(opt_state), record,
                              epoch=self.epochs[p])
