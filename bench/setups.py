@@ -21,12 +21,14 @@ SIZES = {
     },
 }
 REGIONS = [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2}]  # M = 4
-# Both DiLoCo methods take plain averaging as their outer step (lr 1, no momentum): at these short
-# horizons (~12 outer steps per fragment) it beat DiLoCo's lr 0.7 / Nesterov 0.9 in the healthy quick
-# run for both (2026-11-29: sync 2.72-2.76 vs 2.84, decoupled 2.77-2.80 vs 3.25 held-out loss).
-OUTER = {"outer": {"lr": 1.0, "momentum": 0.0}}
+# Both DiLoCo methods rebase learners on new global fragments, scale partial rounds by n/M and take
+# plain averaging as their outer step (lr 1, no momentum): at these short horizons (~12 outer steps
+# per fragment) that beat DiLoCo's lr 0.7 / Nesterov 0.9 in the healthy quick run for both
+# (2026-11-29: sync 2.72-2.76 vs 2.84, decoupled 2.77-2.80 vs 3.25 held-out loss; docs/bench.md).
 for _size in SIZES.values():
-    _size.update(OUTER)
+    _size["outer"] = {"lr": 1.0, "momentum": 0.0}
+    _size["fragments"]["apply"] = "rebase"
+    _size["syncer"] = {"scale_partial_rounds": True}
 
 # Each DiLoCo method: overrides of the syncer / fragments sections. "dp" runs in bench.dp instead.
 METHODS: dict[str, dict] = {

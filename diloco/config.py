@@ -77,7 +77,7 @@ class FragmentsConfig(_Section):
     quantization: Literal["fp32", "bf16", "int8", "int4"] = "int8"
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=32 * 1024 * 1024)
     apply: Literal["rebase", "overwrite", "mix"] = Field(
-        "rebase", description="a new global fragment: rebase = it plus the local steps not sent yet; "
+        "overwrite", description="a new global fragment: rebase = it plus the local steps not sent yet; "
                               "overwrite = it alone; mix = mix_alpha * it + (1 - mix_alpha) * local")
     mix_alpha: float = Field(0.5, ge=0, le=1, description="weight of the global value when apply=mix")
 
@@ -94,7 +94,7 @@ class SyncerConfig(_Section):
     mean_merge_tensors: tuple[str, ...] = Field(("tok_embed", "pos_embed"), description="plain mean instead of RDA")
     merge: Literal["rda", "mean"] = Field("rda", description="mean = plain weighted mean of every tensor (sync DiLoCo)")
     token_weighting: bool = Field(True, description="weigh by tokens * tokens / steps; off = equal weights")
-    scale_partial_rounds: bool = Field(True, description="a round with n of M learners applies n/M of its merged delta")
+    scale_partial_rounds: bool = Field(False, description="a round with n of M learners applies n/M of its merged delta")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")

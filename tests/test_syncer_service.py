@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def harness(tiny_config, request):
-    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 1, "norm_outlier_factor": 0})
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 1, "norm_outlier_factor": 0,
+                              "scale_partial_rounds": True})
     h = Harness(cfg, f"svc-{request.node.name[:30].replace('_', '-')}-{time.time_ns() % 10**6}")
     yield h
     h.producer.close()
