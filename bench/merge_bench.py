@@ -1,6 +1,7 @@
 """Micro-benchmark of the syncer's merge path: decode (checksum + dequantize) + validate (shapes,
 finite) + token weights + RDA + outer step + TensorStore write, against a plain NumPy copy of the
-same bytes measured in the same process."""
+same bytes measured in the same process. The write includes the encoded update learners fetch
+(`broadcast` scheme) and the residual it leaves."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import numpy as np
 
-from diloco import messages
+from diloco import messages, quantize
 from diloco.config import ModelConfig
 from diloco.infra.store import FragmentStore
 from diloco.learners.model import init_params
@@ -31,7 +32,7 @@ def contributions(params: dict[str, np.ndarray], k: int, scheme: str, seed: int 
 
 
 def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_state, store: FragmentStore,
-               version: int) -> None:
+               version: int, broadcast: str = "int8") -> None:
     deltas = []
     for manifest, payload in contribs:
         d = messages.decode_payload(manifest, payload)
@@ -41,7 +42,9 @@ def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_st
     weights = merge_math.token_weights([m.tokens for m, _ in contribs], [m.steps for m, _ in contribs])
     delta = merge_math.merge_deltas(deltas, weights, ("tok_embed", "pos_embed"))
     new, state = merge_math.outer_step(opt, params, opt_state, delta)
-    store.write(0, version, new, merge_math.flatten_state(state), {"time": time.time()})
+    update, new, residual = quantize.encode_update(params, new, {}, broadcast)
+    store.write(0, version, new, merge_math.flatten_state(state), {"time": time.time()}, residual=residual,
+                update=update, update_scheme=broadcast)
 
 
 def copy_mb_per_s(nbytes: int, repeats: int) -> float:

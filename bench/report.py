@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt
 
 from bench import metrics
 
-COLUMNS = ["scenario", "method", "tokens", "held-out loss", "gap to DP", "time to target", "bytes across regions",
-           "DP bytes / bytes", "goodput", "learner idle", "merge MB/s", "merge p50 / p90 / p99", "accept→merge p50 / p90"]
+COLUMNS = ["scenario", "method", "tokens", "held-out loss", "gap to DP", "time to target",
+           "bytes across regions (up + down)", "DP bytes / bytes (up only)", "goodput", "learner idle", "merge MB/s", "merge p50 / p90 / p99", "accept→merge p50 / p90"]
 
 
 def targets(results: list[dict]) -> dict[str, float]:
@@ -22,6 +22,22 @@ def targets(results: list[dict]) -> dict[str, float]:
     for r in results:
         out[r["scenario"]] = max(out.get(r["scenario"], -math.inf), r["loss_end"])
     return out
+
+
+def across(r: dict) -> float:
+    """Every byte that crossed regions: learners' deltas up and the globals they fetched down (for
+    data-parallel, its all-reduce: what each worker sends, the others receive)."""
+    return r["bytes_sent"] + r.get("bytes_fetched", 0)
+
+
+def _bytes(r: dict) -> str:
+    total = f"{across(r) / 1e6:,.2f} MB"
+    return f"{total} ({r['bytes_sent'] / 1e6:,.2f} + {r['bytes_fetched'] / 1e6:,.2f})" if r.get("bytes_fetched") else total
+
+
+def _ratios(r: dict) -> str:
+    whole = _fmt(r["bytes_dp"] / across(r) if across(r) else None, ",.0f", "x")
+    return f"{whole} ({_fmt(r['bytes_dp'] / r['bytes_sent'], ',.0f', 'x')})" if r.get("bytes_fetched") else whole
 
 
 def _fmt(x: float, spec: str, suffix: str = "") -> str:
@@ -40,8 +56,7 @@ def rows(results: list[dict]) -> list[list[str]]:
         out.append([
             r["scenario"], r["method"], f"{r['tokens']:,}", f"{r['loss_end']:.4f}",
             _fmt(metrics.gap_percent(r["loss_end"], ref["loss_end"]) if ref else None, "+.2f", "%"),
-            _fmt(tt, ".1f", " s"), f"{r['bytes_sent'] / 1e6:,.2f} MB",
-            _fmt(r["bytes_dp"] / r["bytes_sent"] if r["bytes_sent"] else None, ",.0f", "x"),
+            _fmt(tt, ".1f", " s"), _bytes(r), _ratios(r),
             f"{100 * r['goodput']:.1f}%", f"{100 * r['idle']:.1f}%",
             _fmt(m["merge_mb_per_s"] if m else None, ".1f"),
             " / ".join(_fmt(1000 * v, ".0f") for v in m["merge_s"].values()) + " ms" if m else "–",
@@ -75,7 +90,10 @@ def plot(results: list[dict], out: Path) -> list[str]:
         files.append(name)
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(results)), 4))
     labels = [f"{r['method']}\n{r['scenario']}" for r in results]
-    ax.bar(range(len(results)), [r["bytes_sent"] / 1e6 for r in results])
+    ax.bar(range(len(results)), [r["bytes_sent"] / 1e6 for r in results], label="up (deltas; DP: all-reduce)")
+    ax.bar(range(len(results)), [r.get("bytes_fetched", 0) / 1e6 for r in results],
+           bottom=[r["bytes_sent"] / 1e6 for r in results], label="down (globals)")
+    ax.legend(fontsize=7)
     ax.set_xticks(range(len(results)), labels, fontsize=6, rotation=90)
     ax.set(yscale="log", ylabel="MB across regions")
     fig.tight_layout()

@@ -63,7 +63,8 @@ def run_diloco(cfg: Config, scenario: str, held: np.ndarray, points: int, consol
     curve["tokens"][-1], curve["loss"][-1] = summary["tokens"], summary["eval_loss_end"]  # the run's own final eval
     wall, compute = sum(lt["wall_s"].values()), sum(lt["compute_s"].values())
     return {"run_id": run_id, "curve": curve, "tokens": summary["tokens"], "loss_end": summary["eval_loss_end"],
-            "bytes_sent": summary["bytes_sent"], "bytes_dp": summary["bytes_dp_equivalent"],
+            "bytes_sent": summary["bytes_sent"], "bytes_fetched": summary["bytes_fetched"],
+            "bytes_dp": summary["bytes_dp_equivalent"],
             "goodput": summary["goodput_wall"], "goodput_tokens": summary["goodput"],
             "idle": 1 - compute / wall if wall else math.nan, "merge": metrics.merge_stats(events),
             "step_times": lt["step_s"], "outages_s": summary.get("outages_s", {}), "kills": summary.get("kills", {}),
@@ -109,6 +110,6 @@ def dp_in_scenario(cfg: Config, scenario: str, dp: dict, reference: dict | None)
     curve["time_s"] = [0.0 if s == 0 else float(clock[s - 1]) for s in curve["step"]]
     bytes_dp = dp_allreduce_bytes(params, M, steps * M)
     return {"run_id": None, "curve": curve, "tokens": dp["tokens"], "loss_end": curve["loss"][-1],
-            "bytes_sent": bytes_dp, "bytes_dp": bytes_dp, "goodput": (compute - lost) / total,
+            "bytes_sent": bytes_dp, "bytes_fetched": 0, "bytes_dp": bytes_dp, "goodput": (compute - lost) / total,
             "goodput_tokens": 1.0, "idle": max(0.0, 1 - compute / total), "merge": None, "time_s": total,
             "step_s": step_s, "comm_s": comm_s, "stall_s": sum(stalls.values())}

@@ -95,6 +95,8 @@ class SyncerConfig(_Section):
     merge: Literal["rda", "mean"] = Field("rda", description="mean = plain weighted mean of every tensor (sync DiLoCo)")
     token_weighting: bool = Field(True, description="weigh by tokens * tokens / steps; off = equal weights")
     scale_partial_rounds: bool = Field(False, description="a round with n of M learners applies n/M of its merged delta")
+    broadcast: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "int8", description="encoding of each global update learners fetch (its error is carried to the next)")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")

@@ -87,3 +87,27 @@ def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.n
 def roundtrip(x: np.ndarray, scheme: str) -> np.ndarray:
     """What a receiver decodes from `encode(x, scheme)`."""
     return decode(encode(x, scheme), np.shape(x), scheme)
+
+
+# --- Global updates: what the syncer sends learners instead of fp32 fragments ---------------------
+# The syncer publishes new = old + decode(update) and learners that hold `old` compute the same
+# expression, so both ends hold bit-identical globals while the wire carries 1 (int8) or 0.5 (int4)
+# bytes per parameter instead of 4. What quantization leaves out of an update (the residual) rides
+# with the next one (error feedback on the syncer's side).
+
+def apply_update(old: dict[str, np.ndarray], update: dict[str, bytes], scheme: str) -> dict[str, np.ndarray]:
+    """The global a receiver holds after applying one encoded update to `old`."""
+    missing = sorted(set(old) - set(update))
+    if missing:
+        raise CodecError(f"update lacks tensors {missing}")
+    return {n: (old[n] + decode(update[n], old[n].shape, scheme)).astype(np.float32) for n in old}
+
+
+def encode_update(old: dict[str, np.ndarray], new: dict[str, np.ndarray], residual: dict[str, np.ndarray],
+                  scheme: str) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(wire update, global as published, residual left for the next update) for the step old -> new."""
+    want = {n: (new[n] - old[n] + residual.get(n, 0.0)).astype(np.float32) for n in new}
+    wire = {n: encode(u, scheme) for n, u in want.items()}
+    published = apply_update({n: old[n] for n in new}, wire, scheme)
+    carried = {n: (want[n] - (published[n] - old[n])).astype(np.float32) for n in new}
+    return wire, published, carried

@@ -453,6 +453,8 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
     num_params = sum(int(np.prod(a.shape)) for a in fragment_plan(cfg)[0].values())
     published, bytes_sent = published_on_broker(cfg, run_id)
     bytes_dp = dp_allreduce_bytes(num_params, cfg.num_learners, steps)
+    bytes_fetched = sum(hb.get("bytes_fetched", 0) for hb in prog.learners.values())
+    across = bytes_sent + bytes_fetched
     versions = {str(p): v for p, v in sorted(state.versions().items())}
     return {
         "run_id": run_id,
@@ -464,9 +466,11 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
         "inner_steps": steps,
         "params": num_params,
         "bytes_sent": bytes_sent,
-        "bytes_fetched": sum(hb.get("bytes_fetched", 0) for hb in prog.learners.values()),
+        "bytes_fetched": bytes_fetched,
+        "bytes_across": across,
         "bytes_dp_equivalent": bytes_dp,
-        "bytes_ratio": bytes_dp / bytes_sent if bytes_sent else math.inf,
+        "bytes_ratio": bytes_dp / across if across else math.inf,
+        "bytes_ratio_sent": bytes_dp / bytes_sent if bytes_sent else math.inf,
         "contributions": {
             "published": published,
             "accepted": counters.get("accepted", 0),
@@ -497,10 +501,11 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("contributions published", str(c["published"])),
         ("  applied / late / rejected / pending", f"{c['applied']} / {c['late']} / {c['rejected']} / {c['pending']}"),
         ("  applied twice", str(c["applied_twice"])),
-        ("bytes sent over Kafka", f"{s['bytes_sent'] / 1e6:,.2f} MB"),
+        ("bytes across regions (up + down)", f"{s['bytes_across'] / 1e6:,.2f} MB"),
+        ("  up: deltas over Kafka", f"{s['bytes_sent'] / 1e6:,.2f} MB"),
+        ("  down: globals from TensorStore", f"{s['bytes_fetched'] / 1e6:,.2f} MB"),
         ("bytes a data-parallel all-reduce sends", f"{s['bytes_dp_equivalent'] / 1e6:,.1f} MB"),
-        ("  ratio", f"{s['bytes_ratio']:,.0f}x fewer"),
-        ("bytes fetched from TensorStore", f"{s['bytes_fetched'] / 1e6:,.2f} MB"),
+        ("  ratio (up only)", f"{s['bytes_ratio']:,.0f}x fewer ({s['bytes_ratio_sent']:,.0f}x)"),
     ]
     if s["rejections"]:
         rows.append(("rejections by reason", ", ".join(f"{k} {v}" for k, v in s["rejections"].items())))

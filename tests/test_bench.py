@@ -171,8 +171,9 @@ def test_merge_micro_benchmark_at_a_tiny_size():
     assert out["merge_mb_per_s"] > 0 and out["copy_mb_per_s"] > 0
 
 
-def _fake(method, scenario, loss, bytes_sent, merge_stats=None):
+def _fake(method, scenario, loss, bytes_sent, merge_stats=None, bytes_fetched=0):
     return {"method": method, "scenario": scenario, "tokens": 1000, "loss_end": loss, "bytes_sent": bytes_sent,
+            "bytes_fetched": bytes_fetched,
             "bytes_dp": 1e9, "goodput": 0.9, "idle": 0.05, "merge": merge_stats,
             "curve": {"tokens": [0, 500, 1000], "time_s": [0.0, 5.0, 10.0], "loss": [5.0, 3.0, loss]}}
 
@@ -180,10 +181,11 @@ def _fake(method, scenario, loss, bytes_sent, merge_stats=None):
 def test_report_writes_a_table_and_plots(tmp_path):
     ms = metrics.merge_stats([{"kind": "contribution_accepted", "id": "a", "bytes": 10, "time": 0.0},
                               {"kind": "merge", "ids": ["a"], "seconds": 0.01, "time": 0.5}])
-    results = [_fake("dp", "healthy", 2.0, 1e9), _fake("decoupled", "healthy", 2.1, 1e6, ms)]
+    results = [_fake("dp", "healthy", 2.0, 1e9), _fake("decoupled", "healthy", 2.1, 1e6, ms, bytes_fetched=3e6)]
     md = report.write(results, tmp_path, "header\n")
     text = md.read_text()
     assert text.startswith("header\n") and "| healthy | decoupled | 1,000 | 2.1000 | +5.00% |" in text
-    assert "1,000x" in text and "healthy 2.1000" in text
+    assert "| 1,000.00 MB | 1x |" in text and "healthy 2.1000" in text
+    assert "| 4.00 MB (1.00 + 3.00) | 250x (1,000x) |" in text    # down counts as much as up
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "bytes.png"):
         assert (tmp_path / name).stat().st_size > 0

@@ -33,6 +33,11 @@ def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_pa
     assert summary["tokens"] == cfg.num_learners * cfg.inner.steps * cfg.inner.batch_size * cfg.model.seq_len
     assert summary["bytes_dp_equivalent"] == dp_allreduce_bytes(summary["params"], 4, summary["inner_steps"])
     assert 0 < summary["bytes_sent"] < summary["bytes_dp_equivalent"]
+    # learners fetch the first version of each fragment whole (fp32), then int8 updates, ~1/4 of that
+    whole, L = 4 * summary["params"], cfg.num_learners
+    every_version = L * sum(map(int, summary["versions"].values())) * whole / cfg.fragments.count
+    assert L * whole < summary["bytes_fetched"] < L * whole + 0.5 * every_version
+    assert summary["bytes_across"] == summary["bytes_sent"] + summary["bytes_fetched"]
     _, published, _ = assert_exact_accounting(cfg, summary["run_id"])
     assert len(published) == c["published"]
     assert (tmp_path / "summary.json").is_file()

@@ -56,3 +56,47 @@ def test_wrong_length_and_unknown_scheme_are_errors():
         quantize.decode(b"\0" * 15, (4,), "fp32")
     with pytest.raises(quantize.CodecError, match="unknown"):
         quantize.encode(np.ones(3), "fp4")
+
+
+def _walk(seed: int, steps: int, shape=(6, 16)) -> list[dict[str, np.ndarray]]:
+    """A global fragment as the outer optimizer moves it: steps of shrinking random size."""
+    rng = np.random.default_rng(seed)
+    x = {"w": rng.normal(size=shape).astype(np.float32), "b": rng.normal(size=shape[-1:]).astype(np.float32)}
+    out = [x]
+    for k in range(steps):
+        x = {n: (a + rng.normal(scale=0.1 / (k + 1), size=a.shape)).astype(np.float32) for n, a in x.items()}
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("scheme", quantize.SCHEMES)
+def test_a_receiver_following_the_updates_holds_the_published_global_bit_for_bit(scheme):
+    targets = _walk(0, 8)
+    published, residual, receiver = targets[0], {}, dict(targets[0])
+    for target in targets[1:]:
+        wire, published, residual = quantize.encode_update(published, target, residual, scheme)
+        receiver = quantize.apply_update(receiver, wire, scheme)
+        for n in target:
+            np.testing.assert_array_equal(receiver[n], published[n])
+            assert len(wire[n]) == quantize.encoded_nbytes(target[n].shape, scheme)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_update_error_is_carried_not_lost(scheme):
+    walk = _walk(1, 12)
+    steps = [{n: b[n] - a[n] for n in a} for a, b in zip(walk, walk[1:])]  # outer steps, as the syncer takes them
+    published, residual = walk[0], {}
+    for step in steps:
+        _, published, residual = quantize.encode_update(published, {n: published[n] + step[n] for n in step},
+                                                        residual, scheme)
+    for n in walk[0]:  # every step arrived, but for what the last update still carries
+        np.testing.assert_allclose(published[n] + residual[n], walk[0][n] + sum(s[n] for s in steps), atol=1e-5)
+        assert np.max(np.abs(residual[n])) <= np.max(np.abs(steps[0][n])) / quantize.LEVELS[scheme]
+
+
+def test_an_update_missing_a_tensor_is_an_error():
+    x = _walk(2, 1)
+    wire, _, _ = quantize.encode_update(x[0], x[1], {}, "int8")
+    del wire["b"]
+    with pytest.raises(quantize.CodecError, match="lacks tensors"):
+        quantize.apply_update(x[0], wire, "int8")

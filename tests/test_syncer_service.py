@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from helpers import Harness
 
-from diloco import messages
+from diloco import messages, quantize
 from diloco.infra import kafka as kafka_io
+from diloco.learners.learner import Counters, Fetcher
 from diloco.syncer import merge as merge_math
 
 pytestmark = pytest.mark.integration
@@ -38,10 +39,18 @@ def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
     opt = merge_math.outer_optimizer(h.cfg.outer.lr, h.cfg.outer.momentum, h.cfg.outer.nesterov)
     merged = merge_math.merge_deltas([d0, d1], w, h.cfg.syncer.mean_merge_tensors)
     merged = {n: 0.5 * d for n, d in merged.items()}  # 2 of the 4 learners: half a full round's step
-    expect, _ = merge_math.outer_step(opt, v0.params, opt.init(v0.params), merged)
+    stepped, _ = merge_math.outer_step(opt, v0.params, opt.init(v0.params), merged)
+    wire, expect, residual = quantize.encode_update(v0.params, stepped, {}, h.cfg.syncer.broadcast)
     got = h.store.read(0, 1)
     for n in expect:
         np.testing.assert_allclose(got.params[n], expect[n], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got.residual[n], residual[n], atol=1e-7)
+    # learners holding v0 fetch the encoded update and hold v1 bit for bit
+    scheme, update = h.store.read_update(0, 1)
+    assert scheme == h.cfg.syncer.broadcast == "int8"
+    assert {n: len(b) for n, b in update.items()} == {n: len(b) for n, b in wire.items()}
+    for n, held in quantize.apply_update(v0.params, update, scheme).items():
+        np.testing.assert_array_equal(held, got.params[n])
     assert got.meta["ids"] == [a.id, b.id] and got.meta["tokens"] == 1500 and got.meta["share"] == 0.5
     assert h.store.versions(0) == [0, 1]
     merges = [e for e in h.events() if e["kind"] == "merge"]
@@ -89,6 +98,33 @@ def test_stale_and_late_contributions(harness):
     assert h.state.counters()["late"] == 1
     h.publish("us-0", 0, base_version=0)                      # now 2 versions behind, max_staleness 1
     h.pump(lambda: h.state.counters().get("rejected:stale") == 1)
+
+
+def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
+    h = harness
+    for v in range(3):
+        h.publish("us-0", 0, base_version=v, deltas=h.deltas(0, seed=v))
+        h.publish("eu-0", 0, base_version=v, deltas=h.deltas(0, seed=10 + v))
+        h.pump(lambda: h.state.versions()[0] == v + 1)
+    fetcher = Fetcher(h.cfg, h.run_id, None, h.store, h.topics, Counters(), h.plan)
+    v0, whole_bytes = fetcher.fetch(0, 0)                          # nothing held: the whole fragment
+    assert whole_bytes == sum(a.nbytes for a in v0.values())
+    fetcher.held[0] = (0, v0)
+    v3, update_bytes = fetcher.fetch(0, 3)                         # three int8 updates instead
+    stored = h.store.read(0, 3)
+    for n, a in stored.params.items():
+        np.testing.assert_array_equal(v3[n], a)
+    per_update = sum(quantize.encoded_nbytes(a.shape, "int8") for a in v0.values())
+    assert update_bytes == 3 * per_update and per_update < 0.3 * whole_bytes  # ~1 byte per parameter, not 4
+    # the quantization error the syncer has not published yet survives a restart with the version
+    live = h.syncer.fragments[0].residual
+    assert any(np.any(r != 0) for r in live.values())
+    for n, r in stored.residual.items():
+        np.testing.assert_array_equal(live[n], r)
+    fetcher.held[0] = (0, v0)
+    fetcher.CHAIN_MAX = 2                                          # too far behind: one whole read
+    again, nbytes = fetcher.fetch(0, 3)
+    assert nbytes == whole_bytes and all(np.array_equal(again[n], v3[n]) for n in v3)
 
 
 def test_replayed_records_are_not_applied_twice_after_restart(harness):

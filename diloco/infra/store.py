@@ -3,6 +3,10 @@
 Layout under `<store.url>/<run>/`:
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/params/<tensor>   zarr3 float32 arrays
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/opt/<state leaf>  zarr3 float32 arrays
+    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/residual/<tensor> zarr3 float32: quantization error the
+                                             syncer carries into the next update
+    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/update/<tensor>   the encoded update from v-1 (raw bytes,
+                                             quantize.encode_update): what learners fetch
     fragments/<ppp>/v<vvvvvvvv>/meta.json    written last, names its e<eeeeee> folder: a version
                                              without it is incomplete
 Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at an emulator).
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import numpy as np
@@ -51,6 +55,7 @@ class FragmentVersion:
     params: dict[str, np.ndarray]
     opt: dict[str, np.ndarray]
     meta: dict
+    residual: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _safe(name: str) -> str:
@@ -80,12 +85,15 @@ class FragmentStore:
         return self._dir(fragment, version) + meta.get("data", "")
 
     def write(self, fragment: int, version: int, params: dict[str, np.ndarray], opt: dict[str, np.ndarray],
-              meta: dict, *, epoch: int = 0) -> None:
-        """Write one version; meta.json goes last so readers never see a half-written version."""
+              meta: dict, *, epoch: int = 0, residual: dict[str, np.ndarray] | None = None,
+              update: dict[str, bytes] | None = None, update_scheme: str = "") -> None:
+        """Write one version; meta.json goes last so readers never see a half-written version.
+        `update` (encoded with `update_scheme`) takes version-1 to this one."""
         data = f"e{epoch:06d}/"
         d = self._dir(fragment, version) + data
-        futures = []
-        for group, arrays in (("params", params), ("opt", opt)):
+        residual = residual or {}
+        futures = [self._kv.write(f"{d}update/{_safe(n)}", blob) for n, blob in (update or {}).items()]
+        for group, arrays in (("params", params), ("opt", opt), ("residual", residual)):
             for name, arr in arrays.items():
                 arr = np.asarray(arr, np.float32)
                 t = ts.open(self._array_spec(f"{d}{group}/{_safe(name)}", arr.shape), create=True,
@@ -94,7 +102,9 @@ class FragmentStore:
         for f in futures:
             f.result()
         body = {**meta, "fragment": fragment, "version": version, "epoch": epoch, "data": data,
-                "params": sorted(params), "opt": sorted(opt)}
+                "params": sorted(params), "opt": sorted(opt), "residual": sorted(residual)}
+        if update:
+            body["update"] = {"from": version - 1, "scheme": update_scheme, "tensors": sorted(update)}
         self._commit_meta(fragment, version, epoch, json.dumps(body, sort_keys=True).encode())
 
     def _commit_meta(self, fragment: int, version: int, epoch: int, body: bytes) -> None:
@@ -118,13 +128,29 @@ class FragmentStore:
         meta = self.read_meta(fragment, version)
         d = self.data_dir(fragment, version, meta)
         out = {}
-        for group in ("params", "opt") if with_opt else ("params",):
-            stores = {n: ts.open(self._array_spec(f"{d}{group}/{n}"), open=True) for n in meta[group]}
+        for group in ("params", "opt", "residual") if with_opt else ("params",):
+            stores = {n: ts.open(self._array_spec(f"{d}{group}/{n}"), open=True) for n in meta.get(group, [])}
             try:
                 out[group] = {n: np.asarray(s.result().read().result(), np.float32) for n, s in stores.items()}
             except ValueError as err:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} {group} unreadable: {err}") from None
-        return FragmentVersion(out["params"], out.get("opt", {}), meta)
+        return FragmentVersion(out["params"], out.get("opt", {}), meta, out.get("residual", {}))
+
+    def read_update(self, fragment: int, version: int, meta: dict | None = None) -> tuple[str, dict[str, bytes]]:
+        """(scheme, encoded tensors) of the update that takes version-1 to `version`."""
+        meta = meta or self.read_meta(fragment, version)
+        info = meta.get("update")
+        if not info or info.get("from") != version - 1:
+            raise StoreError(f"{self.url}: fragment {fragment} v{version} has no update from v{version - 1}")
+        d = self.data_dir(fragment, version, meta) + "update/"
+        reads = {n: self._kv.read(d + n) for n in info["tensors"]}
+        out = {}
+        for n, f in reads.items():
+            r = f.result()
+            if r.state != "value":
+                raise StoreError(f"{self.url}: fragment {fragment} v{version} update/{n} is missing")
+            out[n] = bytes(r.value)
+        return info["scheme"], out
 
     def versions(self, fragment: int) -> list[int]:
         """Complete versions of a fragment (those with meta.json), ascending."""

@@ -26,7 +26,7 @@ from diloco import messages, quantize
 from diloco.config import Config
 from diloco.fragments import fragments_due
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore
+from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import Corpus, sample_batches
 from diloco.learners.model import loss_fn
 from diloco.learners.parallel import data_parallel, local_batch_size
@@ -140,13 +140,17 @@ class Heartbeat(threading.Thread):
 
 
 class Fetcher(threading.Thread):
-    """Follows the outer topic; reads each newer announced version of a fragment from TensorStore."""
+    """Follows the outer topic; brings each newer announced version of a fragment from TensorStore:
+    the compact updates from the version it holds when there are few, else the whole fragment."""
+
+    CHAIN_MAX = 4  # beyond this many updates, one fp32 read is about as cheap
 
     def __init__(self, cfg: Config, run_id: str, consumer, store: FragmentStore, topics: kafka_io.Topics,
                  counters: Counters, plan: list[list[str]]):
         super().__init__(daemon=True, name="fetcher")
         self.cfg, self.run_id, self.consumer, self.store = cfg, run_id, consumer, store
         self.topics, self.counters, self.plan = topics, counters, plan
+        self.held: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # the exact global, per fragment
         self.latest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -155,7 +159,6 @@ class Fetcher(threading.Thread):
     def run(self) -> None:
         tp = TopicPartition(self.topics.outer, 0)
         kafka_io.assign_from(self.consumer, {tp: 0})  # the whole log: its last word per fragment wins
-        known: dict[int, int] = {}
         try:
             while not self.stop.is_set():
                 newest: dict[int, int] = {}
@@ -164,20 +167,36 @@ class Fetcher(threading.Thread):
                         ev = messages.parse_event(rec.value)
                         if ev and ev["kind"] == "version" and ev.get("run") == self.run_id:
                             p, v = int(ev["fragment"]), int(ev["version"])
-                            if 0 <= p < len(self.plan) and v > max(known.get(p, -1), newest.get(p, -1)):
+                            if 0 <= p < len(self.plan) and v > max(self.held.get(p, (-1,))[0], newest.get(p, -1)):
                                 newest[p] = v
                 for p, v in newest.items():
-                    fv = self.store.read(p, v, with_opt=False)
-                    known[p] = v
+                    params, nbytes = self.fetch(p, v)
+                    self.held[p] = (v, params)
                     with self.lock:
-                        self.latest[p] = (v, fv.params)
+                        self.latest[p] = (v, params)
                     with self.counters.lock:
-                        self.counters.bytes_fetched += sum(a.nbytes for a in fv.params.values())
+                        self.counters.bytes_fetched += nbytes
         except BaseException as err:
             self.error = err
             log.exception("fetch failed")
         finally:
             self.consumer.close()
+
+    def fetch(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
+        """(params of version v of fragment p, bytes read)."""
+        held = self.held.get(p)
+        if held and 0 < v - held[0] <= self.CHAIN_MAX:
+            params, nbytes = held[1], 0
+            try:
+                for u in range(held[0] + 1, v + 1):
+                    scheme, update = self.store.read_update(p, u)
+                    params = quantize.apply_update(params, update, scheme)
+                    nbytes += sum(len(b) for b in update.values())
+                return params, nbytes
+            except (StoreError, quantize.CodecError) as err:  # e.g. written before updates existed
+                log.warning("fetching fragment %d v%d whole: %s", p, v, err)
+        fv = self.store.read(p, v, with_opt=False)
+        return fv.params, sum(a.nbytes for a in fv.params.values())
 
     def take(self) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
         with self.lock:

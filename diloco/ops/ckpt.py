@@ -188,7 +188,9 @@ def show(ck: Checkpoint, version: int | None = None, fragment: int | None = None
                       "contributors": _contributors(fv.meta), "reason": fv.meta.get("reason"),
                       "time": fv.meta.get("time"),
                       "params": {n: tensor_stats(a) for n, a in sorted(fv.params.items())},
-                      "opt": {n: tensor_stats(a) for n, a in sorted(fv.opt.items())}})
+                      "opt": {n: tensor_stats(a) for n, a in sorted(fv.opt.items())},
+                      "residual": {n: tensor_stats(a) for n, a in sorted(fv.residual.items())},
+                      "update": fv.meta.get("update", {}).get("scheme")})
     return {"url": ck.url, "run": ck.run, "fragments": frags}
 
 

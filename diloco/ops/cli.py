@@ -229,7 +229,8 @@ def ckpt_show(url: UrlArg = None,
                                                                          "Without --fragment, each fragment's newest <= V")] = None,
               fragment: FragmentOpt = None, config: ConfigOpt = None, set_: SetOpt = None, run: RunOpt = None,
               json_: JsonOpt = False):
-    """Tensors of a version with shape, dtype, norm, min/max/mean, non-finite count, and the outer-optimizer state."""
+    """Tensors of a version with shape, dtype, norm, min/max/mean, non-finite count, the outer-optimizer state
+    and the residual (quantization error of the published update, carried into the next one)."""
     from diloco.ops import ckpt
 
     rep = _ops(ckpt.show, _checkpoint(url, config, set_, run), version, fragment)
@@ -237,9 +238,11 @@ def ckpt_show(url: UrlArg = None,
         return _dump(rep)
     for f in rep["fragments"]:
         head = (f"fragment {f['fragment']} v{f['version']}: {f['tokens']:,} tokens from "
-                f"{' '.join(f['contributors']) or 'nobody'} ({f['reason']}, {_when(f['time'])})")
+                f"{' '.join(f['contributors']) or 'nobody'} ({f['reason']}, {_when(f['time'])})"
+                + (f"; learners fetch it as a {f['update']} update" if f.get("update") else ""))
         out.print(_stats_table(head, {**{f"params/{n}": s for n, s in f["params"].items()},
-                                      **{f"opt/{n}": s for n, s in f["opt"].items()}}))
+                                      **{f"opt/{n}": s for n, s in f["opt"].items()},
+                                      **{f"residual/{n}": s for n, s in f.get("residual", {}).items()}}))
 
 
 @ckpt_app.command("diff")

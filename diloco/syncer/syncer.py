@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from diloco import messages
+from diloco import messages, quantize
 from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.fragments import plan_fragments
@@ -69,6 +69,7 @@ class FragmentState:
     params: dict[str, np.ndarray]
     opt_state: object
     round: dict[str, Pending] = field(default_factory=dict)
+    residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
 
 
 def fragment_plan(cfg: Config) -> tuple[dict[str, np.ndarray], list[list[str]]]:
@@ -285,7 +286,7 @@ class Syncer:
         v = self.state.version(p)
         fv = self.store.read(p, v)
         template = self.opt.init({n: fv.params[n] for n in self.plan[p]})
-        st = FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt))
+        st = FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt), residual=fv.residual)
         self.status.update(self.state.statuses())
         for cid, meta in self.state.round(p).items():
             st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
@@ -539,7 +540,9 @@ class Syncer:
         if share != 1.0:
             delta = {n: d * np.float32(share) for n, d in delta.items()}
         names = self.plan[p]
-        params, opt_state = merge_math.outer_step(self.opt, {n: st.params[n] for n in names}, st.opt_state, delta)
+        old = {n: st.params[n] for n in names}
+        params, opt_state = merge_math.outer_step(self.opt, old, st.opt_state, delta)
+        update, params, residual = quantize.encode_update(old, params, st.residual, sc.broadcast)
         crash_point("merge_computed")
         ids = [m["id"] for m in metas]
         late = sum(1 for m in metas if m["base_version"] < st.version)
@@ -551,7 +554,7 @@ class Syncer:
                   "missing": sorted(live - contributors), "time": self.clock()}
         try:
             self.store.write(p, st.version + 1, params, merge_math.flatten_state(opt_state), record,
-                             epoch=self.epochs[p])
+                             epoch=self.epochs[p], residual=residual, update=update, update_scheme=sc.broadcast)
         except StoreFenced as err:
             raise Fenced(p, str(err)) from None
         crash_point("store_written")
@@ -574,7 +577,7 @@ class Syncer:
             raise
         crash_point("merge_committed")
         st.version += 1
-        st.params, st.opt_state = params, opt_state
+        st.params, st.opt_state, st.residual = params, opt_state, residual
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = f"applied:{p}:{st.version}"
