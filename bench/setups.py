@@ -30,17 +30,32 @@ for _size in SIZES.values():
     _size["fragments"]["apply"] = "rebase"
     _size["syncer"] = {"scale_partial_rounds": True}
 
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# Decoupled learners share the run's step budget by speed (slower hardware takes fewer steps, see
+# Config.learner_steps): nobody idles at the end. Data-parallel and sync DiLoCo advance in lockstep.
+# Its learning rates are the best of healthy quick runs on a grid (docs/bench.md): inner 2e-3 of
+# {2, 3, 5}e-3 (data-parallel's best is 3e-3, sync ties), outer 0.8 of {0.4, 0.6, 0.8, 1, 1.5}: RDA
+# keeps the mean norm of the deltas, so its step is longer than sync's plain mean.
+DECOUPLED = {"syncer": {"quorum": 2}, "inner": {"steps_by_speed": True, "lr": 2e-3}, "outer": {"lr": 0.8}}
+
 # Each DiLoCo method: overrides of the syncer / fragments sections. "dp" runs in bench.dp instead.
 METHODS: dict[str, dict] = {
     "dp": {},
     # OpenDiLoCo / torchft style: wait for every learner, no grace, equal-weight plain mean.
     "sync": {"syncer": {"quorum": sum(r["learners"] for r in REGIONS), "grace_max_s": 0.0, "merge": "mean",
                         "token_weighting": False}},
-    "decoupled": {"syncer": {"quorum": 2}},
-    "decoupled-p1": {"syncer": {"quorum": 2}, "fragments": {"count": 1}},
-    "decoupled-fp32": {"syncer": {"quorum": 2}, "fragments": {"quantization": "fp32"}},
-    "decoupled-bf16": {"syncer": {"quorum": 2}, "fragments": {"quantization": "bf16"}},
-    "decoupled-int4": {"syncer": {"quorum": 2}, "fragments": {"quantization": "int4"}},
+    "decoupled": DECOUPLED,
+    "decoupled-p1": _merge(DECOUPLED, {"fragments": {"count": 1}}),
+    "decoupled-fp32": _merge(DECOUPLED, {"fragments": {"quantization": "fp32"}}),
+    "decoupled-bf16": _merge(DECOUPLED, {"fragments": {"quantization": "bf16"}}),
+    "decoupled-int4": _merge(DECOUPLED, {"fragments": {"quantization": "int4"}}),
 }
 
 # The emulated WAN is scaled to the tiny model: an all-reduce of ~0.5 MB per step on 10 Mbit/s
@@ -56,13 +71,6 @@ SCENARIOS: dict[str, dict] = {
 
 # Quick mode runs the fragment and quantization variants only where they matter: quality and bytes.
 VARIANTS_ONLY_IN = "healthy"
-
-
-def _merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def build(method: str, scenario: str, size: str = "quick", overrides: list[str] = ()) -> Config:

@@ -56,7 +56,9 @@ class RegionConfig(_Section):
 
 
 class InnerConfig(_Section):
-    steps: int = Field(600, ge=1)
+    steps: int = Field(600, ge=1, description="inner steps per learner (the run's budget is steps x learners)")
+    steps_by_speed: bool = Field(False, description="share the run's budget by region speed: slower hardware "
+                                                    "takes fewer steps and nobody idles at the end")
     max_seconds: float | None = Field(None, gt=0, description="also stop after this much training time (mixed-speed runs)")
     batch_size: int = Field(8, ge=1)
     lr: float = Field(3e-3, gt=0)
@@ -233,6 +235,14 @@ class Config(_Section):
     def learner_ids(self) -> list[str]:
         """Learner ids in data-shard order: `<region>-<index>`."""
         return [f"{r.name}-{i}" for r in self.regions for i in range(r.learners)]
+
+    def learner_steps(self, learner_id: str) -> int:
+        """Inner steps this learner takes: inner.steps, or with inner.steps_by_speed its share of the
+        run's budget (inner.steps per learner) in proportion to its region's speed."""
+        if not self.inner.steps_by_speed:
+            return self.inner.steps
+        speeds = [self.region_of(lid).speed for lid in self.learner_ids()]
+        return max(1, round(self.inner.steps * len(speeds) * self.region_of(learner_id).speed / sum(speeds)))
 
     def region_of(self, learner_id: str) -> RegionConfig:
         for region in self.regions:

@@ -94,7 +94,7 @@ def progress_table(cfg: Config, prog: Progress, run_id: str, elapsed: float) -> 
         if hb is None:
             t.add_row(lid, "-", "-", "-", "-", "-", "starting")
             continue
-        t.add_row(lid, f"{hb['step']}/{cfg.inner.steps}", f"{hb['tokens']:,}", _loss(hb),
+        t.add_row(lid, f"{hb['step']}/{cfg.learner_steps(lid)}", f"{hb['tokens']:,}", _loss(hb),
                   f"{1000 * hb['step_time']:.0f}", f"{hb['published']} ({hb['bytes_sent'] / 1e6:.2f} MB)", hb["state"])
     versions = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
     rej = ", ".join(f"{k} {v}" for k, v in sorted(prog.rejections.items())) or "none"
@@ -257,11 +257,11 @@ class LocalRun:
                 self._kill(kill, now)
 
     def _progress_of(self, target: str) -> float:
-        steps = self.cfg.inner.steps
+        cfg = self.cfg
         if target in self.syncers:
-            return sum(self.prog.learners.get(lid, {}).get("step", 0) for lid in self.cfg.learner_ids()) / (
-                steps * self.cfg.num_learners)
-        return self.prog.learners.get(target, {}).get("step", 0) / steps
+            return sum(self.prog.learners.get(lid, {}).get("step", 0) for lid in cfg.learner_ids()) / sum(
+                cfg.learner_steps(lid) for lid in cfg.learner_ids())
+        return self.prog.learners.get(target, {}).get("step", 0) / cfg.learner_steps(target)
 
     # --- events --------------------------------------------------------------------------------
     def _pump(self, timeout_ms: int = 250) -> None:

@@ -116,7 +116,11 @@ def test_methods_differ_only_in_what_they_name():
     assert (sync.syncer.quorum, sync.syncer.merge, sync.syncer.token_weighting, sync.syncer.grace_max_s) == (
         sync.num_learners, "mean", False, 0.0)
     assert dec.syncer.quorum < dec.num_learners and dec.syncer.merge == "rda"
-    assert sync.model == dec.model and sync.inner == dec.inner and sync.fragments == dec.fragments
+    assert sync.model == dec.model and sync.fragments == dec.fragments
+    # same token budget; decoupled shares it by speed and has its own tuned learning rates
+    assert (sync.inner.steps, sync.inner.batch_size) == (dec.inner.steps, dec.inner.batch_size)
+    assert sync.inner.model_copy(update={"lr": dec.inner.lr, "steps_by_speed": True}) == dec.inner
+    assert sync.outer.model_copy(update={"lr": dec.outer.lr}) == dec.outer
     assert setups.build("decoupled", "mixed").regions[1].speed == 0.5
     assert setups.build("decoupled", "wan").transport.wan_bandwidth_mbps == setups.WAN["wan_bandwidth_mbps"]
     assert setups.plan(["dp", "decoupled-p1"], ["healthy", "wan"]) == [

@@ -44,3 +44,12 @@ def test_malformed_overrides_and_files(tmp_path):
 def test_duplicate_region_names_are_refused():
     with pytest.raises(ConfigError, match="unique"):
         build_config({"regions": [{"name": "a"}, {"name": "a"}]})
+
+
+def test_the_step_budget_is_shared_by_speed_only_when_asked():
+    regions = [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2, "speed": 0.5}]
+    even = build_config({"regions": regions, "inner": {"steps": 240}})
+    assert [even.learner_steps(lid) for lid in even.learner_ids()] == [240, 240, 240, 240]
+    shared = build_config({"regions": regions, "inner": {"steps": 240, "steps_by_speed": True}})
+    steps = [shared.learner_steps(lid) for lid in shared.learner_ids()]
+    assert steps == [320, 320, 160, 160] and sum(steps) == 4 * 240  # same tokens, same finishing time

@@ -35,13 +35,14 @@ from diloco.syncer.syncer import fragment_plan
 log = logging.getLogger(__name__)
 
 
-def inner_optimizer(cfg: Config, start_step: int = 0) -> optax.GradientTransformation:
-    """AdamW on warmup + cosine decay. A learner restarted at `start_step` continues the schedule
-    from there, warming up again because its Adam moments start from zero."""
+def inner_optimizer(cfg: Config, start_step: int = 0, steps: int | None = None) -> optax.GradientTransformation:
+    """AdamW on warmup + cosine decay over `steps` (default inner.steps). A learner restarted at
+    `start_step` continues the schedule from there, warming up again because its Adam moments start
+    from zero."""
     warmup = max(cfg.inner.warmup_steps, 1)
     sched = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.inner.lr, warmup_steps=warmup,
-        decay_steps=max(cfg.inner.steps, warmup + 1), end_value=cfg.inner.lr * 0.1)
+        decay_steps=max(steps or cfg.inner.steps, warmup + 1), end_value=cfg.inner.lr * 0.1)
     if start_step:
         base = sched
         sched = lambda count: base(count + start_step) * jnp.minimum(1.0, (count + 1) / warmup)  # noqa: E731
@@ -260,7 +261,8 @@ class Learner:
         log.info("joined", extra={"learner": self.id, "versions": base_version, "shard": self.index,
                                   "devices": self.dp.devices})
 
-        opt = inner_optimizer(cfg, self.start_step)
+        total_steps = cfg.learner_steps(self.id)
+        opt = inner_optimizer(cfg, self.start_step, total_steps)
         opt_state = opt.init(params)
         batch = self.dp.shard_batch(next(self.batches))
         # Compile before the clock starts: step times feed the grace window and the time budget.
@@ -270,7 +272,7 @@ class Learner:
         since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
         step = self.start_step
         tokens, loss, step_time, compute_s = step * tokens_per_step, None, 0.0, 0.0
-        for step in range(self.start_step + 1, cfg.inner.steps + 1):
+        for step in range(self.start_step + 1, total_steps + 1):
             if self.stopping or (cfg.inner.max_seconds and compute_s >= cfg.inner.max_seconds):
                 step -= 1
                 break
