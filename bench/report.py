@@ -95,7 +95,9 @@ def plot(results: list[dict], out: Path) -> list[str]:
            bottom=[r["bytes_sent"] / 1e6 for r in results], label="down (globals)")
     ax.legend(fontsize=7)
     ax.set_xticks(range(len(results)), labels, fontsize=6, rotation=90)
-    ax.set(yscale="log", ylabel="MB across regions")
+    totals = [across(r) / 1e6 for r in results]
+    ax.set(yscale="log", ylabel="MB across regions",
+           ylim=(min(r["bytes_sent"] / 1e6 for r in results) / 2, 2 * max(totals)))
     fig.tight_layout()
     fig.savefig(out / "bytes.png", dpi=110)
     plt.close(fig)

@@ -55,7 +55,8 @@ METHODS: dict[str, dict] = {
     "decoupled-p1": _merge(DECOUPLED, {"fragments": {"count": 1}}),
     "decoupled-fp32": _merge(DECOUPLED, {"fragments": {"quantization": "fp32"}}),
     "decoupled-bf16": _merge(DECOUPLED, {"fragments": {"quantization": "bf16"}}),
-    "decoupled-int4": _merge(DECOUPLED, {"fragments": {"quantization": "int4"}}),
+    # int4 both ways: deltas up and the syncer's updates down (quality held in healthy quick runs)
+    "decoupled-int4": _merge(DECOUPLED, {"fragments": {"quantization": "int4"}, "syncer": {"broadcast": "int4"}}),
 }
 
 # The emulated WAN is scaled to the tiny model: an all-reduce of ~0.5 MB per step on 10 Mbit/s
