@@ -38,19 +38,20 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-# Decoupled learners share the run's step budget by speed (slower hardware takes fewer steps, see
-# Config.learner_steps): nobody idles at the end. Data-parallel and sync DiLoCo advance in lockstep.
-# Its learning rates are the best of healthy quick runs on a grid (docs/bench.md): inner 2e-3 of
-# {2, 3, 5}e-3 (data-parallel's best is 3e-3, sync ties), outer 0.8 of {0.4, 0.6, 0.8, 1, 1.5}: RDA
-# keeps the mean norm of the deltas, so its step is longer than sync's plain mean.
-DECOUPLED = {"syncer": {"quorum": 2}, "inner": {"steps_by_speed": True, "lr": 2e-3}, "outer": {"lr": 0.8}}
+# Decoupled's learning rates are the best of healthy quick runs on a grid (docs/bench.md): inner 2e-3
+# of {2, 3, 5}e-3 (data-parallel's best is 3e-3, sync ties), outer 0.8 of {0.4, 0.6, 0.8, 1, 1.5}: RDA
+# keeps the mean norm of the deltas, so its step is longer than sync's plain mean. Its learners do not
+# share the step budget by speed (inner.steps_by_speed): on this CPU-bound machine that made the mixed
+# run slower and worse (2.667 at 19.0 s against 2.638 at 17.4 s; docs/bench.md).
+DECOUPLED = {"syncer": {"quorum": 2}, "inner": {"lr": 2e-3}, "outer": {"lr": 0.8}}
 
 # Each DiLoCo method: overrides of the syncer / fragments sections. "dp" runs in bench.dp instead.
 METHODS: dict[str, dict] = {
     "dp": {},
-    # OpenDiLoCo / torchft style: wait for every learner, no grace, equal-weight plain mean.
+    # OpenDiLoCo / torchft style: wait for every learner, no grace, equal-weight plain mean, and
+    # learners stop (overlap_steps after each send, as streaming DiLoCo) until the merge is back.
     "sync": {"syncer": {"quorum": sum(r["learners"] for r in REGIONS), "grace_max_s": 0.0, "merge": "mean",
-                        "token_weighting": False}},
+                        "token_weighting": False}, "fragments": {"wait_for_merge": True}},
     "decoupled": DECOUPLED,
     "decoupled-p1": _merge(DECOUPLED, {"fragments": {"count": 1}}),
     "decoupled-fp32": _merge(DECOUPLED, {"fragments": {"quantization": "fp32"}}),

@@ -82,6 +82,9 @@ class FragmentsConfig(_Section):
         "overwrite", description="a new global fragment: rebase = it plus the local steps not sent yet; "
                               "overwrite = it alone; mix = mix_alpha * it + (1 - mix_alpha) * local")
     mix_alpha: float = Field(0.5, ge=0, le=1, description="weight of the global value when apply=mix")
+    wait_for_merge: bool = Field(False, description="synchronous DiLoCo: syncer.overlap_steps after sending a "
+                                                    "fragment, stop until its next global version arrives")
+    wait_timeout_s: float = Field(300.0, gt=0, description="give up waiting for a merge after this long")
 
 
 class SyncerConfig(_Section):

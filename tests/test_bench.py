@@ -116,10 +116,10 @@ def test_methods_differ_only_in_what_they_name():
     assert (sync.syncer.quorum, sync.syncer.merge, sync.syncer.token_weighting, sync.syncer.grace_max_s) == (
         sync.num_learners, "mean", False, 0.0)
     assert dec.syncer.quorum < dec.num_learners and dec.syncer.merge == "rda"
-    assert sync.model == dec.model and sync.fragments == dec.fragments
-    # same token budget; decoupled shares it by speed and has its own tuned learning rates
-    assert (sync.inner.steps, sync.inner.batch_size) == (dec.inner.steps, dec.inner.batch_size)
-    assert sync.inner.model_copy(update={"lr": dec.inner.lr, "steps_by_speed": True}) == dec.inner
+    assert sync.model == dec.model and sync.fragments.model_copy(update={"wait_for_merge": False}) == dec.fragments
+    assert sync.fragments.wait_for_merge and not dec.fragments.wait_for_merge
+    # same token budget; decoupled has its own tuned learning rates
+    assert sync.inner.model_copy(update={"lr": dec.inner.lr}) == dec.inner
     assert sync.outer.model_copy(update={"lr": dec.outer.lr}) == dec.outer
     assert setups.build("decoupled", "mixed").regions[1].speed == 0.5
     assert setups.build("decoupled", "wan").transport.wan_bandwidth_mbps == setups.WAN["wan_bandwidth_mbps"]

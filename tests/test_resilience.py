@@ -10,7 +10,7 @@ import time
 from collections import Counter
 
 import pytest
-from helpers import Harness, assert_exact_accounting, run_events
+from helpers import Harness, assert_exact_accounting, published_manifests, run_events
 from rich.console import Console
 
 from diloco.config import ConfigError, build_config
@@ -124,6 +124,24 @@ def test_mixed_speeds_train_without_a_global_stall(tiny_config):
     by_learner = {lid: sum(1 for m in state.merges() for x in m["learners"] if x == lid) for lid in steps}
     assert min(by_learner["fast-0"], by_learner["fast-1"]) > max(by_learner["slow-0"], by_learner["slow-1"]) > 0
     assert s["contributions"]["applied"] == s["contributions"]["published"]
+    assert s["eval_loss_end"] < s["eval_loss_start"]
+
+
+def test_synchronous_mode_holds_fast_learners_to_the_slow_ones(tiny_config):
+    cfg = tiny_config(regions=[{"name": "fast", "learners": 2, "speed": 1.0},
+                               {"name": "slow", "learners": 2, "speed": 0.25}],
+                      syncer={"quorum": 4, "grace_max_s": 0.0, "merge": "mean", "overlap_steps": 4},
+                      fragments={"wait_for_merge": True})
+    s = train(cfg, progress=False, console=_quiet())
+    assert s["contributions"]["applied"] == s["contributions"]["published"]
+    sent: dict[tuple[str, int], list[int]] = {}
+    for m in published_manifests(cfg, s["run_id"]):
+        sent.setdefault((m.learner, m.fragment), []).append(m.base_version)
+    assert len(sent) == cfg.num_learners * cfg.fragments.count
+    for (learner, fragment), bases in sent.items():
+        # the n-th delta (n from 0) starts from a version with the n previous rounds merged: nobody,
+        # fast or slow, runs a round ahead (the last, handed in at the end without a wait, aside)
+        assert all(b >= n for n, b in enumerate(bases[:-1])), (learner, fragment, bases)
     assert s["eval_loss_end"] < s["eval_loss_start"]
 
 

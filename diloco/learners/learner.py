@@ -1,8 +1,10 @@
 """A learner: inner AdamW steps on its own shard; fragment deltas out, new global fragments in.
 
 The inner loop never waits for the network. A publisher thread quantizes, chunks and sends deltas;
-a fetcher thread follows the outer topic and reads announced versions from TensorStore. New global
-values are applied at the next step boundary (overwrite, or mix with the local value).
+a fetcher thread follows the outer topic and brings announced versions from TensorStore. New global
+values are applied at the next step boundary (`fragments.apply`). Only for synchronous DiLoCo
+(`fragments.wait_for_merge`, the benchmark's baseline) does the loop stop, overlap_steps after a
+send, until that fragment's merge arrives.
 """
 
 from __future__ import annotations
@@ -270,6 +272,7 @@ class Learner:
         P, H = cfg.fragments.count, cfg.fragments.sync_every
         tokens_per_step = cfg.inner.batch_size * cfg.model.seq_len
         since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
+        waits: dict[int, tuple[int, int]] = {}  # fragment -> (step at which to wait, version its delta left)
         step = self.start_step
         tokens, loss, step_time, compute_s = step * tokens_per_step, None, 0.0, 0.0
         for step in range(self.start_step + 1, total_steps + 1):
@@ -280,6 +283,8 @@ class Learner:
                 if err:
                     raise err
             params = self._apply_arrivals(params, base, base_version)
+            for p in [p for p, (at, _) in waits.items() if step >= at]:
+                params = self._wait_for_merge(p, waits.pop(p)[1], params, base, base_version)
             t0 = time.perf_counter()
             params, opt_state, loss_arr = train_step(params, opt_state, batch)
             batch = self.dp.shard_batch(next(self.batches))
@@ -297,6 +302,8 @@ class Learner:
                 s["time"] += dt
             for p in fragments_due(step, P, H):
                 self._sync(p, params, base, base_version, since)
+                if cfg.fragments.wait_for_merge:
+                    waits[p] = (step + cfg.syncer.overlap_steps, base_version[p])
             self.heartbeat.status = {"step": step, "tokens": tokens, "loss": loss, "step_time": step_time,
                                      "compute_s": compute_s, "at": time.time(), "state": "running",
                                      "versions": dict(base_version)}
@@ -335,6 +342,20 @@ class Learner:
                                       "steps": s["steps"], "step_time": s["time"] / max(s["steps"], 1),
                                       "deltas": deltas})
         since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
+
+    def _wait_for_merge(self, p: int, sent_from: int, params, base, base_version):
+        """Synchronous DiLoCo's barrier: no step until fragment p has a version newer than the one
+        our last delta of it started from (the round it went into, or one after it, merged)."""
+        deadline = time.monotonic() + self.cfg.fragments.wait_timeout_s
+        while base_version[p] <= sent_from and not self.stopping:
+            if self.fetcher.error:
+                raise self.fetcher.error
+            if time.monotonic() > deadline:
+                log.warning("no merge of fragment %d after %.0f s; training on", p, self.cfg.fragments.wait_timeout_s)
+                break
+            time.sleep(0.01)
+            params = self._apply_arrivals(params, base, base_version)
+        return params
 
     def _apply_arrivals(self, params, base, base_version):
         arrived = self.fetcher.take()
