@@ -84,7 +84,8 @@ class FragmentsConfig(_Section):
     mix_alpha: float = Field(0.5, ge=0, le=1, description="weight of the global value when apply=mix")
     wait_for_merge: bool = Field(False, description="synchronous DiLoCo: syncer.overlap_steps after sending a "
                                                     "fragment, stop until its next global version arrives")
-    wait_timeout_s: float = Field(300.0, gt=0, description="give up waiting for a merge after this long")
+    wait_timeout_s: float = Field(60.0, gt=0, description="give up waiting for a merge after this long "
+                                                          "(a delta lost in a crash leaves its round short)")
 
 
 class SyncerConfig(_Section):

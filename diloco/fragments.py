@@ -35,3 +35,10 @@ def sync_offset(fragment: int, count: int, every: int) -> int:
 def fragments_due(step: int, count: int, every: int) -> list[int]:
     """Fragments whose sync point falls after inner step `step` (1-based count of steps done)."""
     return [p for p in range(count) if step >= 1 and step % every == sync_offset(p, count, every) % every]
+
+
+def syncs_through(step: int, fragment: int, count: int, every: int) -> int:
+    """How many sync points `fragment` has had in steps 1..`step`: the round a learner is in."""
+    off = sync_offset(fragment, count, every) % every
+    first = off or every  # the first step t >= 1 with t % every == off
+    return 0 if step < first else (step - first) // every + 1

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from diloco.config import ModelConfig
-from diloco.fragments import fragments_due, plan_fragments, sync_offset
+from diloco.fragments import fragments_due, plan_fragments, sync_offset, syncs_through
 from diloco.learners.model import init_params
 
 
@@ -31,3 +31,13 @@ def test_each_fragment_syncs_every_h_steps_staggered():
     assert firsts == [10, 20, 30, 40]                     # spread over the period
     assert all(len(fragments_due(s, P, H)) <= 1 for s in range(1, 201))  # about one in flight at a time
     assert sync_offset(0, 1, 5) == 5 % 5 or sync_offset(0, 1, 5) == 5
+
+
+@pytest.mark.parametrize("count,every", [(1, 1), (1, 10), (4, 20), (4, 10), (3, 7), (8, 4)])
+def test_syncs_through_counts_the_due_steps(count, every):
+    for p in range(count):
+        due = 0
+        for step in range(0, 5 * every + 3):
+            if step >= 1 and p in fragments_due(step, count, every):
+                due += 1
+            assert syncs_through(step, p, count, every) == due, (p, step)

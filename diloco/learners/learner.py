@@ -26,7 +26,7 @@ from kafka.errors import KafkaError
 
 from diloco import messages, quantize
 from diloco.config import Config
-from diloco.fragments import fragments_due
+from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import Corpus, sample_batches
@@ -272,7 +272,7 @@ class Learner:
         P, H = cfg.fragments.count, cfg.fragments.sync_every
         tokens_per_step = cfg.inner.batch_size * cfg.model.seq_len
         since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
-        waits: dict[int, tuple[int, int]] = {}  # fragment -> (step at which to wait, version its delta left)
+        waits: dict[int, tuple[int, int]] = {}  # fragment -> (step at which to wait, version to wait for)
         step = self.start_step
         tokens, loss, step_time, compute_s = step * tokens_per_step, None, 0.0, 0.0
         for step in range(self.start_step + 1, total_steps + 1):
@@ -302,8 +302,8 @@ class Learner:
                 s["time"] += dt
             for p in fragments_due(step, P, H):
                 self._sync(p, params, base, base_version, since)
-                if cfg.fragments.wait_for_merge:
-                    waits[p] = (step + cfg.syncer.overlap_steps, base_version[p])
+                if cfg.fragments.wait_for_merge:  # round n of p is merged once p reaches version n
+                    waits[p] = (step + cfg.syncer.overlap_steps, syncs_through(step, p, P, H))
             self.heartbeat.status = {"step": step, "tokens": tokens, "loss": loss, "step_time": step_time,
                                      "compute_s": compute_s, "at": time.time(), "state": "running",
                                      "versions": dict(base_version)}
@@ -343,11 +343,12 @@ class Learner:
                                       "deltas": deltas})
         since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
 
-    def _wait_for_merge(self, p: int, sent_from: int, params, base, base_version):
-        """Synchronous DiLoCo's barrier: no step until fragment p has a version newer than the one
-        our last delta of it started from (the round it went into, or one after it, merged)."""
+    def _wait_for_merge(self, p: int, version: int, params, base, base_version):
+        """Synchronous DiLoCo's barrier: no step until fragment p reaches `version`, the round this
+        learner is in. Counted from its steps, not from what it sent, so that a restarted learner that
+        re-sends a round already merged is not left waiting a round ahead of everyone else."""
         deadline = time.monotonic() + self.cfg.fragments.wait_timeout_s
-        while base_version[p] <= sent_from and not self.stopping:
+        while base_version[p] < version and not self.stopping:
             if self.fetcher.error:
                 raise self.fetcher.error
             if time.monotonic() > deadline:
