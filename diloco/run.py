@@ -61,11 +61,15 @@ class Progress:
     merged_ids: list[str] = field(default_factory=list)
     kinds_seen: set[str] = field(default_factory=set)
     eids: set[str] = field(default_factory=set)
+    fetched: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
 
     def apply(self, ev: dict) -> None:
         if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
             return
         self.eids.add(ev.get("eid"))
+        if ev["kind"] == "heartbeat":  # a restarted learner counts from zero: keep every incarnation's
+            key = (ev["learner"], ev.get("incarnation", ""))
+            self.fetched[key] = max(self.fetched.get(key, 0), ev.get("bytes_fetched", 0))
         if ev["kind"] == "heartbeat" and ev.get("step", 0) < self.learners.get(ev["learner"], {}).get("step", 0):
             return  # a late beat of a killed incarnation: the restarted one resumed further on
         kind = ev["kind"]
@@ -453,7 +457,7 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
     num_params = sum(int(np.prod(a.shape)) for a in fragment_plan(cfg)[0].values())
     published, bytes_sent = published_on_broker(cfg, run_id)
     bytes_dp = dp_allreduce_bytes(num_params, cfg.num_learners, steps)
-    bytes_fetched = sum(hb.get("bytes_fetched", 0) for hb in prog.learners.values())
+    bytes_fetched = sum(prog.fetched.values())
     across = bytes_sent + bytes_fetched
     versions = {str(p): v for p, v in sorted(state.versions().items())}
     return {

@@ -15,7 +15,7 @@ from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import ensure_corpus
-from diloco.run import _child_env, dp_allreduce_bytes, train
+from diloco.run import Progress, _child_env, dp_allreduce_bytes, train
 from diloco.syncer import state as state_mod
 from diloco.syncer.syncer import provision
 
@@ -95,3 +95,14 @@ def test_gcs_store_round_trips_through_the_emulator(gcs_emulator):
     for k in params:
         np.testing.assert_array_equal(got.params[k], params[k] + 1)
         np.testing.assert_array_equal(got.opt["0.trace." + k], opt["0.trace." + k])
+
+
+def test_bytes_fetched_add_up_over_a_learners_incarnations():
+    prog = Progress()
+    beat = lambda eid, inc, step, fetched: {"kind": "heartbeat", "eid": eid, "learner": "us-0",  # noqa: E731
+                                            "incarnation": inc, "step": step, "bytes_fetched": fetched}
+    for ev in (beat("a", "one", 10, 100), beat("b", "one", 20, 300), beat("c", "two", 15, 50),
+               beat("d", "one", 21, 320), beat("e", "two", 30, 90), beat("e", "two", 30, 90)):
+        prog.apply(ev)  # "d": a late beat of the killed incarnation; "e" twice: delivered again
+    assert prog.fetched == {("us-0", "one"): 320, ("us-0", "two"): 90}
+    assert prog.learners["us-0"]["incarnation"] == "two"
