@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt
 from bench import metrics
 
 COLUMNS = ["scenario", "method", "tokens", "held-out loss", "gap to DP", "time to target",
-           "bytes across regions (up + down)", "DP bytes / bytes (up only)", "goodput", "learner idle", "merge MB/s", "merge p50 / p90 / p99", "accept→merge p50 / p90"]
+           "bytes across regions (up + down)", "DP bytes / bytes (up only)", "goodput", "learner idle",
+           "merge MB/s", "merge p50 / p90 / p99", "accept→merge p50 / p90"]
 
 
 def targets(results: list[dict]) -> dict[str, float]:

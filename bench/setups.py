@@ -22,9 +22,9 @@ SIZES = {
 }
 REGIONS = [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2}]  # M = 4
 # Both DiLoCo methods rebase learners on new global fragments, scale partial rounds by n/M and take
-# plain averaging as their outer step (lr 1, no momentum): at these short horizons (~12 outer steps
-# per fragment) that beat DiLoCo's lr 0.7 / Nesterov 0.9 in the healthy quick run for both
-# (2026-11-29: sync 2.72-2.76 vs 2.84, decoupled 2.77-2.80 vs 3.25 held-out loss; docs/bench.md).
+# an outer step without momentum (lr 1 here; decoupled sets its own below): at these short horizons
+# (~12 outer steps per fragment) that beat DiLoCo's lr 0.7 / Nesterov 0.9 in the healthy quick run for
+# both (2026-11-29: sync 2.72-2.76 vs 2.84, decoupled 2.77-2.80 vs 3.25 held-out loss; docs/bench.md).
 for _size in SIZES.values():
     _size["outer"] = {"lr": 1.0, "momentum": 0.0}
     _size["fragments"]["apply"] = "rebase"
