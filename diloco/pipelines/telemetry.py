@@ -161,6 +161,16 @@ def _goodput(merged: int, trained: int, fragments: int) -> float | None:
     return merged / (fragments * trained) if trained and fragments else None
 
 
+def over_incarnations(heartbeats, counter: str) -> int:
+    """A learner's counter that restarts from zero with each incarnation: the sum of every
+    incarnation's largest value (a restarted learner's sends and reads add to its earlier ones)."""
+    best: dict[str, int] = {}
+    for h in heartbeats:
+        inc = h.get("incarnation", "")
+        best[inc] = max(best.get(inc, 0), h.get(counter, 0))
+    return sum(best.values())
+
+
 def learner_row(element, fragments: int) -> dict:
     learner, g = element
     hbs = sorted(g["heartbeats"], key=lambda e: e["time"])
@@ -187,10 +197,10 @@ def learner_row(element, fragments: int) -> dict:
         "rejected_by_reason": dict(sorted(Counter(o["reason"] for o in outs if o["status"] == "rejected").items())),
         "staleness": {str(k): v for k, v in sorted(Counter(o["staleness"] for o in merged
                                                              if o["staleness"] is not None).items())},
-        "bytes_sent": max((h.get("bytes_sent", 0) for h in hbs), default=0),
-        "bytes_fetched": max((h.get("bytes_fetched", 0) for h in hbs), default=0),
+        "bytes_sent": over_incarnations(hbs, "bytes_sent"),
+        "bytes_fetched": over_incarnations(hbs, "bytes_fetched"),
         "bytes_accepted": sum(o["bytes"] for o in outs),
-        "versions_applied": max((h.get("versions_applied", 0) for h in hbs), default=0),
+        "versions_applied": over_incarnations(hbs, "versions_applied"),
     }
 
 
