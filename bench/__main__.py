@@ -62,7 +62,7 @@ def main_merge(argv: list[str]) -> dict:
 def main(argv: list[str]) -> Path:
     a = parse(argv)
     from bench import dp as dp_mod
-    from bench import runs
+    from bench import ideal, runs
     from diloco.learners.data import ensure_corpus, eval_batches
     console = Console(stderr=True)
     size = "quick" if a.quick else "full"
@@ -84,6 +84,8 @@ def main(argv: list[str]) -> Path:
         if method == "dp":
             dp = dp or dp_mod.train_dp(cfg, corpus, held, evals=a.points)
             r = runs.dp_in_scenario(cfg, scenario, dp, by_key.get(("decoupled", scenario)))
+        elif method == "ideal":
+            r = ideal.as_result(cfg, ideal.train_ideal(cfg, corpus, held, evals=a.points))
         else:
             r = runs.run_diloco(cfg, scenario, held, a.points, console)
         r |= {"method": method, "scenario": scenario}

@@ -32,17 +32,25 @@ def across(r: dict) -> float:
 
 
 def _bytes(r: dict) -> str:
+    if r["bytes_sent"] is None:  # the ideal method: nothing ran but the math
+        return "–"
     total = f"{across(r) / 1e6:,.2f} MB"
     return f"{total} ({r['bytes_sent'] / 1e6:,.2f} + {r['bytes_fetched'] / 1e6:,.2f})" if r.get("bytes_fetched") else total
 
 
 def _ratios(r: dict) -> str:
+    if r["bytes_sent"] is None:
+        return "–"
     whole = _fmt(r["bytes_dp"] / across(r) if across(r) else None, ",.0f", "x")
     return f"{whole} ({_fmt(r['bytes_dp'] / r['bytes_sent'], ',.0f', 'x')})" if r.get("bytes_fetched") else whole
 
 
 def _fmt(x: float, spec: str, suffix: str = "") -> str:
     return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:{spec}}{suffix}"
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100 * x
 
 
 def rows(results: list[dict]) -> list[list[str]]:
@@ -58,7 +66,7 @@ def rows(results: list[dict]) -> list[list[str]]:
             r["scenario"], r["method"], f"{r['tokens']:,}", f"{r['loss_end']:.4f}",
             _fmt(metrics.gap_percent(r["loss_end"], ref["loss_end"]) if ref else None, "+.2f", "%"),
             _fmt(tt, ".1f", " s"), _bytes(r), _ratios(r),
-            f"{100 * r['goodput']:.1f}%", f"{100 * r['idle']:.1f}%",
+            _fmt(_pct(r["goodput"]), ".1f", "%"), _fmt(_pct(r["idle"]), ".1f", "%"),
             _fmt(m["merge_mb_per_s"] if m else None, ".1f"),
             " / ".join(_fmt(1000 * v, ".0f") for v in m["merge_s"].values()) + " ms" if m else "–",
             " / ".join(_fmt(v, ".2f") for v in list(m["accept_to_merge_s"].values())[:2]) + " s" if m else "–",
@@ -89,6 +97,7 @@ def plot(results: list[dict], out: Path) -> list[str]:
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         files.append(name)
+    results = [r for r in results if r["bytes_sent"] is not None]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(results)), 4))
     labels = [f"{r['method']}\n{r['scenario']}" for r in results]
     ax.bar(range(len(results)), [r["bytes_sent"] / 1e6 for r in results], label="up (deltas; DP: all-reduce)")

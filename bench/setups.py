@@ -45,9 +45,11 @@ def _merge(base: dict, top: dict) -> dict:
 # run slower and worse (2.667 at 19.0 s against 2.638 at 17.4 s; docs/bench.md).
 DECOUPLED = {"syncer": {"quorum": 2}, "inner": {"lr": 2e-3}, "outer": {"lr": 0.8}}
 
-# Each DiLoCo method: overrides of the syncer / fragments sections. "dp" runs in bench.dp instead.
+# Each DiLoCo method: overrides of the syncer / fragments sections. "dp" runs in bench.dp and
+# "ideal" (decoupled's settings, no system: bench.ideal) in-process instead.
 METHODS: dict[str, dict] = {
     "dp": {},
+    "ideal": DECOUPLED,
     # OpenDiLoCo / torchft style: wait for every learner, no grace, equal-weight plain mean, and
     # learners stop (overlap_steps after each send, as streaming DiLoCo) until the merge is back.
     "sync": {"syncer": {"quorum": sum(r["learners"] for r in REGIONS), "grace_max_s": 0.0, "merge": "mean",
@@ -71,8 +73,13 @@ SCENARIOS: dict[str, dict] = {
     "wan": {"transport": WAN},
 }
 
-# Quick mode runs the fragment and quantization variants only where they matter: quality and bytes.
+# The fragment and quantization variants, and the ideal method (no clock, nothing sent), run only
+# where they matter: quality and bytes.
 VARIANTS_ONLY_IN = "healthy"
+
+
+def healthy_only(method: str) -> bool:
+    return method.startswith("decoupled-") or method == "ideal"
 
 
 def build(method: str, scenario: str, size: str = "quick", overrides: list[str] = ()) -> Config:
@@ -84,6 +91,5 @@ def build(method: str, scenario: str, size: str = "quick", overrides: list[str] 
 
 
 def plan(methods: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
-    """(method, scenario) pairs to run; variants (decoupled-*) only in the healthy scenario."""
-    return [(m, s) for s in scenarios for m in methods
-            if not (m.startswith("decoupled-") and s != VARIANTS_ONLY_IN)]
+    """(method, scenario) pairs to run; variants (decoupled-*) and ideal only in the healthy scenario."""
+    return [(m, s) for s in scenarios for m in methods if not (healthy_only(m) and s != VARIANTS_ONLY_IN)]

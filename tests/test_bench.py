@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import dp, merge_bench, metrics, report, runs, setups
+from bench import dp, ideal, merge_bench, metrics, report, runs, setups
 from diloco.config import ConfigError, ModelConfig, TransportConfig, build_config
 from diloco.learners.data import FORMAT, Corpus
 from diloco.learners.model import loss_fn
@@ -123,8 +123,8 @@ def test_methods_differ_only_in_what_they_name():
     assert sync.outer.model_copy(update={"lr": dec.outer.lr}) == dec.outer
     assert setups.build("decoupled", "mixed").regions[1].speed == 0.5
     assert setups.build("decoupled", "wan").transport.wan_bandwidth_mbps == setups.WAN["wan_bandwidth_mbps"]
-    assert setups.plan(["dp", "decoupled-p1"], ["healthy", "wan"]) == [
-        ("dp", "healthy"), ("decoupled-p1", "healthy"), ("dp", "wan")]
+    assert setups.plan(["dp", "decoupled-p1", "ideal"], ["healthy", "wan"]) == [
+        ("dp", "healthy"), ("decoupled-p1", "healthy"), ("ideal", "healthy"), ("dp", "wan")]
 
 
 # --- harness at a tiny size ----------------------------------------------------------------------
@@ -169,6 +169,39 @@ def test_dp_baseline_runs_a_few_steps_and_its_scenarios(tiny_corpus):
     assert r["bytes_sent"] == runs.dp_allreduce_bytes(runs.num_params(cfg), 4, 16)
 
 
+def test_ideal_outer_round_with_the_mean_rule_and_lr_1_is_the_learners_average():
+    cfg = setups.build("ideal", "healthy", overrides=["syncer.merge=mean", "outer.lr=1.0"])
+    rng = np.random.default_rng(3)
+    glob = {"w": rng.normal(size=(3, 2)).astype(np.float32)}
+    local = {"w": rng.normal(size=(cfg.num_learners, 3, 2)).astype(np.float32)}
+    opt = ideal.merge.outer_optimizer(1.0, 0.0, False)
+    new, _ = ideal.outer_round(cfg, glob, ["w"], local, opt, opt.init(glob), steps=5)
+    np.testing.assert_allclose(new["w"], local["w"].mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_ideal_diloco_with_one_learner_is_plain_training(tiny_corpus):
+    """With M = 1, a plain mean and an outer lr of 1 every sync hands the learner's own parameters
+    back: the global model follows single-worker data-parallel step for step when every fragment
+    syncs every step, and ends equal to it when fragments sync apart (the last step hands all in)."""
+    over = [f"model.{k}={v}" for k, v in TINY_MODEL.items()] + [
+        "inner.steps=6", "inner.warmup_steps=1", "fragments.count=2", "fragments.sync_every=1",
+        "syncer.merge=mean", "outer.lr=1.0", "outer.momentum=0.0", "syncer.quorum=1"]
+    cfg = setups.build("ideal", "healthy", overrides=over)
+    cfg = cfg.model_copy(update={"regions": [cfg.regions[0].model_copy(update={"learners": 1})]})
+    held = np.random.default_rng(2).integers(0, 256, (2, 2, 9)).astype(np.int32)
+    want = dp.train_dp(cfg, tiny_corpus, held, evals=3)["curve"]
+    got = ideal.train_ideal(cfg, tiny_corpus, held, evals=3)["curve"]
+    assert got["step"] == want["step"] == [0, 2, 4, 6]
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    apart = cfg.model_copy(update={"fragments": cfg.fragments.model_copy(update={"sync_every": 4})})
+    ends = ideal.train_ideal(apart, tiny_corpus, held, evals=3)["curve"]["loss"]
+    assert ends[-1] == pytest.approx(want["loss"][-1], rel=1e-5) and ends[1] != pytest.approx(want["loss"][1], rel=1e-5)
+    # and a real outer step (lr 0.5 halves every sync's progress) leaves it behind
+    slow = ideal.train_ideal(cfg.model_copy(update={"outer": cfg.outer.model_copy(update={"lr": 0.5})}),
+                             tiny_corpus, held, evals=3)["curve"]
+    assert slow["loss"][-1] > got["loss"][-1]
+
+
 def test_merge_micro_benchmark_at_a_tiny_size():
     out = merge_bench.run(ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, seq_len=8), k=2, repeats=1)
     assert out["contributions"] == 2 and out["payload_mb"] > 0
@@ -185,11 +218,14 @@ def _fake(method, scenario, loss, bytes_sent, merge_stats=None, bytes_fetched=0)
 def test_report_writes_a_table_and_plots(tmp_path):
     ms = metrics.merge_stats([{"kind": "contribution_accepted", "id": "a", "bytes": 10, "time": 0.0},
                               {"kind": "merge", "ids": ["a"], "seconds": 0.01, "time": 0.5}])
-    results = [_fake("dp", "healthy", 2.0, 1e9), _fake("decoupled", "healthy", 2.1, 1e6, ms, bytes_fetched=3e6)]
+    results = [_fake("dp", "healthy", 2.0, 1e9), _fake("decoupled", "healthy", 2.1, 1e6, ms, bytes_fetched=3e6),
+               {**_fake("ideal", "healthy", 2.05, None), "goodput": None, "idle": None,
+                "curve": {"tokens": [0, 1000], "time_s": [math.nan, math.nan], "loss": [5.0, 2.05]}}]
     md = report.write(results, tmp_path, "header\n")
     text = md.read_text()
     assert text.startswith("header\n") and "| healthy | decoupled | 1,000 | 2.1000 | +5.00% |" in text
     assert "| 1,000.00 MB | 1x |" in text and "healthy 2.1000" in text
     assert "| 4.00 MB (1.00 + 3.00) | 250x (1,000x) |" in text    # down counts as much as up
+    assert "| healthy | ideal | 1,000 | 2.0500 | +2.50% | – | – | – | – | – |" in text  # no clock, nothing sent
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "bytes.png"):
         assert (tmp_path / name).stat().st_size > 0
