@@ -83,14 +83,17 @@ def markdown(results: list[dict]) -> str:
 
 def plot(results: list[dict], out: Path) -> list[str]:
     scenarios = list(dict.fromkeys(r["scenario"] for r in results))
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    color = {m: f"C{i % 10}" for i, m in enumerate(methods)}  # one colour per method in every panel
     files = []
     for key, xlabel, name in (("tokens", "tokens (all workers)", "loss_vs_tokens.png"),
                               ("time_s", "wall-clock (s)", "loss_vs_time.png")):
         fig, axes = plt.subplots(1, len(scenarios), figsize=(5 * len(scenarios), 4), squeeze=False)
         for ax, sc in zip(axes[0], scenarios):
             for r in results:
-                if r["scenario"] == sc:
-                    ax.plot(r["curve"][key], r["curve"]["loss"], marker="o", ms=3, label=r["method"])
+                if r["scenario"] == sc and any(math.isfinite(x) for x in r["curve"][key]):  # ideal has no clock
+                    ax.plot(r["curve"][key], r["curve"]["loss"], marker="o", ms=3, label=r["method"],
+                            color=color[r["method"]])
             ax.set(title=sc, xlabel=xlabel, ylabel="held-out loss (nats)")
             ax.legend(fontsize=7)
         fig.tight_layout()
