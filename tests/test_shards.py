@@ -83,6 +83,11 @@ def test_a_stale_owner_cannot_replace_a_newer_version_in_tensorstore(where, tmp_
     got = store.read(0, 1)
     assert got.meta["who"] == "new owner" and got.meta["epoch"] == 2
     np.testing.assert_array_equal(got.params["w"], new["w"])                 # its arrays were not touched
+    retry = {"w": np.full((2, 3), 3.0, np.float32)}
+    store.write(0, 1, retry, {}, {"who": "new owner, retried"}, epoch=2)     # the owner retries: it overwrites
+    got = store.read(0, 1)
+    assert got.meta["who"] == "new owner, retried"
+    np.testing.assert_array_equal(got.params["w"], retry["w"])
 
 
 def test_a_stalled_shard_loses_its_fragments_and_its_late_merge_is_refused(tiny_config):

@@ -93,12 +93,16 @@ class FragmentStore:
         d = self._dir(fragment, version) + data
         residual = residual or {}
         futures = [self._kv.write(f"{d}update/{_safe(n)}", blob) for n, blob in (update or {}).items()]
+        # Every array opened at once, then every write issued, so no round trip waits on another. The
+        # epoch folder is this writer's own; a retry of the same version in it finds arrays of the same
+        # names and shapes (one chunk each) and overwrites them whole, so no delete is needed first.
+        opening = []
         for group, arrays in (("params", params), ("opt", opt), ("residual", residual)):
             for name, arr in arrays.items():
                 arr = np.asarray(arr, np.float32)
-                t = ts.open(self._array_spec(f"{d}{group}/{_safe(name)}", arr.shape), create=True,
-                            delete_existing=True).result()
-                futures.append(t.write(arr))
+                opening.append((ts.open(self._array_spec(f"{d}{group}/{_safe(name)}", arr.shape), create=True,
+                                        open=True), arr))
+        futures += [t.result().write(arr) for t, arr in opening]
         for f in futures:
             f.result()
         body = {**meta, "fragment": fragment, "version": version, "epoch": epoch, "data": data,
@@ -131,7 +135,8 @@ class FragmentStore:
         for group in ("params", "opt", "residual") if with_opt else ("params",):
             stores = {n: ts.open(self._array_spec(f"{d}{group}/{n}"), open=True) for n in meta.get(group, [])}
             try:
-                out[group] = {n: np.asarray(s.result().read().result(), np.float32) for n, s in stores.items()}
+                reads = {n: s.result().read() for n, s in stores.items()}
+                out[group] = {n: np.asarray(r.result(), np.float32) for n, r in reads.items()}
             except ValueError as err:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} {group} unreadable: {err}") from None
         return FragmentVersion(out["params"], out.get("opt", {}), meta, out.get("residual", {}))
