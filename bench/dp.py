@@ -29,6 +29,12 @@ def make_dp_step(cfg: Config, opt: optax.GradientTransformation):
     return step
 
 
+def worker_batches(cfg: Config, corpus: Corpus) -> list:
+    """Each of the M workers' batch stream: its own shard, seeded as a learner's first incarnation."""
+    return [sample_batches(corpus.train_tokens(i), batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
+                           seed=(cfg.data.seed, i, 0)) for i in range(cfg.num_learners)]
+
+
 def train_dp(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8) -> dict:
     """Train for cfg.inner.steps steps on every worker's shard (same seeds as the learners) and
     evaluate `evals` times; returns the loss curve against steps and tokens, and the step time."""
@@ -36,8 +42,7 @@ def train_dp(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8) -> d
     params = {k: jnp.asarray(v) for k, v in init_params(cfg.model).items()}
     opt = inner_optimizer(cfg)
     opt_state = opt.init(params)
-    streams = [sample_batches(corpus.train_tokens(i), batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
-                              seed=(cfg.data.seed, i, 0)) for i in range(M)]
+    streams = worker_batches(cfg, corpus)
     step_fn = make_dp_step(cfg, opt)
     tokens_per_step = M * cfg.inner.batch_size * cfg.model.seq_len
     steps = cfg.inner.steps

@@ -14,22 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bench.dp import worker_batches
 from diloco.config import Config
 from diloco.fragments import fragments_due
-from diloco.learners.data import Corpus, sample_batches
-from diloco.learners.learner import inner_optimizer
-from diloco.learners.model import evaluate, loss_fn
+from diloco.learners.data import Corpus
+from diloco.learners.learner import inner_optimizer, make_train_step
+from diloco.learners.model import evaluate
 from diloco.syncer import merge
 from diloco.syncer.syncer import fragment_plan
-
-
-def make_learners_step(cfg: Config, opt: optax.GradientTransformation):
-    """One inner step of every learner at once: params and optimizer states stacked on axis 0."""
-    def one(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, cfg.model)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-    return jax.jit(jax.vmap(one))
 
 
 def outer_round(cfg: Config, glob: dict[str, np.ndarray], names: list[str], local: dict[str, np.ndarray],
@@ -53,11 +45,10 @@ def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8) -
     inner = inner_optimizer(cfg)
     local = {k: jnp.stack([jnp.asarray(v)] * M) for k, v in glob.items()}
     inner_state = jax.vmap(inner.init)(local)
-    step_fn = make_learners_step(cfg, inner)
+    step_fn = jax.jit(jax.vmap(make_train_step(cfg, inner)))  # every learner's step at once, stacked on axis 0
     outer = merge.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
     outer_state = [outer.init({n: glob[n] for n in names}) for names in plan]
-    streams = [sample_batches(corpus.train_tokens(i), batch_size=cfg.inner.batch_size, seq_len=cfg.model.seq_len,
-                              seed=(cfg.data.seed, i, 0)) for i in range(M)]
+    streams = worker_batches(cfg, corpus)
     tokens_per_step = M * cfg.inner.batch_size * cfg.model.seq_len
     eval_at = set(np.linspace(0, steps, evals + 1).astype(int).tolist())
     curve = {"step": [0], "tokens": [0], "loss": [evaluate(glob, held, cfg.model)]}

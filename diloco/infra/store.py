@@ -141,9 +141,9 @@ class FragmentStore:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} {group} unreadable: {err}") from None
         return FragmentVersion(out["params"], out.get("opt", {}), meta, out.get("residual", {}))
 
-    def read_update(self, fragment: int, version: int, meta: dict | None = None) -> tuple[str, dict[str, bytes]]:
+    def read_update(self, fragment: int, version: int) -> tuple[str, dict[str, bytes]]:
         """(scheme, encoded tensors) of the update that takes version-1 to `version`."""
-        meta = meta or self.read_meta(fragment, version)
+        meta = self.read_meta(fragment, version)
         info = meta.get("update")
         if not info or info.get("from") != version - 1:
             raise StoreError(f"{self.url}: fragment {fragment} v{version} has no update from v{version - 1}")
