@@ -95,12 +95,17 @@ def plot(results: list[dict], out: Path) -> list[str]:
                     ax.plot(r["curve"][key], r["curve"]["loss"], marker="o", ms=3, label=r["method"],
                             color=color[r["method"]])
             ax.set(title=sc, xlabel=xlabel, ylabel="held-out loss (nats)")
-            ax.legend(fontsize=7)
+            if ax.lines:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         files.append(name)
-    results = [r for r in results if r["bytes_sent"] is not None]
+    sent = [r for r in results if r["bytes_sent"] is not None]  # ideal sends nothing
+    return files + (_plot_bytes(sent, out) if sent else [])
+
+
+def _plot_bytes(results: list[dict], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(results)), 4))
     labels = [f"{r['method']}\n{r['scenario']}" for r in results]
     ax.bar(range(len(results)), [r["bytes_sent"] / 1e6 for r in results], label="up (deltas; DP: all-reduce)")
@@ -114,7 +119,7 @@ def plot(results: list[dict], out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "bytes.png", dpi=110)
     plt.close(fig)
-    return files + ["bytes.png"]
+    return ["bytes.png"]
 
 
 def write(results: list[dict], out: Path, header: str = "") -> Path:

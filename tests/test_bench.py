@@ -229,3 +229,5 @@ def test_report_writes_a_table_and_plots(tmp_path):
     assert "| healthy | ideal | 1,000 | 2.0500 | +2.50% | – | – | – | – | – |" in text  # no clock, nothing sent
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "bytes.png"):
         assert (tmp_path / name).stat().st_size > 0
+    alone = report.write(results[2:], tmp_path / "ideal-only")  # a run of ideal alone has no bytes to plot
+    assert "| healthy | ideal |" in alone.read_text() and not (tmp_path / "ideal-only" / "bytes.png").exists()
