@@ -198,7 +198,7 @@ def test_cancelled_flow_run_leaves_no_processes(tiny_config, tmp_path, prefect_e
 def test_prefect_yaml_deploys_the_training_flow_with_a_valid_config():
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     (dep,) = [d for d in spec["deployments"] if d["name"] == "local"]
-    assert dep["entrypoint"] == "diloco/flows/training.py:decoupled_diloco"
+    assert dep["entrypoint"] == "flows/training.py:decoupled_diloco"
     cfg = load_config(ROOT / dep["parameters"]["config"], dep["parameters"]["overrides"])
     assert cfg.inner.steps <= 100 and cfg.model.d_model <= 32   # tiny
     assert dep["work_pool"]["name"]
