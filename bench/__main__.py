@@ -13,7 +13,7 @@ from rich.console import Console
 
 from bench import merge_bench, report, setups
 from diloco import quantize
-from diloco.config import ModelConfig
+from diloco.config import TransformerOptions
 
 
 def _list(text: str, allowed) -> list[str]:
@@ -50,7 +50,7 @@ def parse_merge(argv: list[str]) -> argparse.Namespace:
 
 def main_merge(argv: list[str]) -> dict:
     a = parse_merge(argv)
-    out = merge_bench.run(ModelConfig(d_model=a.d_model, n_layers=a.layers, n_heads=4), k=a.contributions,
+    out = merge_bench.run(TransformerOptions(d_model=a.d_model, n_layers=a.layers, n_heads=4), k=a.contributions,
                           scheme=a.scheme, repeats=a.repeats)
     print(json.dumps(out, indent=1))
     print(f"merge path: {out['merge_mb_per_s']:.1f} MB/s of contributions ({out['payload_mb']:.2f} MB in "
@@ -63,16 +63,14 @@ def main(argv: list[str]) -> Path:
     a = parse(argv)
     from bench import dp as dp_mod
     from bench import ideal, runs
-    from diloco.learners.data import ensure_corpus, eval_batches
+    from diloco.learners.data import corpus_for, eval_batches
     console = Console(stderr=True)
     size = "quick" if a.quick else "full"
     base = a.set
     any_cfg = setups.build("decoupled", "healthy", size, base)
-    corpus = ensure_corpus(any_cfg.data.corpus, any_cfg.data.dir, learners=any_cfg.num_learners,
-                           heldout_fraction=any_cfg.data.heldout_fraction, max_bytes=any_cfg.data.max_corpus_bytes,
-                           seed=any_cfg.data.seed)
+    corpus = corpus_for(any_cfg)
     held = eval_batches(corpus.heldout_tokens(), n_batches=any_cfg.run.eval_batches,
-                        batch_size=any_cfg.run.eval_batch_size, seq_len=any_cfg.model.seq_len)
+                        batch_size=any_cfg.run.eval_batch_size, seq_len=any_cfg.model.transformer.seq_len)
     a.output.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     results, by_key, dp = [], {}, None

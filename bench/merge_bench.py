@@ -11,9 +11,9 @@ import time
 import numpy as np
 
 from diloco import messages, quantize
-from diloco.config import ModelConfig
+from diloco.config import TransformerOptions
 from diloco.infra.store import FragmentStore
-from diloco.learners.model import init_params
+from diloco.models.transformer import init_params
 from diloco.syncer import merge as merge_math
 
 
@@ -56,7 +56,7 @@ def copy_mb_per_s(nbytes: int, repeats: int) -> float:
     return nbytes * repeats / 1e6 / (time.perf_counter() - t0)
 
 
-def run(model: ModelConfig, k: int = 4, scheme: str = "int8", repeats: int = 5, store_url: str | None = None) -> dict:
+def run(model: TransformerOptions, k: int = 4, scheme: str = "int8", repeats: int = 5, store_url: str | None = None) -> dict:
     params = init_params(model)
     contribs = contributions(params, k, scheme)
     opt = merge_math.outer_optimizer(0.7, 0.9, True)

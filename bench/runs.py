@@ -13,14 +13,15 @@ from bench import metrics
 from diloco import chaos, messages
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
+from diloco.checkpoint import read_global
 from diloco.infra.store import FragmentStore
-from diloco.learners.model import evaluate
-from diloco.run import dp_allreduce_bytes, load_global, train
-from diloco.syncer.syncer import fragment_plan
+from diloco.models.transformer import evaluate
+from diloco.run import dp_allreduce_bytes, train
+from diloco.spec import initial_plan, load_spec
 
 
 def num_params(cfg: Config) -> int:
-    return sum(int(np.prod(a.shape)) for a in fragment_plan(cfg)[0].values())
+    return initial_plan(cfg, load_spec(cfg))[0].num_params
 
 
 def read_events(cfg: Config, run_id: str) -> list[dict]:
@@ -43,13 +44,14 @@ def loss_curve(cfg: Config, run_id: str, final: dict[int, int], events: list[dic
                held: np.ndarray, points: int) -> dict:
     """Held-out loss of the global model at `points` times of the run, evaluated after it ended."""
     store = FragmentStore(cfg.store.url, run_id)
+    plan = store.read_plan()
     vt = version_times(store, cfg.fragments.count, final)
     end = max(t for vs in vt.values() for _, t in vs)
     curve = {"tokens": [], "time_s": [], "loss": []}
     for t in np.linspace(origin, end, points + 1):
         curve["tokens"].append(metrics.tokens_at(events, t) if t > origin else 0)
         curve["time_s"].append(float(t - origin))
-        curve["loss"].append(evaluate(load_global(cfg, store, versions_at(vt, t)), held, cfg.model))
+        curve["loss"].append(evaluate(read_global(store, plan, versions_at(vt, t)), held, cfg.model.transformer))
     return curve
 
 

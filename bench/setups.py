@@ -8,13 +8,13 @@ from diloco.config import Config, build_config
 # Sizes: quick (~1 min per run on 2 shared CPU cores) and full (closer to the demo).
 SIZES = {
     "quick": {
-        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64},
+        "model": {"options": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64}},
         "inner": {"steps": 240, "batch_size": 8, "lr": 3e-3, "warmup_steps": 20},
         "fragments": {"count": 4, "sync_every": 20, "quantization": "int8"},
         "run": {"heartbeat_s": 0.5, "eval_batches": 8, "eval_batch_size": 16, "timeout_s": 900},
     },
     "full": {
-        "model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 128},
+        "model": {"options": {"d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 128}},
         "inner": {"steps": 600, "batch_size": 8, "lr": 3e-3, "warmup_steps": 50},
         "fragments": {"count": 4, "sync_every": 40, "quantization": "int8"},
         "run": {"heartbeat_s": 1.0, "eval_batches": 16, "eval_batch_size": 16, "timeout_s": 1800},

@@ -204,10 +204,14 @@ def _run_shards(config: Path, overrides: list[str], n: int) -> int:
 @app.command()
 def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run's config (with run.id)")],
             learner_id: Annotated[str, typer.Option("--learner", help="learner id, <region>-<index>")],
-            corpus: Annotated[Path, typer.Option(help="prepared corpus directory")],
+            corpus: Annotated[Optional[Path], typer.Option(
+                help="prepared corpus directory; default: data.prepared of the config")] = None,
             start_step: Annotated[int, typer.Option(help="resume at this inner step (after a crash)")] = 0,
             set_: SetOpt = None):
-    """Run one learner of an existing run to the end of its inner steps."""
+    """Run one learner of an existing run to the end of its inner steps.
+
+    It trains the config's model entry point (model.entry, default the built-in transformer) with the
+    learner's share of the data, and stops early on SIGTERM after handing in its last deltas."""
     from diloco import logs
     from diloco.learners.learner import main as learner_main
 
@@ -221,7 +225,7 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
         console.print(f"[red]error:[/] {err}")
         raise typer.Exit(2) from None
     logs.setup(f"learner:{learner_id}")
-    learner_main(cfg, cfg.run.id, learner_id, str(corpus), start_step)
+    learner_main(cfg, cfg.run.id, learner_id, str(corpus) if corpus else None, start_step)
 
 
 def main() -> None:

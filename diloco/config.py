@@ -25,27 +25,56 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelConfig(_Section):
+BUILTIN_MODEL = "diloco.models.transformer:spec"
+
+
+class TransformerOptions(_Section):
+    """`model.options` of the built-in byte-level transformer (BUILTIN_MODEL)."""
     vocab_size: int = Field(256, ge=2, description="256 = byte-level")
     d_model: int = Field(128, ge=8)
     n_layers: int = Field(2, ge=1)
     n_heads: int = Field(4, ge=1)
     seq_len: int = Field(128, ge=2)
     mlp_ratio: int = Field(4, ge=1)
-    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
+    def _heads_divide(self) -> TransformerOptions:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         return self
 
 
+class ModelConfig(_Section):
+    entry: str = Field(BUILTIN_MODEL, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+                       description="package.module:function returning the model's ModelSpec")
+    options: dict[str, Any] = Field(default_factory=dict, description="free-form settings the entry point reads")
+    seed: int = Field(0, description="seed of the initial parameters")
+
+    @model_validator(mode="after")
+    def _builtin_options(self) -> ModelConfig:
+        if self.entry == BUILTIN_MODEL:
+            try:
+                TransformerOptions.model_validate(self.options)
+            except ValidationError as err:
+                raise ValueError("model.options: " + "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or 'options'}: {e['msg'].removeprefix('Value error, ')}"
+                    for e in err.errors())) from None
+        return self
+
+    @property
+    def transformer(self) -> TransformerOptions:
+        """The built-in transformer's validated options."""
+        return TransformerOptions.model_validate(self.options)
+
+
 class DataConfig(_Section):
     corpus: str | None = Field(None, description="directory or glob of text files; None = Python stdlib sources")
     dir: str = Field(".diloco/data", description="where prepared token shards live")
+    prepared: str | None = Field(None, description="a prepared corpus directory; `diloco train` sets it in the run's config")
     heldout_fraction: float = Field(0.05, gt=0, lt=1)
     max_corpus_bytes: int = Field(16_000_000, ge=1024, description="cap on text read into the corpus")
+    tokenizer: str = Field("bytes", description="bytes, a Hugging Face tokenizer.json or a SentencePiece .model")
     seed: int = 0
 
 
@@ -97,7 +126,8 @@ class SyncerConfig(_Section):
     max_contribution_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     incomplete_timeout_s: float = Field(60.0, gt=0, description="drop a chunk set still partial after this")
     norm_outlier_factor: float = Field(0.0, ge=0, description="reject deltas this many times the round median; 0 = off")
-    mean_merge_tensors: tuple[str, ...] = Field(("tok_embed", "pos_embed"), description="plain mean instead of RDA")
+    mean_merge_tensors: tuple[str, ...] | None = Field(
+        None, description="glob patterns of tensors merged by plain mean instead of RDA; None = the model spec's")
     merge: Literal["rda", "mean"] = Field("rda", description="mean = plain weighted mean of every tensor (sync DiLoCo)")
     token_weighting: bool = Field(True, description="weigh by tokens * tokens / steps; off = equal weights")
     scale_partial_rounds: bool = Field(False, description="a round with n of M learners applies n/M of its merged delta")

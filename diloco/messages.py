@@ -124,15 +124,17 @@ def parse_frame(raw: bytes) -> tuple[dict, memoryview]:
 
 def encode_contribution(
     *, run: str, learner: str, region: str, fragment: int, base_version: int, tokens: int, steps: int,
-    step_time: float, deltas: Mapping[str, np.ndarray], scheme: str, chunk_bytes: int,
+    step_time: float, deltas: Mapping[str, np.ndarray], scheme: str | Mapping[str, str], chunk_bytes: int,
 ) -> tuple[Manifest, list[bytes]]:
-    """Quantize a fragment's deltas and cut them into a manifest frame plus chunk frames."""
+    """Quantize a fragment's deltas (one scheme, or one per tensor) and cut them into a manifest
+    frame plus chunk frames."""
     blobs, specs = [], []
     for name in sorted(deltas):
         x = np.asarray(deltas[name], dtype=np.float32)
-        blob = quantize.encode(x, scheme)
+        codec = scheme if isinstance(scheme, str) else scheme[name]
+        blob = quantize.encode(x, codec)
         blobs.append(blob)
-        specs.append(TensorSpec(name, tuple(x.shape), scheme, len(blob)))
+        specs.append(TensorSpec(name, tuple(x.shape), codec, len(blob)))
     payload = b"".join(blobs)
     n_chunks = max(1, math.ceil(len(payload) / chunk_bytes))
     manifest = Manifest(

@@ -100,14 +100,17 @@ def apply_update(old: dict[str, np.ndarray], update: dict[str, bytes], scheme: s
     missing = sorted(set(old) - set(update))
     if missing:
         raise CodecError(f"update lacks tensors {missing}")
-    return {n: (old[n] + decode(update[n], old[n].shape, scheme)).astype(np.float32) for n in old}
+    # in float32, then back to the tensor's own dtype (bf16 stays bf16): both ends compute the same bits
+    return {n: (np.asarray(old[n], np.float32) + decode(update[n], old[n].shape, scheme)).astype(old[n].dtype)
+            for n in old}
 
 
 def encode_update(old: dict[str, np.ndarray], new: dict[str, np.ndarray], residual: dict[str, np.ndarray],
                   scheme: str) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(wire update, global as published, residual left for the next update) for the step old -> new."""
-    want = {n: (new[n] - old[n] + residual.get(n, 0.0)).astype(np.float32) for n in new}
+    f32 = {n: np.asarray(old[n], np.float32) for n in new}
+    want = {n: (np.asarray(new[n], np.float32) - f32[n] + residual.get(n, 0.0)).astype(np.float32) for n in new}
     wire = {n: encode(u, scheme) for n, u in want.items()}
     published = apply_update({n: old[n] for n in new}, wire, scheme)
-    carried = {n: (want[n] - (published[n] - old[n])).astype(np.float32) for n in new}
+    carried = {n: (want[n] - (published[n].astype(np.float32) - f32[n])).astype(np.float32) for n in new}
     return wire, published, carried

@@ -20,14 +20,16 @@ from rich.live import Live
 from rich.table import Table
 
 from diloco import chaos, messages
-from diloco.config import Config, dump_config
+from diloco.checkpoint import read_global
+from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
-from diloco.learners.data import Corpus, ensure_corpus, eval_batches
-from diloco.learners.model import evaluate
+from diloco.learners.data import Corpus, corpus_for
+from diloco.plan import Plan, flatten, unflatten
+from diloco.spec import ModelSpec, evaluate, initial_plan, load_spec
 from diloco.syncer import state as state_mod
-from diloco.syncer.syncer import fragment_plan, provision
+from diloco.syncer.syncer import provision
 
 
 class RunError(RuntimeError):
@@ -123,9 +125,15 @@ class RunSetup:
     corpus: Corpus
     state: state_mod.SyncerState
     store: FragmentStore
-    held: np.ndarray
+    spec: ModelSpec
+    plan: Plan
+    template: object          # the model's initial pytree: what global versions are put into
     eval_start: float
     t_start: float
+
+    def evaluate(self, versions: dict[int, int]) -> float:
+        """Held-out loss of the global model at these versions."""
+        return evaluate(self.spec, unflatten(self.template, self.plan, read_global(self.store, self.plan, versions)))
 
 
 def prepare(cfg: Config, console: Console) -> RunSetup:
@@ -135,30 +143,42 @@ def prepare(cfg: Config, console: Console) -> RunSetup:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": run_id})})
     run_dir = Path(cfg.run.dir) / run_id
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / "config.yaml"
-    cfg_path.write_text(dump_config(cfg))
     console.print(f"[bold]run[/] {run_id}  dir {run_dir}  broker {cfg.transport.bootstrap_servers}  store {cfg.store.url}")
 
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)  # fail fast
-    producer = kafka_io.producer(cfg.transport)
-    corpus = ensure_corpus(cfg.data.corpus, cfg.data.dir, learners=cfg.num_learners,
-                           heldout_fraction=cfg.data.heldout_fraction, max_bytes=cfg.data.max_corpus_bytes,
-                           seed=cfg.data.seed)
+    corpus = corpus_for(cfg)
     console.print(f"corpus {corpus.dir}: {sum(s['tokens'] for s in corpus.manifest['shards']):,} train tokens "
                   f"in {corpus.num_shards} shards, {corpus.manifest['heldout']['tokens']:,} held out")
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": str(corpus.dir)})})
+    cfg_path = run_dir / "config.yaml"
+    cfg_path.write_text(dump_config(cfg))
+    spec, plan, template = provision_run(cfg, run_id, state=state, corpus=corpus)
     store = FragmentStore(cfg.store.url, run_id)
-    provision(cfg, run_id, state=state, store=store, producer=producer)
-    producer.close()
+    console.print(f"model {cfg.model.entry}: {plan.num_params:,} parameters in {len(plan.tensors)} tensors, "
+                  f"{plan.fragments} fragments")
+    setup = RunSetup(cfg, run_dir, cfg_path, corpus, state, store, spec, plan, template, math.nan, t_start)
+    setup.eval_start = setup.evaluate({p: 0 for p in range(plan.fragments)})
+    console.print(f"held-out loss at start: {setup.eval_start:.4f}")
+    return setup
 
-    held = heldout_batches(cfg, corpus)
-    eval_start = evaluate(load_global(cfg, store, {p: 0 for p in range(cfg.fragments.count)}), held, cfg.model)
-    console.print(f"held-out loss at start: {eval_start:.4f}")
-    return RunSetup(cfg, run_dir, cfg_path, corpus, state, store, held, eval_start, t_start)
 
-
-def heldout_batches(cfg: Config, corpus: Corpus) -> np.ndarray:
-    return eval_batches(corpus.heldout_tokens(), n_batches=cfg.run.eval_batches, batch_size=cfg.run.eval_batch_size,
-                        seq_len=cfg.model.seq_len)
+def provision_run(cfg: Config, run_id: str, *, state: state_mod.SyncerState, corpus: Corpus | None = None):
+    """Load the model spec, make the run's plan from its initial parameters (errors name the leaf or
+    pattern), check the corpus vocabulary against the model's, and provision topics, Redis, the plan
+    and version 0. Returns (spec, plan, initial tree)."""
+    spec = load_spec(cfg)
+    plan, template = initial_plan(cfg, spec)
+    vocab = None if corpus is None else corpus.manifest.get("vocab_size", 256)
+    if vocab and spec.vocab_size and vocab > spec.vocab_size:
+        raise ConfigError(f"the corpus {corpus.dir} has a vocabulary of {vocab:,} tokens, larger than the model's "
+                          f"{spec.vocab_size:,} ({cfg.model.entry}): ids past it would index out of range")
+    producer = kafka_io.producer(cfg.transport)
+    try:
+        provision(cfg, run_id, state=state, store=FragmentStore(cfg.store.url, run_id), producer=producer, plan=plan,
+                  initial={n: np.asarray(a) for n, a in flatten(template, plan).items()})
+    finally:
+        producer.close()
+    return spec, plan, template
 
 
 def open_run(setup: RunSetup, jobs, console: Console, kills: list[chaos.Kill]) -> LocalRun:
@@ -172,7 +192,7 @@ def open_run(setup: RunSetup, jobs, console: Console, kills: list[chaos.Kill]) -
 def finish(setup: RunSetup, run: LocalRun, console: Console, summary_json: str | Path | None = None) -> dict:
     """Evaluate the last versions and write the summary (the run's processes have stopped)."""
     cfg = setup.cfg
-    eval_end = evaluate(load_global(cfg, setup.store, setup.state.versions()), setup.held, cfg.model)
+    eval_end = setup.evaluate(setup.state.versions())
     summary = build_summary(cfg, cfg.run.id, setup.state, run.prog, setup.eval_start, eval_end,
                             time.time() - setup.t_start)
     summary |= run.resilience(setup.state)
@@ -416,13 +436,6 @@ def progress_line(prog: Progress, elapsed: float) -> str:
             f"accepted {prog.accepted} rejected {prog.rejected}")
 
 
-def load_global(cfg: Config, store: FragmentStore, versions: dict[int, int]) -> dict[str, np.ndarray]:
-    params: dict[str, np.ndarray] = {}
-    for p in range(cfg.fragments.count):
-        params |= store.read(p, versions[p], with_opt=False).params
-    return params
-
-
 def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int]:
     """Contributions (distinct manifest ids) and bytes (values + keys) on the region topics.
 
@@ -454,7 +467,7 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
     learners = {lid: {k: hb.get(k) for k in ("step", "tokens", "loss", "published", "bytes_sent", "bytes_fetched",
                                               "state")} for lid, hb in sorted(prog.learners.items())}
     steps = sum(hb.get("step", 0) for hb in prog.learners.values())
-    num_params = sum(int(np.prod(a.shape)) for a in fragment_plan(cfg)[0].values())
+    num_params = FragmentStore(cfg.store.url, run_id).read_plan().num_params
     published, bytes_sent = published_on_broker(cfg, run_id)
     bytes_dp = dp_allreduce_bytes(num_params, cfg.num_learners, steps)
     bytes_fetched = sum(prog.fetched.values())

@@ -7,12 +7,12 @@ import math
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from diloco.checkpoint import read_global
 from diloco.config import Config, load_config
 from diloco.flows import reports
 from diloco.infra.store import FragmentStore
-from diloco.learners.data import ensure_corpus
-from diloco.learners.model import evaluate
-from diloco.run import heldout_batches, load_global
+from diloco.plan import unflatten
+from diloco.spec import evaluate, load_spec
 
 
 def latest_versions(cfg: Config, store: FragmentStore) -> list[int]:
@@ -27,13 +27,12 @@ def tokens_at(cfg: Config, store: FragmentStore, versions: list[int]) -> int:
 
 
 def evaluate_versions(cfg: Config, versions: list[int]) -> dict:
-    """Loss and perplexity of the global parameters at `versions` (one per fragment) on the held-out set."""
+    """Loss and perplexity of the global parameters at `versions` (one per fragment) on the held-out set
+    of the run's model spec (model.entry): the run's plan says where its tensors go in the model's tree."""
     store = FragmentStore(cfg.store.url, cfg.run.id)
-    corpus = ensure_corpus(cfg.data.corpus, cfg.data.dir, learners=cfg.num_learners,
-                           heldout_fraction=cfg.data.heldout_fraction, max_bytes=cfg.data.max_corpus_bytes,
-                           seed=cfg.data.seed)
-    params = load_global(cfg, store, dict(enumerate(versions)))
-    loss = evaluate(params, heldout_batches(cfg, corpus), cfg.model)
+    spec, plan = load_spec(cfg), store.read_plan()
+    params = unflatten(spec.init(cfg.model.seed), plan, read_global(store, plan, dict(enumerate(versions))))
+    loss = evaluate(spec, params)
     return {"version": min(versions), "versions": list(versions), "tokens": tokens_at(cfg, store, versions),
             "loss": loss, "perplexity": math.exp(loss)}
 

@@ -1,7 +1,9 @@
 """TensorStore adapter: global fragment parameters and outer-optimizer state, one version per merge.
 
 Layout under `<store.url>/<run>/`:
-    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/params/<tensor>   zarr3 float32 arrays
+    plan.json                                the run's plan (diloco.plan): tensor names, shapes, dtypes,
+                                             fragments, merge rules; written once at provisioning
+    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/params/<tensor>   zarr3 arrays in the plan's dtype (bf16 stays bf16)
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/opt/<state leaf>  zarr3 float32 arrays
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/residual/<tensor> zarr3 float32: quantization error the
                                              syncer carries into the next update
@@ -26,8 +28,17 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+import ml_dtypes
 import numpy as np
 import tensorstore as ts
+
+from diloco.plan import Plan, PlanError
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _zarr_dtype(arr: np.ndarray) -> str:
+    return "bfloat16" if arr.dtype == _BF16 else arr.dtype.name
 
 
 class StoreError(RuntimeError):
@@ -73,11 +84,11 @@ class FragmentStore:
     def _dir(self, fragment: int, version: int) -> str:
         return f"fragments/{fragment:03d}/v{version:08d}/"
 
-    def _array_spec(self, key: str, shape=None) -> dict:
+    def _array_spec(self, key: str, shape=None, dtype: str = "float32") -> dict:
         spec = {"driver": "zarr3", "kvstore": {**self._base, "path": self._base["path"] + key + "/"}}
         if shape is not None:
             chunk = list(shape) if shape else []
-            spec["metadata"] = {"shape": list(shape), "data_type": "float32",
+            spec["metadata"] = {"shape": list(shape), "data_type": dtype,
                                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}}}
         return spec
 
@@ -99,9 +110,11 @@ class FragmentStore:
         opening = []
         for group, arrays in (("params", params), ("opt", opt), ("residual", residual)):
             for name, arr in arrays.items():
-                arr = np.asarray(arr, np.float32)
-                opening.append((ts.open(self._array_spec(f"{d}{group}/{_safe(name)}", arr.shape), create=True,
-                                        open=True), arr))
+                arr = np.asarray(arr)
+                keep = group == "params" and (arr.dtype.kind == "f" or arr.dtype == _BF16)  # the plan's dtype
+                arr = arr if keep else arr.astype(np.float32, copy=False)
+                opening.append((ts.open(self._array_spec(f"{d}{group}/{_safe(name)}", arr.shape, _zarr_dtype(arr)),
+                                        create=True, open=True), arr))
         futures += [t.result().write(arr) for t, arr in opening]
         for f in futures:
             f.result()
@@ -136,7 +149,7 @@ class FragmentStore:
             stores = {n: ts.open(self._array_spec(f"{d}{group}/{n}"), open=True) for n in meta.get(group, [])}
             try:
                 reads = {n: s.result().read() for n, s in stores.items()}
-                out[group] = {n: np.asarray(r.result(), np.float32) for n, r in reads.items()}
+                out[group] = {n: np.asarray(r.result()) for n, r in reads.items()}
             except ValueError as err:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} {group} unreadable: {err}") from None
         return FragmentVersion(out["params"], out.get("opt", {}), meta, out.get("residual", {}))
@@ -156,6 +169,23 @@ class FragmentStore:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} update/{n} is missing")
             out[n] = bytes(r.value)
         return info["scheme"], out
+
+    def write_plan(self, plan: Plan) -> None:
+        """Store the run's plan (once, at provisioning; a rewrite must say the same)."""
+        key, body = "plan.json", plan.to_json().encode()
+        cur = self._kv.read(key).result()
+        if cur.state == "value" and Plan.from_json(cur.value) != plan:
+            raise StoreError(f"{self.url}/plan.json already holds a different plan for this run")
+        self._kv.write(key, body).result()
+
+    def read_plan(self) -> Plan:
+        r = self._kv.read("plan.json").result()
+        if r.state != "value":
+            raise StoreError(f"{self.url}: no plan.json; the run is not provisioned (`diloco train` provisions it)")
+        try:
+            return Plan.from_json(r.value)
+        except PlanError as err:
+            raise StoreError(f"{self.url}/plan.json: {err}") from None
 
     def versions(self, fragment: int) -> list[int]:
         """Complete versions of a fragment (those with meta.json), ascending."""

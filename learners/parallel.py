@@ -36,9 +36,12 @@ class DataParallel:
         sharding = NamedSharding(self.mesh, P())
         return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
 
-    def shard_batch(self, local_batch: np.ndarray) -> jax.Array:
-        """This host's rows of the global batch, spread over the data axis."""
-        return jax.make_array_from_process_local_data(NamedSharding(self.mesh, P("data")), local_batch)
+    def shard_batch(self, local_batch):
+        """This host's rows of the global batch (an array or any pytree of arrays), spread over the
+        data axis."""
+        sharding = NamedSharding(self.mesh, P("data"))
+        return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+                                      local_batch)
 
     @staticmethod
     def to_host(x: jax.Array) -> np.ndarray:

@@ -36,7 +36,9 @@ def prepare(ctx: typer.Context,
             heldout_fraction: Annotated[float, typer.Option(min=0, max=1, help="share of documents held out")] = 0.05,
             seed: Annotated[int, typer.Option(help="seed of the document-hash split")] = 0,
             max_bytes: Annotated[Optional[int], typer.Option(help="keep the sorted files that fit in this many bytes")] = None,
-            tokenizer: Annotated[str, typer.Option(help="tokenizer name (the model's vocabulary)")] = "bytes",
+            tokenizer: Annotated[str, typer.Option(
+                help="bytes (UTF-8 bytes, vocabulary 256), or the path of a Hugging Face tokenizer.json or a "
+                     "SentencePiece .model; the model's vocab_size must cover its vocabulary")] = "bytes",
             seq_len: Annotated[int, typer.Option(help="sequence length the manifest counts sequences in")] = 128,
             runner: Runner = "FnApiRunner"):
     """Read, normalise, dedupe, split, tokenize and pack text files into one shard per learner + held-out."""
@@ -54,6 +56,11 @@ def prepare(ctx: typer.Context,
     for s in [*m["shards"], m["heldout"]]:
         table.add_row(s["name"], f"{s['documents']:,}", f"{s['tokens']:,}", f"{s['sequences']:,}")
     console.print(table)
+    console.print(f"tokenizer {m['tokenizer']} ({m['tokenizer_kind']}): vocab_size {m['vocab_size']:,}, "
+                  f"separator {m['separator']}, tokens stored as {m['dtype']}")
+    for mv in m["moved"]:
+        console.print(f"[yellow]note:[/] the hash split left {mv['to']} empty: moved {mv['path']} there "
+                      f"from {mv['from']}")
     c = m["counts"]
     console.print(f"files read {c.get('files_read', 0):,}, duplicates dropped {c.get('duplicates_dropped', 0):,}, "
                   f"skipped {len(m['skipped']):,}, left out by --max-bytes {m['capped_files']:,}")

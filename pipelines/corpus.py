@@ -1,18 +1,23 @@
 """Corpus pipeline: text files to the token shards learners read (format: `diloco.learners.data`).
 
-    plan (match inputs, cap bytes) -> Beam: read + normalise -> drop duplicates -> split -> tokenize
-    -> pack one file per shard -> finalise (manifest.json)
+    plan (match inputs, cap bytes) -> Beam: read + normalise -> drop duplicates -> tokenize -> split
+    -> rebalance (no empty output) -> pack one file per shard -> finalise (manifest.json)
 
 Every choice that places a document is a function of its content hash and the seed, and each shard
 is written sorted by content hash, so the same input gives byte-identical shards on any runner.
 Planning happens before the pipeline because the byte cap keeps a prefix of the sorted file list,
 which is a global decision; everything per document happens in the pipeline.
+
+The tokenizer is "bytes" (UTF-8 bytes, vocabulary 256), a Hugging Face tokenizer.json or a
+SentencePiece .model. DoFns carry only its spec (kind, path, SHA-256) and load it in setup(), so
+nothing loaded is pickled and workers check they read the same file the manifest names.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sysconfig
@@ -22,37 +27,117 @@ from pathlib import Path
 
 import apache_beam as beam
 import numpy as np
+import sentencepiece
+import tokenizers
 from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from diloco.learners.data import FORMAT, MANIFEST, SEPARATOR, DataError, shard_name
+from diloco.learners.data import DTYPES, FORMAT, MANIFEST, SEPARATOR, DataError, shard_name, token_dtype
 
 HELDOUT = -1       # split key of the held-out set; train shards are 0..learners-1
 PARTS = ".parts"   # the pipeline's small outputs, read by the finaliser and then deleted
 NS = "corpus"      # Beam Metrics namespace
 
+log = logging.getLogger(__name__)
+
 
 # --- tokenizers ------------------------------------------------------------------------------
+
+KINDS = {".json": "huggingface", ".model": "sentencepiece"}   # file suffix -> kind
+# Hugging Face tokenizers name their end-of-document token differently; the first one present joins documents.
+EOD_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Which tokenizer, as plain values: what DoFns carry (a loaded tokenizer need not pickle)."""
+
+    kind: str               # "bytes", "huggingface" or "sentencepiece"
+    path: str | None = None  # the file: local (absolute) or any Beam filesystem URL
+    sha256: str | None = None
+
+    @property
+    def name(self) -> str:
+        return "bytes" if self.path is None else self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _read(path: str) -> bytes:
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        return f.read()
+
+
+def tokenizer_spec(name: str) -> TokenizerSpec:
+    """"bytes", or a path ending in .json (Hugging Face) or .model (SentencePiece), to a spec."""
+    if name == "bytes":
+        return TokenizerSpec("bytes")
+    kind = next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
+    if kind is None:
+        raise DataError(f"unknown tokenizer {name!r}: expected 'bytes', a Hugging Face tokenizer file (a path "
+                        f"ending in .json) or a SentencePiece model (a path ending in .model)")
+    path = name if FileSystems.get_scheme(name) else os.path.abspath(name)  # workers need not share our cwd
+    try:
+        data = _read(path)
+    except (OSError, BeamIOError):
+        raise DataError(f"tokenizer file {path} does not exist or cannot be read") from None
+    return TokenizerSpec(kind, path, hashlib.sha256(data).hexdigest())
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: vocabulary 256, and 0 (NUL, stripped from text) is free as separator."""
 
-    name = "bytes"
     vocab_size = 256
+    separator = SEPARATOR
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype("<u2")
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
-TOKENIZERS = {"bytes": ByteTokenizer}
+class HuggingFaceTokenizer:
+    def __init__(self, data: bytes, name: str):
+        try:
+            self.tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as err:  # the library raises bare Exception for a malformed file
+            raise DataError(f"{name} is not a Hugging Face tokenizer file: {err}") from None
+        self.tok.encode_special_tokens = True  # "</s>" written inside a document is text, not a document end
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1  # ids need not be contiguous: the model needs max + 1
+        self.separator = next((i for t in EOD_TOKENS if (i := self.tok.token_to_id(t)) is not None), None)
+        self.missing = f"none of {list(EOD_TOKENS)} is in its vocabulary"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
 
-def tokenizer(name: str):
-    if name not in TOKENIZERS:
-        raise DataError(f"unknown tokenizer {name!r}; known: {sorted(TOKENIZERS)}")
-    return TOKENIZERS[name]()
+class SentencePieceTokenizer:
+    def __init__(self, data: bytes, name: str):
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_proto=data)
+        except (RuntimeError, OSError, TypeError) as err:
+            raise DataError(f"{name} is not a SentencePiece model: {err}") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.separator = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+        self.missing = "its eos_id() is -1 (train it with an eos_id >= 0; SentencePiece's default is 2)"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.sp.encode(text), dtype=np.int64)  # control symbols such as </s> are never matched
+
+
+def load_tokenizer(spec: TokenizerSpec):
+    """The tokenizer a spec names, checked: the same file, a vocabulary int32 batches hold, a separator."""
+    if spec.kind == "bytes":
+        return ByteTokenizer()
+    data = _read(spec.path)
+    if hashlib.sha256(data).hexdigest() != spec.sha256:
+        raise DataError(f"tokenizer file {spec.path} changed while the corpus was being prepared")
+    tok = (HuggingFaceTokenizer if spec.kind == "huggingface" else SentencePieceTokenizer)(data, spec.name)
+    if tok.vocab_size < 1:
+        raise DataError(f"tokenizer {spec.name} has an empty vocabulary")
+    token_dtype(tok.vocab_size)  # raises for ids that int32 batches cannot hold
+    if tok.separator is None:
+        raise DataError(f"tokenizer {spec.name} has no end-of-document token to join documents with: {tok.missing}")
+    return tok
 
 
 # --- planning: which files, before the pipeline --------------------------------------------------
@@ -126,6 +211,13 @@ class Doc:
     text: str
 
 
+@dataclass(frozen=True)
+class Tokens:
+    path: str
+    digest: str
+    data: bytes     # the document's token ids in the corpus dtype (little-endian), separator-free
+
+
 def normalise(text: str) -> str:
     return text.lstrip("\ufeff").replace("\x00", "").replace("\r\n", "\n").replace("\r", "\n")
 
@@ -194,84 +286,205 @@ class DropDuplicates(beam.PTransform):
                 | "KeepFirst" >> beam.ParDo(KeepFirst()))
 
 
+class Tokenize(beam.DoFn):
+    """Doc -> Tokens; documents the tokenizer fails on or leaves empty go to `skipped` with a reason.
+
+    The separator id is removed from a document's tokens (counted): it may only mark document ends.
+    """
+
+    SKIPPED = "skipped"
+
+    def __init__(self, spec: TokenizerSpec, dtype: str):
+        self.spec, self.dtype = spec, dtype
+        self.tokens = Metrics.counter(NS, "tokens")
+        self.separators = Metrics.counter(NS, "separator_tokens_dropped")
+        self.failed = Metrics.counter(NS, "skipped_tokenizer_failed")
+        self.empty = Metrics.counter(NS, "skipped_no_tokens")
+
+    def setup(self):
+        self.tok = load_tokenizer(self.spec)  # once per worker, from the spec's file
+
+    def process(self, doc: Doc):
+        try:
+            ids = self.tok.encode(doc.text)
+        except Exception as err:  # the tokenizers library raises bare Exception (e.g. WordLevel with no unk token)
+            self.failed.inc()
+            yield beam.pvalue.TaggedOutput(self.SKIPPED, {"path": doc.path,
+                                                          "reason": f"tokenizer failed ({str(err)[:200]})"})
+            return
+        keep = ids != self.tok.separator
+        if not keep.all():
+            self.separators.inc(int((~keep).sum()))
+            ids = ids[keep]
+        if not len(ids):
+            self.empty.inc()
+            yield beam.pvalue.TaggedOutput(self.SKIPPED, {"path": doc.path, "reason": "no tokens"})
+            return
+        self.tokens.inc(len(ids))
+        yield Tokens(doc.path, doc.digest, ids.astype(self.dtype).tobytes())
+
+
+def split_hash(digest: str, seed: int) -> bytes:
+    return hashlib.sha256(seed.to_bytes(8, "little", signed=True) + bytes.fromhex(digest)).digest()
+
+
 def split_of(digest: str, *, learners: int, heldout_fraction: float, seed: int) -> int:
     """HELDOUT or a train shard; independent bytes of one keyed hash decide each."""
-    h = hashlib.sha256(seed.to_bytes(8, "little", signed=True) + bytes.fromhex(digest)).digest()
+    h = split_hash(digest, seed)
     if int.from_bytes(h[:8], "little") / 2**64 < heldout_fraction:
         return HELDOUT
     return int.from_bytes(h[8:16], "little") % learners
 
 
+def move_key(digest: str, seed: int) -> str:
+    """Order in which documents are moved by a rebalance: by the held-out draw, smallest (the nearest
+    to being held out) first; fixed-width hex, so string order is numeric order (and no 64-bit
+    unsigned int has to pass through a Beam coder)."""
+    return f"{int.from_bytes(split_hash(digest, seed)[:8], 'little'):016x}"
+
+
+def output_name(key: int, learners: int) -> str:
+    return "heldout.bin" if key == HELDOUT else shard_name(key, learners)
+
+
 class AssignSplit(beam.DoFn):
     def __init__(self, learners: int, heldout_fraction: float, seed: int):
         self.learners, self.heldout_fraction, self.seed = learners, heldout_fraction, seed
+
+    def process(self, doc: Tokens):
+        yield split_of(doc.digest, learners=self.learners, heldout_fraction=self.heldout_fraction, seed=self.seed), doc
+
+
+def plan_moves(counts: dict[int, int], smallest: dict[int, list[tuple]], *, learners: int) -> dict:
+    """Documents to move so that the held-out set and every train shard hold at least one.
+
+    counts: documents per split key; smallest: per split key, its learners + 1 smallest
+    (move_key, digest, path), which is enough because at most learners + 1 documents move.
+    An empty held-out set takes the train document with the smallest key (the same one for any
+    number of learners). Then each empty train shard, in order, takes the smallest-keyed document
+    of the train shards that can spare one (two or more documents), or of the held-out set if none
+    can. With at least learners + 1 documents a donor always exists (pigeonhole); with fewer
+    nothing moves and the finaliser says so. A function of the documents only: deterministic.
+    """
+    n = sum(counts.values())
+    moves = []
+    if n < learners + 1:
+        return {"documents": n, "moves": moves}
+    counts = {k: counts.get(k, 0) for k in [HELDOUT, *range(learners)]}
+    pool = {k: sorted(smallest.get(k, [])) for k in counts}
+
+    def take(donors: list[int], to: int) -> None:
+        frm = min((k for k in donors if pool[k]), key=lambda k: pool[k][0])
+        _, digest, path = pool[frm].pop(0)
+        counts[frm] -= 1
+        counts[to] += 1
+        moves.append({"path": path, "digest": digest, "from": frm, "to": to})
+
+    if counts[HELDOUT] == 0:
+        take(list(range(learners)), HELDOUT)
+    for i in range(learners):
+        if counts[i] == 0:
+            take([k for k in range(learners) if counts[k] >= 2] or [HELDOUT], i)
+    assert all(c > 0 for c in counts.values()), counts
+    return {"documents": n, "moves": moves}
+
+
+def _candidate(element, seed: int):
+    key, doc = element
+    return key, (move_key(doc.digest, seed), doc.digest, doc.path)
+
+
+class ApplyMoves(beam.DoFn):
+    """(split, Tokens) -> (split after the rebalance, (digest, token bytes)), counted where it lands."""
+
+    def __init__(self):
         self.heldout = Metrics.counter(NS, "documents_heldout")
         self.train = Metrics.counter(NS, "documents_train")
+        self.moved = Metrics.counter(NS, "documents_moved")
 
-    def process(self, doc: Doc):
-        key = split_of(doc.digest, learners=self.learners, heldout_fraction=self.heldout_fraction, seed=self.seed)
-        (self.heldout if key == HELDOUT else self.train).inc()
-        yield key, doc
-
-
-class Tokenize(beam.DoFn):
-    """(split, Doc) -> (split, (digest, little-endian uint16 token bytes))."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.tokens = Metrics.counter(NS, "tokens")
-
-    def setup(self):
-        self.tok = tokenizer(self.name)
-
-    def process(self, element):
+    def process(self, element, moves: dict[str, int]):
         key, doc = element
-        ids = self.tok.encode(doc.text)
-        assert SEPARATOR not in ids, f"{doc.path}: tokenizer produced the separator id"
-        self.tokens.inc(len(ids))
-        yield key, (doc.digest, ids.astype("<u2").tobytes())
+        if doc.digest in moves:
+            key = moves[doc.digest]
+            self.moved.inc()
+        (self.heldout if key == HELDOUT else self.train).inc()
+        yield key, (doc.digest, doc.data)
+
+
+class Rebalance(beam.PTransform):
+    """(split, Tokens) -> {"placed": (split, (digest, data)), "plan": one {documents, moves} dict}.
+
+    The hash split can leave a small corpus's held-out set or a train shard empty; this moves a
+    document into each empty output (plan_moves), so every output has one when there are enough.
+    """
+
+    def __init__(self, learners: int, seed: int):
+        super().__init__()
+        self.learners, self.seed = learners, seed
+
+    def expand(self, keyed):
+        candidates = keyed | "Candidates" >> beam.Map(_candidate, seed=self.seed)
+        counts = (candidates
+                  | "CountPerSplit" >> beam.combiners.Count.PerKey()
+                  | "CountsToDict" >> beam.combiners.ToDict())
+        smallest = (candidates
+                    | "SmallestPerSplit" >> beam.combiners.Top.SmallestPerKey(self.learners + 1)
+                    | "SmallestToDict" >> beam.combiners.ToDict())
+        plan = counts | "PlanMoves" >> beam.Map(plan_moves, beam.pvalue.AsSingleton(smallest), learners=self.learners)
+        moves = plan | "MovesByDigest" >> beam.Map(lambda p: {m["digest"]: m["to"] for m in p["moves"]})
+        placed = keyed | "ApplyMoves" >> beam.ParDo(ApplyMoves(), beam.pvalue.AsSingleton(moves))
+        return {"placed": placed, "plan": plan}
 
 
 class WriteShard(beam.DoFn):
     """One shard's documents, sorted by digest and joined with the separator, to one .bin file."""
 
-    def __init__(self, output: str, learners: int, seq_len: int):
+    def __init__(self, output: str, learners: int, seq_len: int, dtype: str, separator: int):
         self.output, self.learners, self.seq_len = output, learners, seq_len
+        self.dtype, self.separator = dtype, separator
 
     def process(self, element):
         key, docs = element
-        name = "heldout.bin" if key == HELDOUT else shard_name(key, self.learners)
-        sep = np.array([SEPARATOR], dtype="<u2").tobytes()
+        name = output_name(key, self.learners)
+        sep = np.array([self.separator], dtype=self.dtype).tobytes()
         sha, tokens, n = hashlib.sha256(), 0, 0
         with FileSystems.create(FileSystems.join(self.output, name), compression_type="uncompressed") as f:
             for i, (_, data) in enumerate(sorted(docs)):
                 chunk = sep + data if i else data
                 f.write(chunk)
                 sha.update(chunk)
-                tokens += len(chunk) // 2
+                tokens += len(chunk) // len(sep)
                 n += 1
         yield {"split": "heldout" if key == HELDOUT else "train", "index": key, "name": name, "documents": n,
                "tokens": tokens, "sequences": tokens // (self.seq_len + 1), "sha256": sha.hexdigest()}
 
 
 class PrepareCorpus(beam.PTransform):
-    """Paths -> {"shards": per-file stats (files written under `output`), "skipped": {path, reason}}."""
+    """Paths -> {"shards": per-file stats (files written under `output`), "skipped": {path, reason},
+    "plan": the rebalance's {documents, moves}}."""
 
     def __init__(self, output: str, *, learners: int, heldout_fraction: float, seed: int,
-                 tokenizer: str = "bytes", seq_len: int = 128):
+                 tokenizer: TokenizerSpec = TokenizerSpec("bytes"), dtype: str = "<u2", separator: int = SEPARATOR,
+                 seq_len: int = 128):
         super().__init__()
         self.output, self.learners, self.heldout_fraction, self.seed = output, learners, heldout_fraction, seed
-        self.tokenizer, self.seq_len = tokenizer, seq_len
+        self.tokenizer, self.dtype, self.separator, self.seq_len = tokenizer, dtype, separator, seq_len
 
     def expand(self, paths):
         read = paths | "Read" >> ReadDocuments()
-        shards = (read["docs"]
+        tokens = (read["docs"]
                   | "Dedupe" >> DropDuplicates()
-                  | "Split" >> beam.ParDo(AssignSplit(self.learners, self.heldout_fraction, self.seed))
-                  | "Tokenize" >> beam.ParDo(Tokenize(self.tokenizer))
+                  | "Tokenize" >> beam.ParDo(Tokenize(self.tokenizer, self.dtype)).with_outputs(
+                      Tokenize.SKIPPED, main="docs"))
+        balanced = (tokens.docs
+                    | "Split" >> beam.ParDo(AssignSplit(self.learners, self.heldout_fraction, self.seed))
+                    | "Rebalance" >> Rebalance(self.learners, self.seed))
+        shards = (balanced["placed"]
                   | "GroupShards" >> beam.GroupByKey()
-                  | "WriteShards" >> beam.ParDo(WriteShard(self.output, self.learners, self.seq_len)))
-        return {"shards": shards, "skipped": read["skipped"]}
+                  | "WriteShards" >> beam.ParDo(WriteShard(self.output, self.learners, self.seq_len, self.dtype,
+                                                           self.separator)))
+        skipped = (read["skipped"], tokens[Tokenize.SKIPPED]) | "AllSkipped" >> beam.Flatten()
+        return {"shards": shards, "skipped": skipped, "plan": balanced["plan"]}
 
 
 class WriteJsonLines(beam.PTransform):
@@ -316,7 +529,9 @@ def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fra
         raise DataError(f"learners must be at least 1, got {learners}")
     if not 0 < heldout_fraction < 1:
         raise DataError(f"heldout fraction must be in (0, 1), got {heldout_fraction}")
-    tok = tokenizer(tokenizer_name)
+    spec = tokenizer_spec(tokenizer_name)
+    tok = load_tokenizer(spec)  # here first, so a bad tokenizer fails before the pipeline starts
+    dtype = token_dtype(tok.vocab_size)
     pl = plan(inputs, max_bytes)
     if FileSystems.get_scheme(output) is None:
         Path(output).mkdir(parents=True, exist_ok=True)
@@ -327,23 +542,26 @@ def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fra
            | "ListFiles" >> beam.Create([f.path for f in pl.files])
            | "Spread" >> beam.Reshuffle()
            | "Prepare" >> PrepareCorpus(output, learners=learners, heldout_fraction=heldout_fraction, seed=seed,
-                                        tokenizer=tokenizer_name, seq_len=seq_len))
+                                        tokenizer=spec, dtype=DTYPES[dtype], separator=tok.separator,
+                                        seq_len=seq_len))
     _ = out["shards"] | "WriteShardStats" >> WriteJsonLines(FileSystems.join(parts, "shards.jsonl"))
     _ = out["skipped"] | "WriteSkipped" >> WriteJsonLines(FileSystems.join(parts, "skipped.jsonl"))
+    _ = out["plan"] | "WritePlan" >> WriteJsonLines(FileSystems.join(parts, "plan.jsonl"))
     result = p.run()
     result.wait_until_finish()
     counts = {r.key.metric.name: r.committed for r in result.metrics().query()["counters"]
               if r.key.metric.namespace == NS}
-    return finalise(output, pl, learners=learners, heldout_fraction=heldout_fraction, seed=seed, tok=tok,
-                    seq_len=seq_len, max_bytes=max_bytes, counts=counts)
+    return finalise(output, pl, learners=learners, heldout_fraction=heldout_fraction, seed=seed, spec=spec, tok=tok,
+                    dtype=dtype, seq_len=seq_len, max_bytes=max_bytes, counts=counts)
 
 
-def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, seed: int, tok, seq_len: int,
-             max_bytes: int | None, counts: dict) -> dict:
+def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, seed: int, spec: TokenizerSpec, tok,
+             dtype: str, seq_len: int, max_bytes: int | None, counts: dict) -> dict:
     """Manifest from the pipeline's shard stats; written last, so its presence means a complete corpus."""
     parts = FileSystems.join(output, PARTS)
     stats = {s["name"]: s for s in read_json_lines(FileSystems.join(parts, "shards.jsonl"))}
     skipped = sorted(pl.skipped + read_json_lines(FileSystems.join(parts, "skipped.jsonl")), key=lambda s: s["path"])
+    balance = (read_json_lines(FileSystems.join(parts, "plan.jsonl")) or [{"documents": 0, "moves": []}])[0]
     remove_tree(parts)
 
     def entry(name: str) -> dict:
@@ -355,14 +573,23 @@ def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, s
     empty = [s["name"] for s in [*shards, heldout] if s["documents"] == 0]
     if empty:
         reasons = Counter(s["reason"].split(" (")[0] for s in skipped)
-        raise DataError(f"no documents for {', '.join(empty)}: {len(pl.files)} files planned, "
+        n = balance["documents"]
+        too_few = (f"only {n} document{'s' * (n != 1)} left, and {learners} learner{'s' * (learners != 1)} need at "
+                   f"least {learners + 1} (one per train shard and one held out): add input files or prepare for "
+                   f"fewer learners; " if n < learners + 1 else "")
+        raise DataError(f"no documents for {', '.join(empty)}: {too_few}{len(pl.files)} files planned, "
                         f"{len(skipped)} skipped ({dict(reasons) or 'none'}), "
                         f"{counts.get('duplicates_dropped', 0)} duplicates; skipped: {skipped[:10]}")
+    moved = [{"path": m["path"], "from": output_name(m["from"], learners), "to": output_name(m["to"], learners)}
+             for m in balance["moves"]]
+    for m in moved:
+        log.warning("the hash split left %s empty: moved %s there from %s", m["to"], m["path"], m["from"])
     content = hashlib.sha256("".join(s["sha256"] for s in [*shards, heldout]).encode()).hexdigest()
     manifest = {
-        "format": FORMAT, "tokenizer": tok.name, "vocab_size": tok.vocab_size, "dtype": "uint16",
-        "separator": SEPARATOR, "seed": seed, "heldout_fraction": heldout_fraction, "seq_len": seq_len,
-        "shards": shards, "heldout": heldout, "content_sha256": content,
+        "format": FORMAT, "tokenizer": spec.name, "tokenizer_kind": spec.kind, "tokenizer_sha256": spec.sha256,
+        "vocab_size": tok.vocab_size, "dtype": dtype, "separator": tok.separator,
+        "seed": seed, "heldout_fraction": heldout_fraction, "seq_len": seq_len,
+        "shards": shards, "heldout": heldout, "content_sha256": content, "moved": moved,
         "sources": pl.sources, "max_bytes": max_bytes, "capped_files": pl.capped,
         "skipped": skipped, "counts": dict(sorted(counts.items())),
     }

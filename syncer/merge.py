@@ -72,6 +72,11 @@ def round_share(contributions: int, expected_learners: int) -> float:
     return contributions / max(expected_learners, 1)
 
 
+def as_float32(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The outer optimizer's state lives in float32 whatever the parameters' dtype."""
+    return {k: np.asarray(v, np.float32) for k, v in arrays.items()}
+
+
 def outer_optimizer(lr: float, momentum: float, nesterov: bool) -> optax.GradientTransformation:
     return optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov and momentum > 0)
 
@@ -80,8 +85,8 @@ def outer_step(opt: optax.GradientTransformation, params: Mapping[str, np.ndarra
                delta: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], optax.OptState]:
     """One outer step: the merged delta (global - local) plays the role of a gradient."""
     updates, state = opt.update(dict(delta), state, dict(params))
-    new = optax.apply_updates(dict(params), updates)
-    return {k: np.asarray(v, np.float32) for k, v in new.items()}, state
+    new = optax.apply_updates({k: np.asarray(v, np.float32) for k, v in params.items()}, updates)
+    return {k: np.asarray(v).astype(np.asarray(params[k]).dtype) for k, v in new.items()}, state  # dtypes kept
 
 
 def _path_name(path) -> str:

@@ -38,11 +38,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from diloco import messages, quantize
 from diloco.config import Config
 from diloco.faults import crash_point
-from diloco.fragments import plan_fragments
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreFenced
-from diloco.learners.model import init_params
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
+from diloco.plan import Plan
 from diloco.syncer import merge as merge_math
 from diloco.syncer import shards as shards_mod
 from diloco.syncer.policy import QuorumPolicy, decide
@@ -72,25 +71,24 @@ class FragmentState:
     residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
 
 
-def fragment_plan(cfg: Config) -> tuple[dict[str, np.ndarray], list[list[str]]]:
-    params = init_params(cfg.model)
-    return params, plan_fragments({k: v.shape for k, v in params.items()}, cfg.fragments.count)
-
-
-def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentStore, producer) -> bool:
-    """Create topics and, for a new run, version 0 of every fragment. True if the run was new."""
+def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentStore, producer, plan: Plan,
+              initial: dict[str, np.ndarray]) -> bool:
+    """Create topics and, for a new run, store its plan and version 0 of every fragment (from the
+    `initial` values of the plan's tensors, computed by whoever holds the model). True if new."""
     topics = kafka_io.Topics.for_run(cfg, run_id)
     kafka_io.ensure_topics(cfg.transport, topics.all())
+    if plan.fragments != cfg.fragments.count:
+        raise ValueError(f"the plan has {plan.fragments} fragments, fragments.count is {cfg.fragments.count}")
     if state.versions():
         return False
-    params, plan = fragment_plan(cfg)
+    store.write_plan(plan)
     opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
-    for p, names in enumerate(plan):
-        frag = {n: params[n] for n in names}
-        store.write(p, 0, frag, merge_math.flatten_state(opt.init(frag)),
+    for p, names in enumerate(plan.fragment_names):
+        frag = {n: np.asarray(initial[n]).astype(plan.by_name[n].np_dtype) for n in names}
+        store.write(p, 0, frag, merge_math.flatten_state(opt.init(merge_math.as_float32(frag))),
                     {"tokens": 0, "contributors": [], "ids": [], "time": time.time(), "reason": "init"})
-    state.init_versions(len(plan))
-    for p in range(len(plan)):
+    state.init_versions(plan.fragments)
+    for p in range(plan.fragments):
         announce(producer, topics, cfg, run_id, p, 0)
     producer.flush()
     return True
@@ -115,14 +113,15 @@ class Syncer:
         self.cfg, self.run_id, self.state, self.store = cfg, run_id, state, store
         self.producer, self.consumer, self.clock = producer, consumer, clock
         self.topics = kafka_io.Topics.for_run(cfg, run_id)
-        params, self.plan = fragment_plan(cfg)
+        self.run_plan = store.read_plan()      # what the run syncs; no model code needed
+        self.plan = self.run_plan.fragment_names
         if self.topics.partitions != len(self.plan):  # ownership follows partitions one to one
             raise ValueError(f"{self.topics.partitions} partitions per region topic for {len(self.plan)} fragments")
         if not 0 <= shard < cfg.syncer.shards:
             raise ValueError(f"shard {shard} is not in 0..{cfg.syncer.shards - 1} (syncer.shards={cfg.syncer.shards})")
         self.shard, self.member = shard, f"{shard}:{uuid.uuid4().hex[:12]}"
         self.ttl_s = cfg.syncer.lease_ttl_s
-        self.shapes = {n: a.shape for n, a in params.items()}
+        self.shapes = self.run_plan.shapes
         self.opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
                                    cfg.syncer.grace_max_s)
@@ -285,7 +284,7 @@ class Syncer:
     def _load(self, p: int, epoch: int, previous: str | None, offsets: dict[TP, int]) -> None:
         v = self.state.version(p)
         fv = self.store.read(p, v)
-        template = self.opt.init({n: fv.params[n] for n in self.plan[p]})
+        template = self.opt.init(merge_math.as_float32({n: fv.params[n] for n in self.plan[p]}))
         st = FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt), residual=fv.residual)
         self.status.update(self.state.statuses())
         for cid, meta in self.state.round(p).items():
@@ -533,7 +532,7 @@ class Syncer:
         sc = self.cfg.syncer
         weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
                                            weighted=sc.token_weighting)
-        delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, sc.mean_merge_tensors, rule=sc.merge)
+        delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, self.run_plan.mean_merged, rule=sc.merge)
         live, contributors = self.live_learners(), {m["learner"] for m in metas}
         expected = len(live | contributors)
         share = merge_math.round_share(len(contribs), expected) if sc.scale_partial_rounds else 1.0
@@ -686,4 +685,4 @@ def main(cfg: Config, run_id: str, shard: int = 0) -> None:
     producer.close()
 
 
-__all__ = ["Syncer", "provision", "fragment_plan", "announce", "main", "TopicPartition"]
+__all__ = ["Syncer", "provision", "announce", "main", "TopicPartition"]

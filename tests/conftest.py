@@ -65,7 +65,7 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 TINY = {
-    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
+    "model": {"options": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32}},
     "data": {"max_corpus_bytes": 2_000_000},
     "inner": {"steps": 80, "batch_size": 8, "lr": 0.01, "warmup_steps": 5},
     "fragments": {"count": 4, "sync_every": 10, "quantization": "int8", "chunk_bytes": 4096},

@@ -11,7 +11,9 @@ from diloco import messages
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore
 from diloco.syncer import state as state_mod
-from diloco.syncer.syncer import Syncer, fragment_plan, provision
+from diloco.plan import flatten
+from diloco.spec import initial_plan, load_spec
+from diloco.syncer.syncer import Syncer, provision
 
 
 def published_manifests(cfg, run_id) -> list[messages.Manifest]:
@@ -63,9 +65,12 @@ class Harness:
         self.state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
         self.store = FragmentStore(cfg.store.url, run_id)
         self.producer = kafka_io.producer(cfg.transport)
-        provision(cfg, run_id, state=self.state, store=self.store, producer=self.producer)
+        self.run_plan, tree = initial_plan(cfg, load_spec(cfg))
+        self.params = {n: np.asarray(a) for n, a in flatten(tree, self.run_plan).items()}
+        self.plan = self.run_plan.fragment_names
+        provision(cfg, run_id, state=self.state, store=self.store, producer=self.producer, plan=self.run_plan,
+                  initial=self.params)
         self.topics = kafka_io.Topics.for_run(cfg, run_id)
-        self.params, self.plan = fragment_plan(cfg)
         self.sent = {}
         self.syncer = self.new_syncer() if in_process else None
 

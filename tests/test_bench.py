@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from bench import dp, ideal, merge_bench, metrics, report, runs, setups
-from diloco.config import ConfigError, ModelConfig, TransportConfig, build_config
+from diloco.config import ConfigError, TransformerOptions, TransportConfig, build_config
 from diloco.learners.data import FORMAT, Corpus
-from diloco.learners.model import loss_fn
+from diloco.models.transformer import loss_fn
+from diloco.plan import Plan, Tensor
 from diloco.syncer import merge
 
 # --- merge options -------------------------------------------------------------------------------
@@ -147,18 +148,19 @@ def tiny_corpus(tmp_path):
 
 
 def test_dp_step_averages_the_workers_gradients(tiny_corpus):
-    cfg = setups.build("dp", "healthy", overrides=[f"model.{k}={v}" for k, v in TINY_MODEL.items()])
-    params = {k: jnp.asarray(v) for k, v in dp.init_params(cfg.model).items()}
+    cfg = setups.build("dp", "healthy", overrides=[f"model.options.{k}={v}" for k, v in TINY_MODEL.items()])
+    opts = cfg.model.transformer
+    params = {k: jnp.asarray(v) for k, v in dp.init_params(opts).items()}
     batches = jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 2, 9)), jnp.int32)
-    per_worker = [jax.grad(loss_fn)(params, b, cfg.model) for b in batches]
+    per_worker = [jax.grad(loss_fn)(params, b, opts) for b in batches]
     allreduced = jax.tree_util.tree_map(lambda *g: sum(g) / 4, *per_worker)
-    whole = jax.grad(loss_fn)(params, batches.reshape(8, 9), cfg.model)  # equal batches: the same gradient
+    whole = jax.grad(loss_fn)(params, batches.reshape(8, 9), opts)  # equal batches: the same gradient
     for k in params:
         np.testing.assert_allclose(allreduced[k], whole[k], rtol=1e-4, atol=1e-6)
 
 
 def test_dp_baseline_runs_a_few_steps_and_its_scenarios(tiny_corpus):
-    cfg = setups.build("dp", "wan", overrides=[f"model.{k}={v}" for k, v in TINY_MODEL.items()]
+    cfg = setups.build("dp", "wan", overrides=[f"model.options.{k}={v}" for k, v in TINY_MODEL.items()]
                        + ["inner.steps=4", "inner.warmup_steps=1"])
     held = np.random.default_rng(2).integers(0, 256, (2, 2, 9)).astype(np.int32)
     out = dp.train_dp(cfg, tiny_corpus, held, evals=2)
@@ -175,7 +177,8 @@ def test_ideal_outer_round_with_the_mean_rule_and_lr_1_is_the_learners_average()
     glob = {"w": rng.normal(size=(3, 2)).astype(np.float32)}
     local = {"w": rng.normal(size=(cfg.num_learners, 3, 2)).astype(np.float32)}
     opt = ideal.merge.outer_optimizer(1.0, 0.0, False)
-    new, _ = ideal.outer_round(cfg, glob, ["w"], local, opt, opt.init(glob), steps=5)
+    plan = Plan((Tensor("w", (3, 2), "float32", 0, "rda"),), 1)
+    new, _ = ideal.outer_round(cfg, plan, glob, ["w"], local, opt, opt.init(glob), steps=5)
     np.testing.assert_allclose(new["w"], local["w"].mean(axis=0), rtol=1e-5, atol=1e-6)
 
 
@@ -183,7 +186,7 @@ def test_ideal_diloco_with_one_learner_is_plain_training(tiny_corpus):
     """With M = 1, a plain mean and an outer lr of 1 every sync hands the learner's own parameters
     back: the global model follows single-worker data-parallel step for step when every fragment
     syncs every step, and ends equal to it when fragments sync apart (the last step hands all in)."""
-    over = [f"model.{k}={v}" for k, v in TINY_MODEL.items()] + [
+    over = [f"model.options.{k}={v}" for k, v in TINY_MODEL.items()] + [
         "inner.steps=6", "inner.warmup_steps=1", "fragments.count=2", "fragments.sync_every=1",
         "syncer.merge=mean", "outer.lr=1.0", "outer.momentum=0.0", "syncer.quorum=1"]
     cfg = setups.build("ideal", "healthy", overrides=over)
@@ -203,7 +206,7 @@ def test_ideal_diloco_with_one_learner_is_plain_training(tiny_corpus):
 
 
 def test_merge_micro_benchmark_at_a_tiny_size():
-    out = merge_bench.run(ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, seq_len=8), k=2, repeats=1)
+    out = merge_bench.run(TransformerOptions(vocab_size=16, d_model=8, n_layers=1, n_heads=2, seq_len=8), k=2, repeats=1)
     assert out["contributions"] == 2 and out["payload_mb"] > 0
     assert out["merge_mb_per_s"] > 0 and out["copy_mb_per_s"] > 0
 

@@ -20,7 +20,9 @@ def test_overrides_are_typed_and_reach_lists():
     ("syncer.quorum=9", "syncer.quorum", "exceeds the number of learners"),
     ("inner.steps=-1", "inner.steps", "greater than or equal to 1"),
     ("store.url=s3://x", "store.url", "should match pattern"),
-    ("model.n_heads=3", "n_heads", "divisible"),
+    ("model.options.n_heads=3", "n_heads", "divisible"),
+    ("model.options.d_modle=64", "d_modle", "Extra inputs are not permitted"),
+    ("model.entry=not-a-module", "model.entry", "should match pattern"),
 ])
 def test_bad_values_name_the_key(override, key, words):
     with pytest.raises(ConfigError) as err:

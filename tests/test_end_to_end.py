@@ -15,9 +15,8 @@ from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import ensure_corpus
-from diloco.run import Progress, _child_env, dp_allreduce_bytes, train
+from diloco.run import Progress, _child_env, dp_allreduce_bytes, provision_run, train
 from diloco.syncer import state as state_mod
-from diloco.syncer.syncer import provision
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +29,7 @@ def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_pa
     assert c["applied_twice"] == 0 and c["rejected"] == 0 and c["pending"] == 0
     assert c["published"] == c["applied"] == c["accepted"] > 0
     assert all(v > 0 for v in map(int, summary["versions"].values()))
-    assert summary["tokens"] == cfg.num_learners * cfg.inner.steps * cfg.inner.batch_size * cfg.model.seq_len
+    assert summary["tokens"] == cfg.num_learners * cfg.inner.steps * cfg.inner.batch_size * cfg.model.transformer.seq_len
     assert summary["bytes_dp_equivalent"] == dp_allreduce_bytes(summary["params"], 4, summary["inner_steps"])
     assert 0 < summary["bytes_sent"] < summary["bytes_dp_equivalent"]
     # learners fetch the first version of each fragment whole (fp32), then int8 updates, ~1/4 of that
@@ -52,7 +51,7 @@ def test_syncer_killed_mid_run_resumes_and_applies_nothing_twice(tiny_config, tm
                            max_bytes=cfg.data.max_corpus_bytes, seed=0)
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
     producer = kafka_io.producer(cfg.transport)
-    provision(cfg, run_id, state=state, store=FragmentStore(cfg.store.url, run_id), producer=producer)
+    provision_run(cfg, run_id, state=state)
     producer.close()
     jobs, conf = LocalJobs(tmp_path / "logs", _child_env(cfg)), str(tmp_path / "config.yaml")
     jobs.start("syncer-1", ["syncer", "--config", conf])

@@ -32,8 +32,7 @@ from diloco.flows import reports, tpu
 from diloco.flows.evals import evaluate_checkpoint
 from diloco.flows.training import decoupled_diloco
 from diloco.infra import services
-from diloco.learners.model import evaluate
-from diloco.run import load_global, prepare
+from diloco.run import prepare
 from diloco.syncer import state as state_mod
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +147,7 @@ def test_eval_flow_matches_a_direct_evaluation(tiny_config, prefect_env):
     setup = prepare(tiny_config(), Console(quiet=True))
     figures = evaluate_checkpoint(str(setup.cfg_path))
     cfg = setup.cfg
-    direct = evaluate(load_global(cfg, setup.store, {p: 0 for p in range(cfg.fragments.count)}), setup.held, cfg.model)
+    direct = setup.evaluate({p: 0 for p in range(cfg.fragments.count)})
     assert figures["versions"] == [0] * cfg.fragments.count and figures["tokens"] == 0
     assert figures["loss"] == pytest.approx(direct, abs=1e-6) == pytest.approx(setup.eval_start, abs=1e-6)
     assert figures["perplexity"] == pytest.approx(2.718281828 ** direct, rel=1e-6)
@@ -200,7 +199,7 @@ def test_prefect_yaml_deploys_the_training_flow_with_a_valid_config():
     (dep,) = [d for d in spec["deployments"] if d["name"] == "local"]
     assert dep["entrypoint"] == "flows/training.py:decoupled_diloco"
     cfg = load_config(ROOT / dep["parameters"]["config"], dep["parameters"]["overrides"])
-    assert cfg.inner.steps <= 100 and cfg.model.d_model <= 32   # tiny
+    assert cfg.inner.steps <= 100 and cfg.model.transformer.d_model <= 32   # tiny
     assert dep["work_pool"]["name"]
 
 

@@ -2,13 +2,13 @@ import math
 
 import pytest
 
-from diloco.config import ModelConfig
+from diloco.config import TransformerOptions
 from diloco.fragments import fragments_due, plan_fragments, sync_offset, syncs_through
-from diloco.learners.model import init_params
+from diloco.models.transformer import init_params
 
 
 def test_plan_covers_every_tensor_once_and_is_balanced():
-    shapes = {k: v.shape for k, v in init_params(ModelConfig(n_layers=4)).items()}
+    shapes = {k: v.shape for k, v in init_params(TransformerOptions(n_layers=4)).items()}
     plan = plan_fragments(shapes, 4)
     names = [n for frag in plan for n in frag]
     assert sorted(names) == sorted(shapes) and len(names) == len(set(names))

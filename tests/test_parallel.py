@@ -13,18 +13,18 @@ SCRIPT = r"""
 import json, sys
 import jax, numpy as np
 from diloco.config import build_config
-from diloco.learners.learner import inner_optimizer, make_train_step
-from diloco.learners.model import init_params
+from diloco.learners.learner import make_train_step
 from diloco.learners.parallel import data_parallel, local_batch_size
-cfg = build_config({"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16},
+from diloco.models.transformer import adamw, init_params, loss_fn
+cfg = build_config({"model": {"options": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16}},
                     "inner": {"batch_size": 8, "lr": 0.01, "warmup_steps": 2, "steps": 20}})
 dp = data_parallel(cfg.inner.batch_size)
 assert local_batch_size(cfg.inner.batch_size) == 8
-params = dp.replicate(init_params(cfg.model))
-opt = inner_optimizer(cfg)
+params = dp.replicate(init_params(cfg.model.transformer))
+opt = adamw(cfg)
 state = opt.init(params)
 data = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)  # learnable: seen each step
-step = make_train_step(cfg, opt)
+step = make_train_step(lambda p, b: loss_fn(p, b, cfg.model.transformer), opt)
 losses = []
 for _ in range(12):
     batch = dp.shard_batch(data)

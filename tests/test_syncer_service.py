@@ -10,7 +10,7 @@ from helpers import Harness
 
 from diloco import messages, quantize
 from diloco.infra import kafka as kafka_io
-from diloco.learners.learner import Counters, Fetcher
+from diloco.learners.session import Counters, Fetcher
 from diloco.syncer import merge as merge_math
 
 pytestmark = pytest.mark.integration

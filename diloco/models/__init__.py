@@ -1,0 +1,1 @@
+"""Built-in models, each a `model.entry` like any user's (`diloco.models.transformer:spec`)."""
