@@ -7,6 +7,8 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import TINY
@@ -16,12 +18,14 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from diloco import messages
+from diloco.checkpoint import read_global
 from diloco.cli import app
 from diloco.config import build_config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore
 from diloco.ops import OpsError
-from diloco.ops.ckpt import open_checkpoint, pick_versions, split_url
+from diloco.ops.ckpt import nest, open_checkpoint, pick_versions, split_url
+from diloco.plan import make_plan
 from diloco.run import train
 from diloco.syncer import state as state_mod
 
@@ -173,6 +177,123 @@ def test_ckpt_export_round_trips(done, tmp_path):
             np.testing.assert_array_equal(z[n], store.read(p, 1, with_opt=False).params[n])
 
 
+def orbax_restored(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """(arrays by dotted name, custom metadata) of an Orbax checkpoint, read back with Orbax alone."""
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    tree, meta = ckptr.restore(path), ckptr.metadata(path).custom_metadata
+    ckptr.close()
+    flat = {".".join(str(k.key) for k in kp): np.asarray(a) for kp, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return flat, meta
+
+
+def assert_bit_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for n, a in want.items():
+        assert got[n].dtype == a.dtype and got[n].shape == a.shape, n
+        assert got[n].tobytes() == np.ascontiguousarray(a).tobytes(), n
+
+
+def test_ckpt_export_orbax_restores_what_tensorstore_holds(done, tmp_path):
+    _, run_id, _, url = done
+    store = FragmentStore(*split_url(url))
+    plan = store.read_plan()
+    latest = {p: store.versions(p)[-1] for p in range(plan.fragments)}
+    rep = invoke_json("ckpt", "export", url, "--format", "orbax", "-o", tmp_path / "model")
+    assert (rep["format"], rep["layout"], rep["tensors"]) == ("orbax", "nested", len(plan.tensors))
+    assert rep["versions"] == {str(p): v for p, v in latest.items()} and rep["parameters"] == plan.num_params
+    arrays, meta = orbax_restored(tmp_path / "model")
+    assert_bit_equal(arrays, read_global(store, plan, latest))
+    assert meta == {"format": "diloco", "run": run_id, "source": url, "requested_version": "latest",
+                    "versions": {str(p): v for p, v in latest.items()}, "layout": "nested"}
+    # an older cut; an existing folder is refused, not replaced
+    invoke_json("ckpt", "export", url, "--version", 1, "-f", "orbax", "-o", tmp_path / "v1")
+    arrays, meta = orbax_restored(tmp_path / "v1")
+    assert meta["versions"] == {str(p): 1 for p in range(plan.fragments)}
+    assert_bit_equal(arrays, read_global(store, plan, {p: 1 for p in range(plan.fragments)}))
+    fails_clearly(["ckpt", "export", url, "-f", "orbax", "-o", tmp_path / "v1"], "already exists")
+    res = cli.invoke(app, ["ckpt", "export", url, "-f", "zip", "-o", tmp_path / "m.zip"])
+    assert res.exit_code == 2 and "--format must be one of safetensors, npz, orbax" in res.output
+
+
+def test_orbax_tree_nests_at_dots_unless_a_name_is_leaf_and_branch():
+    a, b = np.zeros(2, np.float32), np.ones(3, np.float32)
+    assert nest({"layer0.qkv": a, "layer0.fc.w": b, "emb": a}) == \
+        ({"layer0": {"qkv": a, "fc": {"w": b}}, "emb": a}, "nested")
+    for flat in ({"a": a, "a.b": b}, {"a.b": b, "a": a}, {"a.b.c": a, "a.b": b}, {"a..b": a}):
+        assert nest(flat) == (flat, "flat")
+
+
+def bf16_store(root: Path, run: str = "bf16run") -> tuple[FragmentStore, dict[str, np.ndarray]]:
+    params = {"w": (np.arange(12, dtype=np.float32).reshape(3, 4) / 7 - 0.5).astype(ml_dtypes.bfloat16),
+              "b": np.linspace(-1, 1, 5, dtype=np.float32)}
+    store = FragmentStore(f"file://{root}", run)
+    store.write_plan(make_plan(params, fragments=1))
+    store.write(0, 0, params, {}, {})
+    return store, params
+
+
+def safetensors_header(path: Path) -> dict:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def test_ckpt_export_keeps_bf16(tmp_path):
+    store, params = bf16_store(tmp_path / "store")
+    url = store.url
+    assert store.read(0, 0).params["w"].dtype == ml_dtypes.bfloat16  # TensorStore holds bf16
+    invoke_json("ckpt", "export", url, "-o", tmp_path / "model.safetensors")
+    header, data = safetensors_header(tmp_path / "model.safetensors")
+    assert header["w"]["dtype"] == "BF16" and header["w"]["shape"] == [3, 4]
+    assert header["b"]["dtype"] == "F32" and header["__metadata__"]["run"] == "bf16run"
+    for n, a in params.items():
+        start, end = header[n]["data_offsets"]
+        assert data[start:end] == a.tobytes()  # the exact bits, little-endian
+    from safetensors.flax import load_file as load_flax
+
+    loaded = load_flax(tmp_path / "model.safetensors")
+    assert_bit_equal({n: np.asarray(a) for n, a in loaded.items()}, params)
+    invoke_json("ckpt", "export", url, "-f", "orbax", "-o", tmp_path / "orbax")
+    assert_bit_equal(orbax_restored(tmp_path / "orbax")[0], params)
+
+
+def test_ckpt_ls_of_a_store_root_lists_its_runs(done):
+    _, run_id, _, url = done
+    root, _ = split_url(url)
+    store = FragmentStore(root, run_id)
+    plan = store.read_plan()
+    rep = invoke_json("ckpt", "ls", root)
+    assert rep == invoke_json("ckpt", "ls", root + "/")
+    assert rep == {"url": root, "runs": [{
+        "run": run_id, "fragments": plan.fragments, "tensors": len(plan.tensors), "parameters": plan.num_params,
+        "dtypes": ["float32"], "latest": {str(p): store.versions(p)[-1] for p in range(plan.fragments)},
+        "note": None}]}
+    assert invoke_json("ckpt", "ls", url)["run"] == run_id  # a run folder still lists its versions
+    res = cli.invoke(app, ["ckpt", "ls", root])  # the table renders
+    assert res.exit_code == 0 and "Traceback" not in res.output
+
+
+def test_ckpt_ls_root_notes_runs_without_a_plan(tmp_path):
+    bf16_store(tmp_path / "store", "b-planned")
+    legacy = FragmentStore(f"file://{tmp_path}/store", "a-legacy")  # written before runs stored plan.json
+    for v in (0, 1):
+        legacy.write(0, v, {"e": np.ones(3, np.float32)}, {}, {})
+    legacy.write(1, 0, {"f": np.ones(2, np.float32)}, {}, {})
+    FragmentStore(f"file://{tmp_path}/store", "c-new").write_plan(make_plan({"x": np.ones(4, np.float32)}, fragments=1))
+    rep = invoke_json("ckpt", "ls", tmp_path / "store")  # a plain path is a file:// URL
+    assert rep["url"] == f"file://{tmp_path}/store"
+    a, b, c = rep["runs"]
+    assert (a["run"], a["fragments"], a["tensors"], a["parameters"], a["dtypes"], a["latest"]) == \
+        ("a-legacy", 2, None, None, [], {"0": 1, "1": 0}) and "no plan.json" in a["note"]
+    assert (b["run"], b["fragments"], b["tensors"], b["parameters"], b["dtypes"], b["latest"], b["note"]) == \
+        ("b-planned", 1, 2, 17, ["bfloat16", "float32"], {"0": 0}, None)
+    assert (c["run"], c["latest"], c["note"]) == ("c-new", {"0": None}, "provisioned; no version written yet")
+    assert invoke_json("ckpt", "ls", f"file://{tmp_path}/store/a-legacy")["run"] == "a-legacy"
+    fails_clearly(["ckpt", "ls", f"file://{tmp_path}/nothing"], "no checkpoint here", "no runs")
+
+
 def test_ckpt_on_gcs_through_the_emulator(gcs_emulator):
     store = FragmentStore(f"{gcs_emulator}/ops", "gsrun")
     rng = np.random.default_rng(0)
@@ -188,6 +309,8 @@ def test_ckpt_on_gcs_through_the_emulator(gcs_emulator):
     assert f["params"]["w"]["norm"] == pytest.approx(np.linalg.norm(arrays[1]["w"].astype(np.float64)))
     assert f["params"]["b"]["mean"] == 1.0 and f["opt"]["0.trace.w"]["max"] == pytest.approx(arrays[1]["w"].max() * 0.1)
     fails_clearly(["ckpt", "show", url, "-p", 1, "--version", 1], "fragment 1 has no version 1", "v0")
+    [row] = invoke_json("ckpt", "ls", f"{gcs_emulator}/ops")["runs"]  # the store root, listed on gs:// too
+    assert (row["run"], row["fragments"], row["latest"]) == ("gsrun", 2, {"0": 1, "1": 0}) and "no plan.json" in row["note"]
 
 
 def test_bad_url_missing_version_and_corrupted_chunk_fail_clearly(done, tmp_path):

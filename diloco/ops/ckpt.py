@@ -2,7 +2,8 @@
 
 A checkpoint URL is the store URL with the run id as its last path element:
 `file:///data/store/<run>` or `gs://bucket/path/<run>`. One key listing of `fragments/` tells which
-fragments and versions exist; arrays are read through `FragmentStore`.
+fragments and versions exist; arrays are read through `FragmentStore`. The store URL itself (the
+config's `store.url`) is a store root: `open_url` tells the two apart and `runs` lists a root's runs.
 
 Statistics (norm, min, max, mean) are over the finite entries, so one NaN does not hide the rest;
 `nonfinite` counts the others.
@@ -23,8 +24,11 @@ import tensorstore as ts
 
 from diloco.infra.store import FragmentStore, FragmentVersion, StoreError, kvstore_spec
 from diloco.ops import OpsError
+from diloco.plan import Plan, PlanError
 
 _KEY = re.compile(r"fragments/(\d+)/v(\d+)/(.+)")
+_RUN_KEY = re.compile(r"([^/]+)/(?:plan\.json|fragments/(\d+)/v(\d+)/(.+))")  # keys of a store root
+EXPORT_FORMATS = ("safetensors", "npz", "orbax")
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -51,6 +55,85 @@ class Checkpoint:
     versions: dict[int, list[int]]                            # complete versions (with meta.json)
     incomplete: dict[int, list[int]]                          # written without meta.json: a crash
     keys: frozenset[str]
+
+
+@dataclass
+class StoreRoot:
+    url: str
+    kv: ts.KvStore
+    keys: frozenset[str]                                      # every key under the root
+
+
+def _normalize(url: str) -> str:
+    u = urlparse(url)
+    if not u.scheme:  # a plain local path
+        return "file://" + str(Path(url).resolve())
+    if u.scheme not in ("file", "gs"):
+        raise OpsError(f"{url!r} is not a checkpoint URL: use file:///PATH or gs://BUCKET/PATH (a store root), "
+                       f"or either with /<run id> after it")
+    return url.rstrip("/")
+
+
+def open_url(url: str) -> Checkpoint | StoreRoot:
+    """A run folder (it holds plan.json, or fragments/ for a run from before plans were stored) opens as a
+    Checkpoint; a store root (folders <run>/ holding plan.json or fragments/) as a StoreRoot.
+
+    A root is read with one listing of every key under it: TensorStore's kvstore lists by key range,
+    without a delimiter, so the cost grows with the number of stored arrays, as for `ls` of each run.
+    """
+    url = _normalize(url)
+    try:
+        kv = ts.KvStore.open(kvstore_spec(url)).result()
+        if kv.read("plan.json").result().state == "value":
+            return open_checkpoint(url)
+        keys = frozenset(k.decode() if isinstance(k, bytes) else k for k in kv.list().result())
+    except (ValueError, StoreError) as err:
+        raise OpsError(f"{url}: cannot list the store: {err}") from None
+    if any(k.startswith("fragments/") for k in keys):
+        return open_checkpoint(url)
+    if any(_RUN_KEY.fullmatch(k) for k in keys):
+        return StoreRoot(url, kv, keys)
+    raise OpsError(f"{url}: no checkpoint here (no fragments/<p>/v<n>/meta.json) and no runs (no <run>/plan.json "
+                   f"or <run>/fragments/); check the store URL and run id")
+
+
+def runs(root: StoreRoot) -> dict:
+    """One row per run of a store root: fragments, tensors, parameters and dtypes from its plan.json, and
+    each fragment's newest complete version. A run without a readable plan.json gets a note instead."""
+    frags: dict[str, dict[int, set[int]]] = {}
+    planned = set()
+    for k in root.keys:
+        if m := _RUN_KEY.fullmatch(k):
+            run, p, v, rest = m.groups()
+            versions = frags.setdefault(run, {})
+            if p is None:
+                planned.add(run)
+            else:
+                complete = versions.setdefault(int(p), set())
+                if rest == "meta.json":
+                    complete.add(int(v))
+    reads = {run: root.kv.read(f"{run}/plan.json") for run in sorted(planned)}  # all in flight at once
+    rows = []
+    for run in sorted(frags):
+        plan, note = None, None
+        if run in reads:
+            try:
+                plan = Plan.from_json(reads[run].result().value)
+            except (PlanError, ValueError) as err:
+                note = f"plan.json unreadable: {err}"
+        else:
+            note = "no plan.json (an older run): versions from the keys"
+        found = frags[run]
+        if plan and not any(found.values()):
+            note = "provisioned; no version written yet"
+        fragments = range(plan.fragments) if plan else sorted(found)
+        rows.append({"run": run, "fragments": plan.fragments if plan else len(found),
+                     "tensors": len(plan.tensors) if plan else None,
+                     "parameters": plan.num_params if plan else None,
+                     "dtypes": sorted({t.dtype for t in plan.tensors}) if plan else [],
+                     "latest": {p: max(found[p]) if found.get(p) else None for p in fragments},
+                     "note": note})
+    return {"url": root.url, "runs": rows}
 
 
 def open_checkpoint(url: str) -> Checkpoint:
@@ -228,12 +311,57 @@ def diff(ck: Checkpoint, v1: int, v2: int, fragment: int | None = None) -> dict:
     return {"url": ck.url, "run": ck.run, "fragments": frags}
 
 
-def export(ck: Checkpoint, version: int | None, output: str | Path) -> dict:
-    """Every fragment's parameters at one consistent set of versions, in one safetensors (or .npz) file.
+def nest(params: dict[str, np.ndarray]) -> tuple[dict, str]:
+    """(tree, layout): `layer0.qkv` -> {"layer0": {"qkv": a}} ("nested"); the flat dict by name ("flat")
+    when a name is both a leaf and a branch (`a` and `a.b`) or has an empty part."""
+    tree: dict = {}
+    for name, a in sorted(params.items()):
+        *branch, leaf = parts = name.split(".")
+        node = tree
+        for k in branch:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                return dict(params), "flat"
+        if not all(parts) or leaf in node:
+            return dict(params), "flat"
+        node[leaf] = a
+    return tree, "nested"
 
-    The metadata records the run and the version used per fragment; in an .npz it is the JSON string
-    array `__diloco_metadata__`.
+
+def _write_orbax(output: Path, params: dict[str, np.ndarray], meta: dict) -> str:
+    import orbax.checkpoint as ocp
+
+    if output.exists():  # Orbax replaces a checkpoint folder whole (force=True); never do that to a user's folder
+        raise OpsError(f"{output} already exists; an Orbax checkpoint is a new folder: choose another path")
+    empty = sorted(n for n, a in params.items() if a.size == 0)
+    if empty:
+        raise OpsError(f"Orbax cannot save zero-size arrays: {empty}; export as safetensors instead")
+    tree, layout = nest(params)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        ckptr.save(output, tree, custom_metadata=meta | {"layout": layout})
+        ckptr.wait_until_finished()
+    except (ValueError, OSError) as err:
+        raise OpsError(f"{output}: Orbax save failed: {err}") from None
+    finally:
+        ckptr.close()
+    return layout
+
+
+def export(ck: Checkpoint, version: int | None, output: str | Path, fmt: str | None = None) -> dict:
+    """Every fragment's parameters at one consistent set of versions: one safetensors or .npz file, or an
+    Orbax checkpoint folder. `fmt` None: .npz by that suffix, else safetensors.
+
+    The metadata records the run and the version used per fragment: safetensors' string metadata
+    (`versions` a JSON string), the JSON string array `__diloco_metadata__` in an .npz, and Orbax's
+    custom metadata (`versions` a dict; `layout` says whether the tree is nested at '.' or flat).
+    Tensors keep the plan's dtype: bf16 is BF16 in safetensors and bfloat16 in Orbax (an .npz cannot
+    hold bf16: NumPy stores it as raw 2-byte voids).
     """
+    output = Path(output)
+    fmt = fmt or ("npz" if output.suffix == ".npz" else "safetensors")
+    if fmt not in EXPORT_FORMATS:
+        raise OpsError(f"unknown export format {fmt!r}: use one of {', '.join(EXPORT_FORMATS)}")
     chosen = pick_versions(ck, version)
     params: dict[str, np.ndarray] = {}
     for p, v in chosen.items():
@@ -241,13 +369,21 @@ def export(ck: Checkpoint, version: int | None, output: str | Path) -> dict:
     meta = {"format": "diloco", "run": ck.run, "source": ck.url,
             "requested_version": "latest" if version is None else str(version),
             "versions": json.dumps({str(p): v for p, v in chosen.items()})}
-    output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    if output.suffix == ".npz":
+    rep = {}
+    if fmt == "orbax":
+        output = output.resolve()  # Orbax wants an absolute path
+        rep["layout"] = _write_orbax(output, params, meta | {"versions": {str(p): v for p, v in chosen.items()}})
+        size = sum(f.stat().st_size for f in output.rglob("*") if f.is_file())
+    elif fmt == "npz":
         np.savez(output, **params, __diloco_metadata__=np.array(json.dumps(meta)))
+        size = output.stat().st_size
     else:
         from safetensors.numpy import save_file
 
+        # safetensors maps the NumPy dtype name to its own: ml_dtypes' "bfloat16" is written as BF16
+        # (the tests read the header back). Its NumPy loader has no BF16; safetensors.flax reads it.
         save_file({n: np.ascontiguousarray(a) for n, a in params.items()}, str(output), metadata=meta)
-    return {"output": str(output), "run": ck.run, "versions": chosen, "tensors": len(params),
-            "parameters": int(sum(a.size for a in params.values())), "bytes": output.stat().st_size}
+        size = output.stat().st_size
+    return {"output": str(output), "format": fmt, "run": ck.run, "versions": chosen, "tensors": len(params),
+            "parameters": int(sum(a.size for a in params.values())), "bytes": size, **rep}

@@ -29,6 +29,9 @@ RunOpt = Annotated[Optional[str], typer.Option("--run", help="run id; default: t
 JsonOpt = Annotated[bool, typer.Option("--json", help="print plain JSON instead of tables")]
 UrlArg = Annotated[Optional[str], typer.Argument(help="STORE_URL/RUN_ID, e.g. file:///data/store/RUN or "
                                                       "gs://bucket/path/RUN; omitted = the config's store.url + run")]
+LsUrlArg = Annotated[Optional[str], typer.Argument(help="STORE_URL/RUN_ID for one run's versions, or STORE_URL (a store "
+                                                        "root, the config's store.url) to list its runs; omitted = "
+                                                        "the config's store.url + run")]
 FragmentOpt = Annotated[Optional[int], typer.Option("--fragment", "-p", min=0, help="only this fragment")]
 
 
@@ -164,9 +167,11 @@ def topics(config: ConfigOpt = None, set_: SetOpt = None, run: RunOpt = None,
 
 # --- ckpt -------------------------------------------------------------------------------------------
 
-def _checkpoint(url: Optional[str], config: Optional[Path], overrides: Optional[list[str]], run: Optional[str]):
+def _checkpoint(url: Optional[str], config: Optional[Path], overrides: Optional[list[str]], run: Optional[str],
+                *, roots: bool = False):
+    """The run's Checkpoint; with `roots`, a URL may also name a store root (a StoreRoot comes back)."""
     from diloco.ops import OpsError
-    from diloco.ops.ckpt import open_checkpoint
+    from diloco.ops.ckpt import open_checkpoint, open_url
 
     if url is None:
         cfg, run_id = _run_config(config, overrides, run)
@@ -174,7 +179,7 @@ def _checkpoint(url: Optional[str], config: Optional[Path], overrides: Optional[
     elif config is not None or run is not None:
         _fail("give either a checkpoint URL or --config/--run, not both", 2)
     try:
-        return open_checkpoint(url)
+        return open_url(url) if roots else open_checkpoint(url)
     except OpsError as err:
         _fail(str(err))
 
@@ -188,13 +193,33 @@ def _ops(fn, *args):
         _fail(str(err))
 
 
+def _runs_table(rep: dict) -> Table:
+    t = Table(title=f"runs in {rep['url']}", title_justify="left")
+    t.add_column("run", no_wrap=True)
+    for col in ("fragments", "tensors", "parameters", "dtype", "latest"):
+        t.add_column(col, justify="right" if col in ("fragments", "tensors", "parameters") else "left")
+    for r in rep["runs"]:
+        t.add_row(r["run"] + (" *" if r["note"] else ""), str(r["fragments"]), _num(r["tensors"]),
+                  _num(r["parameters"]), " ".join(r["dtypes"]) or "-",
+                  " ".join(f"p{p}:" + ("-" if v is None else f"v{v}") for p, v in r["latest"].items()) or "-")
+    t.caption = " | ".join(f"* {r['run']}: {r['note']}" for r in rep["runs"] if r["note"]) or None
+    return t
+
+
 @ckpt_app.command("ls")
-def ckpt_ls(url: UrlArg = None, config: ConfigOpt = None, set_: SetOpt = None, run: RunOpt = None,
+def ckpt_ls(url: LsUrlArg = None, config: ConfigOpt = None, set_: SetOpt = None, run: RunOpt = None,
             json_: JsonOpt = False):
-    """Every fragment with its versions: write time, tokens merged, contributors, why the round closed."""
+    """Every fragment with its versions: write time, tokens merged, contributors, why the round closed.
+
+    Given a store root (STORE_URL without a run id), one row per run instead: fragments, tensors,
+    parameters and dtypes from its plan.json, and each fragment's newest version.
+    """
     from diloco.ops import ckpt
 
-    ck = _checkpoint(url, config, set_, run)
+    ck = _checkpoint(url, config, set_, run, roots=True)
+    if isinstance(ck, ckpt.StoreRoot):
+        rep = _ops(ckpt.runs, ck)
+        return _dump(rep) if json_ else out.print(_runs_table(rep))
     rep = _ops(ckpt.ls, ck)
     if json_:
         return _dump(rep)
@@ -273,21 +298,31 @@ def ckpt_diff(args: Annotated[list[str], typer.Argument(metavar="[URL] V1 V2", h
 
 
 @ckpt_app.command("export")
-def ckpt_export(output: Annotated[Path, typer.Option("--output", "-o", help="FILE.safetensors, or FILE.npz")],
+def ckpt_export(output: Annotated[Path, typer.Option("--output", "-o", help="FILE.safetensors, FILE.npz, or a new "
+                                                                             "folder for --format orbax")],
                 url: UrlArg = None,
                 version: Annotated[str, typer.Option(help="'latest', or V: each fragment at its newest version <= V")] = "latest",
+                format_: Annotated[Optional[str], typer.Option("--format", "-f", help="safetensors, npz or orbax; "
+                                                                                      "default: npz for a .npz output, "
+                                                                                      "else safetensors")] = None,
                 config: ConfigOpt = None, set_: SetOpt = None, run: RunOpt = None, json_: JsonOpt = False):
-    """The full model at one consistent set of versions as one safetensors (or .npz) file for JAX users.
+    """The full model at one consistent set of versions for JAX users: one safetensors (or .npz) file, or
+    with --format orbax an Orbax checkpoint (a new folder; tensors nested at '.', `layer0.qkv` ->
+    {"layer0": {"qkv": ...}}, flat by name if a name is both a leaf and a branch).
 
-    The file's metadata records the run and the version used per fragment.
+    The metadata (safetensors metadata, Orbax custom metadata) records the run and the version used per
+    fragment. bf16 tensors stay bf16 (BF16 in safetensors).
     """
     from diloco.ops import ckpt
 
     if version != "latest" and not version.isdigit():
         _fail(f"--version must be 'latest' or a version number, got {version!r}", 2)
-    rep = _ops(ckpt.export, _checkpoint(url, config, set_, run), None if version == "latest" else int(version), output)
+    if format_ is not None and format_ not in ckpt.EXPORT_FORMATS:
+        _fail(f"--format must be one of {', '.join(ckpt.EXPORT_FORMATS)}, got {format_!r}", 2)
+    rep = _ops(ckpt.export, _checkpoint(url, config, set_, run), None if version == "latest" else int(version), output,
+               format_)
     if json_:
         return _dump(rep)
-    out.print(f"wrote {rep['output']}: {rep['tensors']} tensors, {rep['parameters']:,} parameters, "
+    out.print(f"wrote {rep['output']} ({rep['format']}): {rep['tensors']} tensors, {rep['parameters']:,} parameters, "
               f"{_bytes(rep['bytes'])}; versions " + " ".join(f"p{p}:v{v}" for p, v in rep["versions"].items()),
               highlight=False)
