@@ -1,0 +1,77 @@
+"""The examples a user copies, end to end at a tiny size on the real broker, Redis and TensorStore:
+their own model trains, every contribution is applied once, the global version restores into their
+own pytree bit for bit, and the syncer process never imports the model's module."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import assert_exact_accounting
+from rich.console import Console
+
+import diloco
+from diloco.infra.store import FragmentStore
+from diloco.run import train
+from diloco.spec import load_spec
+
+pytestmark = pytest.mark.integration
+
+
+def _run(tiny_config, monkeypatch, entry: str, **sections):
+    # Every child process writes the modules it imports to its log (CPython's -X importtime).
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    cfg = tiny_config(model={"entry": entry, "options": {}}, inner={"steps": 60, "batch_size": 8, "warmup_steps": 5},
+                      **sections)
+    summary = train(cfg, progress=False, console=Console(quiet=True))
+    monkeypatch.delenv("PYTHONPROFILEIMPORTTIME")
+    return cfg, summary
+
+
+def _imported(summary, process: str, module: str) -> bool:
+    """Whether the process's log (with -X importtime lines) shows `module` imported."""
+    text = (Path(summary["run_dir"]) / "logs" / f"{process}.log").read_text(errors="replace")
+    return re.search(rf"^import time:.*\|\s+{re.escape(module)}\s*$", text, re.M) is not None
+
+
+def _check_run(cfg, summary, module: str):
+    c = summary["contributions"]
+    assert c["applied"] == c["published"] > 0 and c["applied_twice"] == 0 and c["rejected"] == 0
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    assert_exact_accounting(cfg, summary["run_id"])
+    assert all(_imported(summary, lid, module) for lid in cfg.learner_ids())  # the learners ran the user's model
+    assert _imported(summary, "syncer", "diloco.syncer.syncer")
+    assert not _imported(summary, "syncer", module)                      # the syncer never imported it
+
+
+def test_flax_nnx_example_trains_and_restores_into_the_users_state(tiny_config, monkeypatch):
+    cfg, s = _run(tiny_config, monkeypatch, "examples.flax_nnx_lm:spec")
+    _check_run(cfg, s, "examples.flax_nnx_lm")
+    spec = load_spec(cfg)
+    template = spec.init(123)   # any state of the same model: restore overwrites every parameter
+    restored = diloco.restore(cfg.store.url, s["run_id"], template)
+    store = FragmentStore(cfg.store.url, s["run_id"])
+    plan, versions = store.read_plan(), diloco.latest_versions(store, store.read_plan())
+    assert versions == {int(p): v for p, v in s["versions"].items()}
+    want = store.read(plan.by_name["embed.embedding"].fragment, versions[plan.by_name["embed.embedding"].fragment],
+                      with_opt=False).params["embed.embedding"]
+    assert np.array_equal(np.asarray(restored["embed"]["embedding"][...]), want)
+    assert diloco.evaluate(spec, restored) == pytest.approx(s["eval_loss_end"], abs=1e-5)
+
+
+def test_plain_pytree_example_keeps_bf16_a_dict_batch_and_a_local_leaf(tiny_config, monkeypatch):
+    cfg, s = _run(tiny_config, monkeypatch, "examples.pytree_mlp_lm:spec", syncer={"mean_merge_tensors": ["embed"]})
+    _check_run(cfg, s, "examples.pytree_mlp_lm")
+    store = FragmentStore(cfg.store.url, s["run_id"])
+    plan = store.read_plan()
+    assert plan.by_name["embed"].dtype == "bfloat16" and plan.by_name["embed"].merge == "mean"
+    assert "stats.tokens_seen" not in plan.by_name                       # marked local: never synced
+    p = plan.by_name["embed"].fragment
+    stored = store.read(p, store.versions(p)[-1], with_opt=False).params["embed"]
+    assert stored.dtype == np.dtype("bfloat16")
+    restored = diloco.restore(cfg.store.url, s["run_id"], load_spec(cfg).init(0))
+    assert restored["embed"].dtype == stored.dtype and np.array_equal(restored["embed"].view(np.uint16),
+                                                                       stored.view(np.uint16))
+    assert s["tokens"] < cfg.num_learners * cfg.inner.steps * cfg.inner.batch_size * 32  # masked targets do not count
