@@ -225,7 +225,7 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
         console.print(f"[red]error:[/] {err}")
         raise typer.Exit(2) from None
     logs.setup(f"learner:{learner_id}")
-    learner_main(cfg, cfg.run.id, learner_id, str(corpus) if corpus else None, start_step)
+    learner_main(cfg, cfg.run.id, learner_id, str(corpus) if corpus else None, start_step, config_path=str(config))
 
 
 def main() -> None:

@@ -49,6 +49,8 @@ class ModelConfig(_Section):
     entry: str = Field(BUILTIN_MODEL, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
                        description="package.module:function returning the model's ModelSpec")
     options: dict[str, Any] = Field(default_factory=dict, description="free-form settings the entry point reads")
+    script: str | None = Field(None, description="a Python file each learner runs instead of the built-in loop: your "
+                                                 "own training loop around diloco.Session.from_env()")
     seed: int = Field(0, description="seed of the initial parameters")
 
     @model_validator(mode="after")

@@ -77,7 +77,27 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
     return summary
 
 
-def main(cfg: Config, run_id: str, learner_id: str, corpus_dir: str | None = None, start_step: int = 0) -> dict:
+def main(cfg: Config, run_id: str, learner_id: str, corpus_dir: str | None = None, start_step: int = 0,
+         config_path: str | None = None) -> dict | None:
+    """What `diloco learner` runs: the built-in loop over the model entry point, or the user's own
+    script (`model.script`), which finds the run through the environment (`Session.from_env()`)."""
     if corpus_dir:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": corpus_dir})})
-    return run(cfg, run_id, learner_id, start_step=start_step)
+    if cfg.model.script is None:
+        return run(cfg, run_id, learner_id, start_step=start_step)
+    import os
+    import runpy
+    import sys
+
+    os.environ.update({ENV_CONFIG: str(config_path), ENV_LEARNER: learner_id, ENV_START_STEP: str(start_step)})
+    if corpus_dir:
+        os.environ[ENV_CORPUS] = corpus_dir
+    sys.argv = [cfg.model.script]
+    log.info("running the learner script", extra={"script": cfg.model.script, "learner": learner_id})
+    runpy.run_path(cfg.model.script, run_name="__main__")
+    return None
+
+
+# How a learner script finds its run (set by `diloco learner`, or by hand).
+ENV_CONFIG, ENV_LEARNER, ENV_START_STEP, ENV_CORPUS = ("DILOCO_CONFIG", "DILOCO_LEARNER", "DILOCO_START_STEP",
+                                                       "DILOCO_CORPUS")

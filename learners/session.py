@@ -245,6 +245,38 @@ class Session:
         self._schemes = {t.name: "bf16" if configured == "fp32" and t.dtype == "bfloat16" else configured
                          for t in self.plan.tensors}  # a bf16 tensor never travels wider than itself
 
+    @staticmethod
+    def from_env(**kwargs) -> Session:
+        """The session of a learner script started by `diloco learner` (model.script) or by a job
+        backend: DILOCO_CONFIG (the run's config.yaml), DILOCO_LEARNER, DILOCO_START_STEP, and
+        optionally DILOCO_CORPUS (the prepared corpus directory)."""
+        import os
+
+        from diloco.config import load_config
+        from diloco.learners.learner import ENV_CONFIG, ENV_CORPUS, ENV_LEARNER, ENV_START_STEP
+
+        missing = [k for k in (ENV_CONFIG, ENV_LEARNER) if not os.environ.get(k)]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} not set: start the script with `diloco learner --config RUN_DIR/"
+                              "config.yaml --learner ID` (model.script) or set them to the run's config and a learner id")
+        cfg = load_config(os.environ[ENV_CONFIG])
+        if os.environ.get(ENV_CORPUS):
+            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": os.environ[ENV_CORPUS]})})
+        return Session(cfg, os.environ[ENV_LEARNER], start_step=int(os.environ.get(ENV_START_STEP) or 0), **kwargs)
+
+    @property
+    def shard(self):
+        """This learner's share of the data (diloco.DataShard), for `spec.batches(session.shard)`."""
+        from diloco.spec import DataShard
+
+        return DataShard(self.index, self.cfg.num_learners, self.start_step, self.cfg.data.seed, jax.process_index(),
+                         jax.process_count())
+
+    @property
+    def total_steps(self) -> int:
+        """This learner's step budget in the run's config (inner.steps, or its share by speed)."""
+        return self.cfg.learner_steps(self.id)
+
     # --- life cycle ----------------------------------------------------------------------------
     def __enter__(self) -> Session:
         self.open()

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.integration
 def _run(tiny_config, monkeypatch, entry: str, **sections):
     # Every child process writes the modules it imports to its log (CPython's -X importtime).
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
-    cfg = tiny_config(model={"entry": entry, "options": {}}, inner={"steps": 60, "batch_size": 8, "warmup_steps": 5},
-                      **sections)
+    sections = {"model": {"entry": entry, "options": {}}, **sections}
+    cfg = tiny_config(inner={"steps": 60, "batch_size": 8, "warmup_steps": 5}, **sections)
     summary = train(cfg, progress=False, console=Console(quiet=True))
     monkeypatch.delenv("PYTHONPROFILEIMPORTTIME")
     return cfg, summary
@@ -75,3 +75,12 @@ def test_plain_pytree_example_keeps_bf16_a_dict_batch_and_a_local_leaf(tiny_conf
     assert restored["embed"].dtype == stored.dtype and np.array_equal(restored["embed"].view(np.uint16),
                                                                        stored.view(np.uint16))
     assert s["tokens"] < cfg.num_learners * cfg.inner.steps * cfg.inner.batch_size * 32  # masked targets do not count
+
+
+def test_a_users_own_training_loop_runs_as_every_learner(tiny_config, monkeypatch):
+    cfg, s = _run(tiny_config, monkeypatch, "examples.pytree_mlp_lm:spec", syncer={"mean_merge_tensors": ["embed"]},
+                  model={"entry": "examples.pytree_mlp_lm:spec", "options": {}, "script": "examples/own_loop.py"})
+    _check_run(cfg, s, "examples.pytree_mlp_lm")
+    logs = {lid: (Path(s["run_dir"]) / "logs" / f"{lid}.log").read_text() for lid in cfg.learner_ids()}
+    assert all('"msg": "running the learner script", "script": "examples/own_loop.py"' in t for t in logs.values())
+    assert {lid: hb["step"] for lid, hb in s["learners"].items()} == {lid: cfg.inner.steps for lid in cfg.learner_ids()}
