@@ -50,6 +50,7 @@ from diloco.syncer.state import Fenced, StaleVersion, SyncerState, wait_until_up
 log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
+DRAIN_SETTLE_S = 1.0  # on stop: how long the syncer must stay caught up before it believes it
 
 
 @dataclass
@@ -171,7 +172,7 @@ class Syncer:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
         self.start()
-        stop_at = None
+        stop_at = settled_at = None
         try:
             while True:
                 try:
@@ -179,8 +180,13 @@ class Syncer:
                 except (RedisConnectionError, RedisTimeoutError) as err:
                     self.recover_from_redis_outage(err)
                 if self.stopping:
-                    stop_at = stop_at or self.clock() + drain_timeout_s
-                    if self.caught_up() or self.clock() > stop_at:
+                    # Caught up by the high watermark of a fetch that may predate the last records
+                    # (a learner's final hand-in just before the stop): trust it only once it held
+                    # over several fetches, for DRAIN_SETTLE_S.
+                    now = self.clock()
+                    stop_at = stop_at or now + drain_timeout_s
+                    settled_at = (settled_at or now) if self.caught_up() else None
+                    if (settled_at is not None and now - settled_at >= DRAIN_SETTLE_S) or now > stop_at:
                         break
             if self.cfg.syncer.flush_on_stop:
                 for p in list(self.fragments):
@@ -262,7 +268,7 @@ class Syncer:
         for p in sorted(set(self.fragments) - want):
             self.release(p)
             changed = True
-        if not self.stopping:
+        if not self.stopping or force:  # force: a (re)start, also one after a Redis outage during the stop
             settled = now - self.started_at >= self.ttl_s  # the other shards had time to say they are live
             changed |= self.claim([p for p in sorted(want - set(self.fragments))
                                    if shards_mod.home_shard(p, self.cfg.syncer.shards) == self.shard or settled])
