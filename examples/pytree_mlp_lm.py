@@ -63,7 +63,7 @@ def spec(cfg: diloco.Config) -> diloco.ModelSpec:
     return diloco.ModelSpec(
         init=init,
         loss=loss,
-        optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.3, momentum=0.9, nesterov=True)),
+        optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9, nesterov=True)),
         batches=batches,
         tokens=lambda batch: int(batch["mask"].sum()),                 # what the loss trains on
         eval_batches=lambda: [with_mask(b) for b in eval_batches(corpus().heldout_tokens(), n_batches=4,

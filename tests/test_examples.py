@@ -13,6 +13,7 @@ from helpers import assert_exact_accounting
 from rich.console import Console
 
 import diloco
+from diloco.config import load_config
 from diloco.infra.store import FragmentStore
 from diloco.run import train
 from diloco.spec import load_spec
@@ -23,7 +24,10 @@ pytestmark = pytest.mark.integration
 def _run(tiny_config, monkeypatch, entry: str, **sections):
     # Every child process writes the modules it imports to its log (CPython's -X importtime).
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
-    sections = {"model": {"entry": entry, "options": {}}, **sections}
+    demo = load_config(Path(__file__).resolve().parents[1] / "configs/local.yaml")  # the examples' own settings
+    sections = {"model": {"entry": entry, "options": {}}, "outer": demo.outer.model_dump(),
+                "fragments": {"apply": demo.fragments.apply}, **sections}
+    sections["syncer"] = {"scale_partial_rounds": True, **sections.get("syncer", {})}
     cfg = tiny_config(inner={"steps": 60, "batch_size": 8, "warmup_steps": 5}, **sections)
     summary = train(cfg, progress=False, console=Console(quiet=True))
     monkeypatch.delenv("PYTHONPROFILEIMPORTTIME")
