@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from diloco.infra.store import FragmentStore, StoreError
-from diloco.plan import Plan, check_tree, unflatten
+from diloco.plan import Plan, check_tree, place, unflatten
 
 
 def latest_versions(store: FragmentStore, plan: Plan) -> dict[int, int]:
@@ -39,8 +39,6 @@ def read_global(store: FragmentStore, plan: Plan, versions: Mapping[int, int] | 
 
 def restore(store_url: str, run_id: str, template, versions: Mapping[int, int] | None = None):
     """The run's global parameters at `versions` (default latest) put into `template`, your pytree."""
-    from diloco.learners.session import place
-
     store = FragmentStore(store_url, run_id)
     plan = store.read_plan()
     check_tree(template, plan)

@@ -128,6 +128,10 @@ class SyncerConfig(_Section):
     max_contribution_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     incomplete_timeout_s: float = Field(60.0, gt=0, description="drop a chunk set still partial after this")
     norm_outlier_factor: float = Field(0.0, ge=0, description="reject deltas this many times the round median; 0 = off")
+    max_tokens_per_step: int = Field(1 << 24, ge=1, description="a contribution claiming more tokens per step than "
+                                                                "this is rejected (bad_metadata): it would outweigh the rest")
+    max_delta_ratio: float = Field(10.0, ge=0, description="reject a delta whose norm exceeds this many times its "
+                                   "fragment's parameter norm, or sqrt(parameters) if larger (norm_budget); 0 = off")
     mean_merge_tensors: tuple[str, ...] | None = Field(
         None, description="glob patterns of tensors merged by plain mean instead of RDA; None = the model spec's")
     merge: Literal["rda", "mean"] = Field("rda", description="mean = plain weighted mean of every tensor (sync DiLoCo)")

@@ -29,8 +29,23 @@ _PREFIX = struct.Struct("<4sHI")
 MAX_HEADER_BYTES = 1 << 20
 
 
+MAX_EVENT_BYTES = 1 << 20
+MAX_COUNT = 1 << 53          # tokens, steps, versions: beyond this a float64 stops counting exactly
+DETAIL_CHARS = 300           # error texts quote input at most this long
+
+
 class WireError(ValueError):
     """A message that cannot be decoded; the text says what is wrong with it."""
+
+
+def short(value, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: error texts never echo input unbounded."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
+
+
+def bounded(text: str, limit: int = DETAIL_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,7 @@ class Manifest:
         def need(key, typ):
             v = h.get(key)
             if isinstance(v, bool) or not isinstance(v, typ):
-                raise WireError(f"manifest field {key!r} must be {getattr(typ, '__name__', typ)}, got {v!r}")
+                raise WireError(f"manifest field {key!r} must be {getattr(typ, '__name__', typ)}, got {short(v)}")
             return v
 
         raw_tensors = need("tensors", list)
@@ -78,9 +93,9 @@ class Manifest:
                 raise WireError(f"manifest tensors[{i}] must be an object")
             shape = t.get("shape")
             if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-                raise WireError(f"manifest tensors[{i}].shape must be a list of non-negative ints, got {shape!r}")
+                raise WireError(f"manifest tensors[{i}].shape must be a list of non-negative ints, got {short(shape)}")
             if t.get("scheme") not in quantize.SCHEMES:
-                raise WireError(f"manifest tensors[{i}].scheme must be one of {quantize.SCHEMES}, got {t.get('scheme')!r}")
+                raise WireError(f"manifest tensors[{i}].scheme must be one of {quantize.SCHEMES}, got {short(t.get('scheme'))}")
             if not isinstance(t.get("name"), str) or not isinstance(t.get("nbytes"), int):
                 raise WireError(f"manifest tensors[{i}] needs a string name and an int nbytes")
             tensors.append(TensorSpec(t["name"], tuple(shape), t["scheme"], t["nbytes"]))
@@ -116,7 +131,9 @@ def parse_frame(raw: bytes) -> tuple[dict, memoryview]:
     try:
         header = json.loads(bytes(raw[_PREFIX.size:_PREFIX.size + hlen]))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WireError(f"header is not JSON: {err}") from None
+        raise WireError(f"header is not JSON: {bounded(str(err), 120)}") from None
+    except RecursionError:
+        raise WireError("header JSON nests too deeply") from None
     if not isinstance(header, dict) or header.get("kind") not in ("manifest", "chunk"):
         raise WireError(f"header kind must be 'manifest' or 'chunk', got {header!r:.80}")
     return header, memoryview(raw)[_PREFIX.size + hlen:]
@@ -275,11 +292,51 @@ def event(kind: str, **fields) -> bytes:
 
 
 def parse_event(raw: bytes) -> dict | None:
+    """An events or outer topic record as a dict, or None if it is not one (too large, not JSON,
+    nested too deeply, another schema)."""
+    if raw is None or len(raw) > MAX_EVENT_BYTES:
+        return None
     try:
         ev = json.loads(raw)
-    except (TypeError, UnicodeDecodeError, json.JSONDecodeError):
+    except (TypeError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
-    return ev if isinstance(ev, dict) and ev.get("schema") == EVENT_SCHEMA and "kind" in ev else None
+    return ev if isinstance(ev, dict) and ev.get("schema") == EVENT_SCHEMA and isinstance(ev.get("kind"), str) else None
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNT
+
+
+def _seconds(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e9
+
+
+_HEARTBEAT = {  # field -> check; unknown fields are dropped, a bad known one refuses the beat
+    "step": _count, "start_step": _count, "tokens": _count, "published": _count, "bytes_sent": _count,
+    "bytes_fetched": _count, "versions_applied": _count,
+    "step_time": _seconds, "compute_s": _seconds, "at": _seconds,
+    "loss": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    "state": lambda v: v in ("running", "finished"),
+    "incarnation": lambda v: isinstance(v, str) and len(v) <= 64,
+    "region": lambda v: isinstance(v, str) and len(v) <= 64,
+    "versions": lambda v: isinstance(v, dict) and len(v) <= 4096 and all(
+        isinstance(k, str) and k.isdigit() and _count(x) for k, x in v.items()),
+}
+
+
+def clean_heartbeat(ev: Mapping) -> dict:
+    """The heartbeat's known fields, each checked (types, finite, in range), or WireError saying
+    which field is wrong: nothing unchecked reaches the syncer's state."""
+    learner = ev.get("learner")
+    if not isinstance(learner, str) or not 0 < len(learner) <= 64:
+        raise WireError(f"heartbeat learner must be a short string, got {short(learner)}")
+    out = {"kind": "heartbeat", "learner": learner}
+    for key, ok in _HEARTBEAT.items():
+        if key in ev:
+            if not ok(ev[key]):
+                raise WireError(f"heartbeat of {short(learner)}: field {key!r} is {short(ev[key])}")
+            out[key] = ev[key]
+    return out
 
 
 def _jsonable(x):

@@ -238,6 +238,24 @@ def make_plan(params, *, fragments: int, mean_merge: Sequence[str] = (), sync: S
 
 # --- between the user's tree and named arrays -----------------------------------------------------
 
+def to_host(x) -> np.ndarray:
+    """A leaf's value on this host (a replicated multi-host array: this host's copy)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            raise NotImplementedError("parameters sharded across hosts are not supported by this build yet")
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+
+
+def place(value: np.ndarray, like):
+    """`value` where `like` lived: the same dtype, and for a JAX array the same devices and sharding."""
+    value = np.asarray(value).astype(like.dtype, copy=False)
+    if isinstance(like, jax.Array):
+        return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
+    return value
+
+
+
 def check_tree(tree, plan: Plan) -> None:
     """Raise PlanError, naming the leaves, unless every tensor of the plan is a leaf of `tree` with
     the plan's shape and dtype. Other leaves of the tree are local and may be anything."""

@@ -35,7 +35,7 @@ from diloco.config import Config, ConfigError
 from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError
-from diloco.plan import Plan, check_tree, flatten, unflatten
+from diloco.plan import Plan, check_tree, flatten, place, to_host, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -143,21 +143,35 @@ class Fetcher(threading.Thread):
     def run(self) -> None:
         tp = TopicPartition(self.topics.outer, 0)
         kafka_io.assign_from(self.consumer, {tp: 0})  # the whole log: its last word per fragment wins
+        due: dict[int, list] = {}  # fragment -> [version, attempts, retry at]: announced, not fetched yet
         try:
             while not self.stop.is_set():
-                newest: dict[int, int] = {}
                 for records in self.consumer.poll(timeout_ms=100).values():
                     for rec in records:
-                        ev = messages.parse_event(rec.value)
-                        if ev and ev["kind"] == "version" and ev.get("run") == self.run_id:
-                            p, v = int(ev["fragment"]), int(ev["version"])
-                            if 0 <= p < len(self.plan) and v > max(self.held.get(p, (-1,))[0], newest.get(p, -1)):
-                                newest[p] = v
-                for p, v in newest.items():
-                    params, nbytes = self.fetch(p, v)
-                    self.held[p] = (v, params)
+                        p, v = self._announced(rec.value)
+                        if p is not None and v > max(self.held.get(p, (-1,))[0], due.get(p, [-1])[0]):
+                            due[p] = [v, 0, 0.0]
+                now = time.monotonic()
+                for p, entry in sorted(due.items()):
+                    if entry[2] > now:
+                        continue
+                    try:
+                        params, nbytes = self.fetch(p, entry[0])
+                    except (StoreError, quantize.CodecError, OSError, ValueError) as err:
+                        # transient (the store is slow or away) or a version that is not there: try
+                        # again with backoff; a newer announcement replaces it meanwhile
+                        entry[1] += 1
+                        entry[2] = now + min(0.5 * 2 ** entry[1], 10.0)
+                        log.warning("fetch of fragment %d v%d failed (attempt %d): %s", p, entry[0], entry[1],
+                                    messages.bounded(str(err), 200))
+                        if entry[1] >= self.MAX_ATTEMPTS:
+                            log.error("giving up on fragment %d v%d after %d attempts", p, entry[0], entry[1])
+                            del due[p]
+                        continue
+                    del due[p]
+                    self.held[p] = (entry[0], params)
                     with self.lock:
-                        self.latest[p] = (v, params)
+                        self.latest[p] = (entry[0], params)
                     with self.counters.lock:
                         self.counters.bytes_fetched += nbytes
         except BaseException as err:
@@ -165,6 +179,21 @@ class Fetcher(threading.Thread):
             log.exception("fetch failed")
         finally:
             self.consumer.close()
+
+    MAX_ATTEMPTS = 20
+
+    def _announced(self, raw: bytes) -> tuple[int | None, int]:
+        """(fragment, version) of a well-formed announcement of this run, else (None, -1): a bad
+        record on the outer topic is skipped with a warning, never fatal."""
+        ev = messages.parse_event(raw)
+        if not ev or ev["kind"] != "version" or ev.get("run") != self.run_id:
+            return None, -1
+        p, v = ev.get("fragment"), ev.get("version")
+        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (p, v))
+        if not ok or not 0 <= p < len(self.plan) or not 0 <= v < messages.MAX_COUNT:
+            log.warning("announcement ignored: fragment %s version %s", messages.short(p, 40), messages.short(v, 40))
+            return None, -1
+        return p, v
 
     def fetch(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
         """(params of version v of fragment p, bytes read)."""
@@ -186,23 +215,6 @@ class Fetcher(threading.Thread):
         with self.lock:
             out, self.latest = self.latest, {}
         return out
-
-
-def to_host(x) -> np.ndarray:
-    """A leaf's value on this host (a replicated multi-host array: this host's copy)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if not x.is_fully_replicated:
-            raise NotImplementedError("parameters sharded across hosts are not supported by this build yet")
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(x)
-
-
-def place(value: np.ndarray, like):
-    """`value` where `like` lived: the same dtype, and for a JAX array the same devices and sharding."""
-    value = np.asarray(value).astype(like.dtype, copy=False)
-    if isinstance(like, jax.Array):
-        return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
-    return value
 
 
 class Session:

@@ -15,6 +15,7 @@ Keys, all under `<key_prefix>:<run>:`:
     registry         hash  learner -> JSON (last heartbeat, step, tokens, step time)
     stats            hash  sync_time_s and other measured figures
     outbox           list  JSON {topic, partition, value} records to publish (transactional outbox)
+    deadletter       list  outbox records the broker refused for good (newest 1000), with why
 
 Every state change that consumed Kafka records writes the replay offsets in the same MULTI/EXEC,
 so a restarted syncer replays exactly the records whose effects are not yet durable. The events and
@@ -307,6 +308,14 @@ class SyncerState:
     def outbox_peek(self, n: int = 500) -> list[str]:
         """The first n outbox records as stored (JSON text): the trim below matches on that text."""
         return self.r.lrange(self.k + "outbox", 0, n - 1)
+
+    def dead_letter(self, record: str, why: str, keep: int = 1000) -> None:
+        """Keep a record the broker refused for good (the newest `keep` of them), and count it."""
+        p = self.r.pipeline()
+        p.rpush(self.k + "deadletter", json.dumps({"why": why[:500], "record": record[:1 << 20]}))
+        p.ltrim(self.k + "deadletter", -keep, -1)
+        p.hincrby(self.k + "counters", "dead_letters", 1)
+        p.execute()
 
     def outbox_trim(self, sent: list[str]) -> bool:
         """Drop the records just relayed, unless another relayer already did (False then)."""

@@ -72,6 +72,12 @@ class FragmentState:
     residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
 
 
+def _check_finite(what: str, arrays: dict[str, np.ndarray]) -> None:
+    bad = [n for n, a in arrays.items() if not np.all(np.isfinite(np.asarray(a, np.float32)))]
+    if bad:
+        raise FloatingPointError(f"{what} of {bad[:8]} are not finite")
+
+
 def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentStore, producer, plan: Plan,
               initial: dict[str, np.ndarray]) -> bool:
     """Create topics and, for a new run, store its plan and version 0 of every fragment (from the
@@ -157,7 +163,13 @@ class Syncer:
                                "`diloco train` provisions it")
         self.sync_time_s = self.state.stats().get("sync_time_s", 0.0)
         now = self.clock()  # the registry survives a restart; its clocks restart from now
-        self.registry = {lid: hb | {"seen": now} for lid, hb in self.state.registry().items() if lid in self.learners}
+        self.registry = {}
+        for lid, hb in self.state.registry().items():  # checked again: Redis may hold what an older build let in
+            try:
+                if lid in self.learners:
+                    self.registry[lid] = messages.clean_heartbeat(hb) | {"seen": now, "status": hb.get("status", "alive")}
+            except WireError as err:
+                log.warning("registry entry dropped", extra={"learner": lid[:64], "error": str(err)})
         self.consumed = {self.events_tp: self.state.events_offset(self.shard)}
         self.started_at = now
         self.rebalance(force=True)
@@ -350,18 +362,35 @@ class Syncer:
         """
         while self.broker.up and (raw := self.state.outbox_peek()):  # no blocking flush while it is away
             records = [json.loads(r) for r in raw]
+            refused: list[tuple[str, str]] = []   # (record, why): the broker will never take these
             try:
-                futures = [self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"])
-                           for r in records]
+                futures = []
+                for text, r in zip(raw, records):
+                    try:
+                        futures.append((text, self.producer.send(r["topic"], r["value"].encode(),
+                                                                 partition=r["partition"])))
+                    except KafkaError as err:  # refused before it left (too large for max_request_size)
+                        if getattr(err, "retriable", False):
+                            raise
+                        refused.append((text, f"{type(err).__name__}: {err}"))
                 self.producer.flush(timeout=10)
-                for f in futures:
-                    f.get(timeout=10)
+                for text, f in futures:
+                    try:
+                        f.get(timeout=10)
+                    except KafkaError as err:
+                        if getattr(err, "retriable", False):
+                            raise
+                        refused.append((text, f"{type(err).__name__}: {err}"))
             except KafkaError as err:
                 if not self._broker_down:
                     log.warning("broker unavailable; keeping %d records in the outbox", len(records),
                                 extra={"error": f"{type(err).__name__}: {err}"})
                 self._broker_down = True
                 return
+            for text, why in refused:  # a record refused for good must not hold up every later one
+                self.state.dead_letter(text, why)
+                log.error("outbox record refused by the broker; dead-lettered",
+                          extra={"error": messages.bounded(why, 200), "bytes": len(text)})
             if self._broker_down:
                 log.warning("broker reachable again; outbox relayed")
                 self._broker_down = False
@@ -379,6 +408,12 @@ class Syncer:
     def handle_event(self, raw: bytes) -> None:
         ev = messages.parse_event(raw)
         if not (ev and ev["kind"] == "heartbeat" and ev.get("learner") in self.learners):
+            return
+        try:
+            ev = messages.clean_heartbeat(ev)
+        except WireError as err:  # one bad beat: counted and logged, never stored or used
+            self.state.count("bad_events")
+            log.warning("heartbeat ignored", extra={"error": str(err)})
             return
         lid = ev["learner"]
         before = self.registry.get(lid)
@@ -420,8 +455,8 @@ class Syncer:
         try:
             header, payload = messages.parse_frame(raw)
             cid = header.get("id")
-            if not isinstance(cid, str):
-                raise WireError("frame header has no contribution id")
+            if not isinstance(cid, str) or not 0 < len(cid) <= 64:
+                raise WireError(f"frame header needs a contribution id of 1-64 characters, got {messages.short(cid, 40)}")
         except WireError as err:
             self._reject(None, "malformed", str(err), where=(*tp, offset))
             return
@@ -485,8 +520,14 @@ class Syncer:
         if got != want:
             diff = sorted(set(got.items()) ^ set(want.items()))[:4]
             return "wrong_shape", f"fragment {m.fragment} tensors differ from the model: {diff}"
-        if m.tokens <= 0 or m.steps <= 0 or not math.isfinite(m.step_time):
-            return "bad_metadata", f"tokens={m.tokens} steps={m.steps} step_time={m.step_time}"
+        sc = self.cfg.syncer
+        if not (0 < m.tokens < messages.MAX_COUNT and 0 < m.steps < messages.MAX_COUNT and
+                math.isfinite(m.step_time) and 0 <= m.step_time < 1e6):
+            return "bad_metadata", (f"tokens={messages.short(m.tokens, 40)} steps={messages.short(m.steps, 40)} "
+                                    f"step_time={m.step_time:.6g}: out of range")
+        if m.tokens > m.steps * sc.max_tokens_per_step:
+            return "bad_metadata", (f"{m.tokens} tokens in {m.steps} steps is more than syncer.max_tokens_per_step="
+                                    f"{sc.max_tokens_per_step} per step")
         current = self.fragments[m.fragment].version
         if not replay:  # a replayed contribution was judged on arrival; versions moved since
             if m.base_version > current:
@@ -499,7 +540,16 @@ class Syncer:
             return ("checksum" if "checksum" in str(err) else "malformed"), str(err)
         bad = [n for n, d in deltas.items() if not np.all(np.isfinite(d))]
         if bad:
-            return "non_finite", f"non-finite values in {bad}"
+            return "non_finite", f"non-finite values in {bad[:8]}"
+        if sc.max_delta_ratio > 0 and not replay:
+            norm = math.sqrt(sum(float(np.dot(d.ravel().astype(np.float64), d.ravel())) for d in deltas.values()))
+            params = self.fragments[m.fragment].params
+            size = sum(a.size for a in params.values())
+            scale = math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in params.values()))
+            budget = sc.max_delta_ratio * max(scale, math.sqrt(size))
+            if not norm <= budget:
+                return "norm_budget", (f"delta norm {norm:.4g} > {sc.max_delta_ratio:g} x max(parameter norm {scale:.4g}, "
+                                       f"sqrt(size) {math.sqrt(size):.4g}) (syncer.max_delta_ratio)")
         return deltas
 
     # --- rounds --------------------------------------------------------------------------------
@@ -536,18 +586,15 @@ class Syncer:
             return
         metas = [c.manifest_meta for c in contribs]
         sc = self.cfg.syncer
-        weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
-                                           weighted=sc.token_weighting)
-        delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, self.run_plan.mean_merged, rule=sc.merge)
         live, contributors = self.live_learners(), {m["learner"] for m in metas}
-        expected = len(live | contributors)
-        share = merge_math.round_share(len(contribs), expected) if sc.scale_partial_rounds else 1.0
-        if share != 1.0:
-            delta = {n: d * np.float32(share) for n, d in delta.items()}
-        names = self.plan[p]
-        old = {n: st.params[n] for n in names}
-        params, opt_state = merge_math.outer_step(self.opt, old, st.opt_state, delta)
-        update, params, residual = quantize.encode_update(old, params, st.residual, sc.broadcast)
+        share = merge_math.round_share(len(contribs), len(live | contributors)) if sc.scale_partial_rounds else 1.0
+        try:
+            weights, params, opt_state, update, residual = self._merged(st, p, contribs, share)
+        except Exception as err:  # never write, announce or crash on what a round holds: reject it, say why
+            log.exception("merge failed; rejecting the round", extra={"fragment": p, "ids": [m["id"] for m in metas]})
+            for m in metas:
+                self._reject(m["id"], "merge_failed", f"fragment {p} round of {len(metas)}: {type(err).__name__}: {err}")
+            return
         crash_point("merge_computed")
         ids = [m["id"] for m in metas]
         late = sum(1 for m in metas if m["base_version"] < st.version)
@@ -588,6 +635,23 @@ class Syncer:
             self.status[cid] = f"applied:{p}:{st.version}"
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": st.version, "contributions": len(ids), "late": late,
                                   "reason": reason, "seconds": round(sync_time, 4)})
+
+    def _merged(self, st: FragmentState, p: int, contribs: list[Pending], share: float):
+        """(weights, new params, outer state, encoded update, residual) of a round; raises if the
+        result is not finite, so that a non-finite version is never written or announced."""
+        sc, metas = self.cfg.syncer, [c.manifest_meta for c in contribs]
+        weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
+                                           weighted=sc.token_weighting)
+        delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, self.run_plan.mean_merged, rule=sc.merge)
+        if share != 1.0:
+            delta = {n: d * np.float32(share) for n, d in delta.items()}
+        old = {n: st.params[n] for n in self.plan[p]}
+        params, opt_state = merge_math.outer_step(self.opt, old, st.opt_state, delta)
+        _check_finite("merged values", params)  # before the encoding: int8 codes would launder a NaN
+        update, params, residual = quantize.encode_update(old, params, st.residual, sc.broadcast)
+        _check_finite("published values", params)
+        _check_finite("broadcast residual", residual)
+        return weights, params, opt_state, update, residual
 
     def _drop_norm_outliers(self, p: int, contribs: list[Pending]) -> list[Pending]:
         factor = self.cfg.syncer.norm_outlier_factor
@@ -657,7 +721,7 @@ class Syncer:
         # the fragment whose partition the record came from: only its owner may say anything about it
         about = fragment if fragment is not None else (int(where[1]) if where is not None else None)
         fence = {about: self.epochs[about]} if about in self.epochs else None
-        fields = {"id": cid, "reason": reason, "detail": detail}
+        fields = {"id": cid if cid is None else cid[:64], "reason": reason, "detail": messages.bounded(detail)}
         if manifest is not None:
             fields |= {"learner": manifest.learner, "region": manifest.region, "fragment": manifest.fragment,
                        "base_version": manifest.base_version}
