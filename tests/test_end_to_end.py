@@ -22,7 +22,14 @@ pytestmark = pytest.mark.integration
 
 
 def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_path):
-    cfg = tiny_config()
+    # Steps stretched (~30 ms): the run outlasts a merge round trip (accept, merge, write, announce,
+    # fetch: ~0.4 s here), so learners read new versions while they train, as the bytes check needs.
+    # At full speed 80 tiny steps take 0.6 s and a loaded machine can finish before the first merge.
+    # The demo's outer step (plain averaging, rebase): with the defaults' Nesterov 0.9 this tiny run's
+    # ~20 outer steps per fragment diverge (docs/bench.md, issue #21).
+    cfg = tiny_config(regions=[{"name": "us", "learners": 2, "speed": 0.25}, {"name": "eu", "learners": 2, "speed": 0.25}],
+                      outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase"},
+                      syncer={"scale_partial_rounds": True})
     summary = train(cfg, summary_json=tmp_path / "summary.json", progress=False, console=Console(quiet=True))
     assert summary["eval_loss_end"] < 0.9 * summary["eval_loss_start"]
     c = summary["contributions"]

@@ -28,6 +28,9 @@ def _run(tiny_config, monkeypatch, entry: str, **sections):
     sections = {"model": {"entry": entry, "options": {}}, "outer": demo.outer.model_dump(),
                 "fragments": {"apply": demo.fragments.apply}, **sections}
     sections["syncer"] = {"scale_partial_rounds": True, **sections.get("syncer", {})}
+    # Steps stretched to ~30 ms so that a sync period outlasts a merge round trip, as on real hardware
+    # (at full speed 60 tiny steps take half a second and nearly every delta lands late).
+    sections.setdefault("regions", [{"name": "us", "learners": 2, "speed": 0.25}, {"name": "eu", "learners": 2, "speed": 0.25}])
     cfg = tiny_config(inner={"steps": 60, "batch_size": 8, "warmup_steps": 5}, **sections)
     summary = train(cfg, progress=False, console=Console(quiet=True))
     monkeypatch.delenv("PYTHONPROFILEIMPORTTIME")

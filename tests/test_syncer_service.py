@@ -37,7 +37,7 @@ def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
     w = merge_math.token_weights([1000, 500], [4, 4])
     v0 = h.store.read(0, 0)
     opt = merge_math.outer_optimizer(h.cfg.outer.lr, h.cfg.outer.momentum, h.cfg.outer.nesterov)
-    merged = merge_math.merge_deltas([d0, d1], w, h.cfg.syncer.mean_merge_tensors)
+    merged = merge_math.merge_deltas([d0, d1], w, h.run_plan.mean_merged)
     merged = {n: 0.5 * d for n, d in merged.items()}  # 2 of the 4 learners: half a full round's step
     stepped, _ = merge_math.outer_step(opt, v0.params, opt.init(v0.params), merged)
     wire, expect, residual = quantize.encode_update(v0.params, stepped, {}, h.cfg.syncer.broadcast)
