@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 err_console = Console(stderr=True)
@@ -36,7 +37,7 @@ FragmentOpt = Annotated[Optional[int], typer.Option("--fragment", "-p", min=0, h
 
 
 def _fail(msg: str, code: int = 1):
-    err_console.print(f"[red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    err_console.print(f"[red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)  # a name may hold [..]
     raise typer.Exit(code)
 
 
