@@ -42,5 +42,4 @@ def restore(store_url: str, run_id: str, template, versions: Mapping[int, int] |
     store = FragmentStore(store_url, run_id)
     plan = store.read_plan()
     check_tree(template, plan)
-    return unflatten(template, plan, read_global(store, plan, versions),
-                     place=lambda value, old: place(value, old) if hasattr(old, "sharding") else value)
+    return unflatten(template, plan, read_global(store, plan, versions), place=place)

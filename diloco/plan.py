@@ -20,6 +20,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import jax
@@ -64,8 +65,8 @@ class Plan:
             if not any(t.fragment == p for t in self.tensors):
                 raise PlanError(f"fragment {p} of {self.fragments} holds no tensor")
 
-    # --- look-ups ------------------------------------------------------------------------------
-    @property
+    # --- look-ups (computed once: learners and the syncer use them at every sync) ---------------
+    @cached_property
     def by_name(self) -> dict[str, Tensor]:
         return {t.name: t for t in self.tensors}
 
@@ -73,15 +74,15 @@ class Plan:
         """Tensor names of one fragment, sorted (the order every process uses)."""
         return sorted(t.name for t in self.tensors if t.fragment == fragment)
 
-    @property
+    @cached_property
     def fragment_names(self) -> list[list[str]]:
         return [self.names(p) for p in range(self.fragments)]
 
-    @property
+    @cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {t.name: t.shape for t in self.tensors}
 
-    @property
+    @cached_property
     def mean_merged(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tensors if t.merge == "mean")
 
@@ -182,15 +183,19 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _check_patterns(what: str, patterns: Sequence[str], names: Sequence[str], among: str, source: str = "") -> None:
+    """A pattern that matches nothing is a mistake (a typo, another model's names), not a no-op."""
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+            raise PlanError(f"{what} pattern {pat!r}{source} matches no {among} ({_some(list(names))})")
+
+
 def synced(tree, *, sync: Sequence[str] | None = None, local: Sequence[str] = ()) -> list[tuple[str, Any]]:
     """The (name, leaf) pairs that are synced (see the module docstring)."""
     leaves = named_leaves(tree)
     names = [n for n, _ in leaves]
-    for what, patterns in (("sync", sync or ()), ("local", local)):
-        for pat in patterns:
-            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
-                raise PlanError(f"{what} pattern {pat!r} matches no leaf of the parameters "
-                                f"({_some(names)})")
+    _check_patterns("sync", sync or (), names, "leaf of the parameters")
+    _check_patterns("local", local, names, "leaf of the parameters")
     out = []
     for name, leaf in leaves:
         if _matches(name, local):
@@ -223,10 +228,7 @@ def make_plan(params, *, fragments: int, mean_merge: Sequence[str] = (), sync: S
     """
     leaves = synced(params, sync=sync, local=local)
     shapes = {n: tuple(int(s) for s in leaf.shape) for n, leaf in leaves}
-    for pat in mean_merge:
-        if not any(fnmatch.fnmatchcase(n, pat) for n in shapes):
-            raise PlanError(f"mean-merge pattern {pat!r} (syncer.mean_merge_tensors) matches no synced tensor "
-                            f"({_some(list(shapes))})")
+    _check_patterns("mean-merge", mean_merge, list(shapes), "synced tensor", " (syncer.mean_merge_tensors)")
     try:
         packed = plan_fragments(shapes, fragments)
     except ValueError as err:
@@ -253,7 +255,6 @@ def place(value: np.ndarray, like):
     if isinstance(like, jax.Array):
         return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
     return value
-
 
 
 def check_tree(tree, plan: Plan) -> None:

@@ -152,8 +152,8 @@ def prepare(cfg: Config, console: Console) -> RunSetup:
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": str(corpus.dir)})})
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(dump_config(cfg))
-    spec, plan, template = provision_run(cfg, run_id, state=state, corpus=corpus)
     store = FragmentStore(cfg.store.url, run_id)
+    spec, plan, template = provision_run(cfg, run_id, state=state, store=store, corpus=corpus)
     console.print(f"model {cfg.model.entry}: {plan.num_params:,} parameters in {len(plan.tensors)} tensors, "
                   f"{plan.fragments} fragments")
     setup = RunSetup(cfg, run_dir, cfg_path, corpus, state, store, spec, plan, template, math.nan, t_start)
@@ -162,7 +162,8 @@ def prepare(cfg: Config, console: Console) -> RunSetup:
     return setup
 
 
-def provision_run(cfg: Config, run_id: str, *, state: state_mod.SyncerState, corpus: Corpus | None = None):
+def provision_run(cfg: Config, run_id: str, *, state: state_mod.SyncerState, store: FragmentStore | None = None,
+                  corpus: Corpus | None = None):
     """Load the model spec, make the run's plan from its initial parameters (errors name the leaf or
     pattern), check the corpus vocabulary against the model's, and provision topics, Redis, the plan
     and version 0. Returns (spec, plan, initial tree)."""
@@ -174,7 +175,7 @@ def provision_run(cfg: Config, run_id: str, *, state: state_mod.SyncerState, cor
                           f"{spec.vocab_size:,} ({cfg.model.entry}): ids past it would index out of range")
     producer = kafka_io.producer(cfg.transport)
     try:
-        provision(cfg, run_id, state=state, store=FragmentStore(cfg.store.url, run_id), producer=producer, plan=plan,
+        provision(cfg, run_id, state=state, store=store or FragmentStore(cfg.store.url, run_id), producer=producer, plan=plan,
                   initial={n: np.asarray(a) for n, a in flatten(template, plan).items()})
     finally:
         producer.close()

@@ -7,16 +7,12 @@ import math
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from diloco.checkpoint import read_global
+from diloco.checkpoint import latest_versions, read_global
 from diloco.config import Config, load_config
 from diloco.flows import reports
 from diloco.infra.store import FragmentStore
 from diloco.plan import unflatten
 from diloco.spec import evaluate, load_spec
-
-
-def latest_versions(cfg: Config, store: FragmentStore) -> list[int]:
-    return [store.versions(p)[-1] for p in range(cfg.fragments.count)]
 
 
 def tokens_at(cfg: Config, store: FragmentStore, versions: list[int]) -> int:
@@ -39,7 +35,8 @@ def evaluate_versions(cfg: Config, versions: list[int]) -> dict:
 
 @task(retries=2, retry_delay_seconds=[2, 8], cache_policy=NO_CACHE)
 def read_versions(cfg: Config) -> list[int]:
-    return latest_versions(cfg, FragmentStore(cfg.store.url, cfg.run.id))
+    store = FragmentStore(cfg.store.url, cfg.run.id)
+    return list(latest_versions(store, store.read_plan()).values())
 
 
 @task(retries=2, retry_delay_seconds=[2, 8], cache_policy=NO_CACHE)

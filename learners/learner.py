@@ -9,6 +9,9 @@ Regions slower than 1 (`regions[].speed`) stand for slower hardware: each step i
 from __future__ import annotations
 
 import logging
+import os
+import runpy
+import sys
 import time
 
 import jax
@@ -16,7 +19,7 @@ import optax
 
 from diloco.config import Config
 from diloco.learners.parallel import data_parallel
-from diloco.learners.session import Session
+from diloco.learners.session import ENV_CONFIG, ENV_CORPUS, ENV_LEARNER, ENV_START_STEP, Session
 from diloco.spec import DataShard, ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,8 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
     speed = cfg.region_of(learner_id).speed
     shard = DataShard(cfg.learner_ids().index(learner_id), cfg.num_learners, start_step, cfg.data.seed,
                       jax.process_index(), jax.process_count())
-    batches = spec.batches(shard)
+    n = jax.process_count()
+    feed = ((spec.tokens_in(b) * n, dp.shard_batch(b)) for b in spec.batches(shard))  # (global tokens, on devices)
     session = Session(cfg, learner_id, run_id=run_id, start_step=start_step, **services)
     session.open()
     ok = False
@@ -49,9 +53,7 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
         params = session.join(dp.replicate(spec.init(cfg.model.seed)))
         opt = spec.inner_optimizer(start_step, total_steps)
         opt_state = opt.init(params)
-        host_batch = next(batches)
-        tokens = spec.tokens_in(host_batch) * jax.process_count()
-        batch = dp.shard_batch(host_batch)
+        tokens, batch = next(feed)
         # Compile before the clock starts: step times feed the grace window and the time budget.
         train_step = make_train_step(spec.loss, opt).lower(params, opt_state, batch).compile()
         compute_s = 0.0
@@ -61,9 +63,7 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
             t0 = time.perf_counter()
             params, opt_state, loss = train_step(params, opt_state, batch)
             trained = tokens
-            host_batch = next(batches)
-            tokens = spec.tokens_in(host_batch) * jax.process_count()
-            batch = dp.shard_batch(host_batch)
+            tokens, batch = next(feed)
             loss = float(loss)
             dt = time.perf_counter() - t0
             if speed < 1:  # stands for slower hardware in this region
@@ -85,10 +85,6 @@ def main(cfg: Config, run_id: str, learner_id: str, corpus_dir: str | None = Non
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": corpus_dir})})
     if cfg.model.script is None:
         return run(cfg, run_id, learner_id, start_step=start_step)
-    import os
-    import runpy
-    import sys
-
     os.environ.update({ENV_CONFIG: str(config_path), ENV_LEARNER: learner_id, ENV_START_STEP: str(start_step)})
     if corpus_dir:
         os.environ[ENV_CORPUS] = corpus_dir
@@ -96,8 +92,3 @@ def main(cfg: Config, run_id: str, learner_id: str, corpus_dir: str | None = Non
     log.info("running the learner script", extra={"script": cfg.model.script, "learner": learner_id})
     runpy.run_path(cfg.model.script, run_name="__main__")
     return None
-
-
-# How a learner script finds its run (set by `diloco learner`, or by hand).
-ENV_CONFIG, ENV_LEARNER, ENV_START_STEP, ENV_CORPUS = ("DILOCO_CONFIG", "DILOCO_LEARNER", "DILOCO_START_STEP",
-                                                       "DILOCO_CORPUS")

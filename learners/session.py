@@ -18,6 +18,7 @@ are never touched. Values keep their leaf's dtype and device placement (sharding
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -31,13 +32,17 @@ from kafka import TopicPartition
 from kafka.errors import KafkaError
 
 from diloco import messages, quantize
-from diloco.config import Config, ConfigError
+from diloco.config import Config, ConfigError, load_config
 from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError
 from diloco.plan import Plan, check_tree, flatten, place, to_host, unflatten
 
 log = logging.getLogger(__name__)
+
+# How a learner script finds its run (set by `diloco learner` for model.script, or by a job backend).
+ENV_CONFIG, ENV_LEARNER, ENV_START_STEP, ENV_CORPUS = ("DILOCO_CONFIG", "DILOCO_LEARNER", "DILOCO_START_STEP",
+                                                       "DILOCO_CORPUS")
 
 
 @dataclass
@@ -128,6 +133,7 @@ class Fetcher(threading.Thread):
     the compact updates from the version it holds when there are few, else the whole fragment."""
 
     CHAIN_MAX = 4  # beyond this many updates, one fp32 read is about as cheap
+    MAX_ATTEMPTS = 20  # reads of one announced version before the fetcher gives up on it
 
     def __init__(self, cfg: Config, run_id: str, consumer, store: FragmentStore, topics: kafka_io.Topics,
                  counters: Counters, plan: list[list[str]]):
@@ -179,8 +185,6 @@ class Fetcher(threading.Thread):
             log.exception("fetch failed")
         finally:
             self.consumer.close()
-
-    MAX_ATTEMPTS = 20
 
     def _announced(self, raw: bytes) -> tuple[int | None, int]:
         """(fragment, version) of a well-formed announcement of this run, else (None, -1): a bad
@@ -262,11 +266,6 @@ class Session:
         """The session of a learner script started by `diloco learner` (model.script) or by a job
         backend: DILOCO_CONFIG (the run's config.yaml), DILOCO_LEARNER, DILOCO_START_STEP, and
         optionally DILOCO_CORPUS (the prepared corpus directory)."""
-        import os
-
-        from diloco.config import load_config
-        from diloco.learners.learner import ENV_CONFIG, ENV_CORPUS, ENV_LEARNER, ENV_START_STEP
-
         missing = [k for k in (ENV_CONFIG, ENV_LEARNER) if not os.environ.get(k)]
         if missing:
             raise ConfigError(f"{', '.join(missing)} not set: start the script with `diloco learner --config RUN_DIR/"

@@ -70,6 +70,13 @@ class FragmentState:
     opt_state: object
     round: dict[str, Pending] = field(default_factory=dict)
     residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
+    _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
+
+    def budget_scale(self) -> float:
+        if self._scale is None:
+            norm = math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in self.params.values()))
+            self._scale = max(norm, math.sqrt(sum(a.size for a in self.params.values())))
+        return self._scale
 
 
 def _check_finite(what: str, arrays: dict[str, np.ndarray]) -> None:
@@ -542,14 +549,11 @@ class Syncer:
         if bad:
             return "non_finite", f"non-finite values in {bad[:8]}"
         if sc.max_delta_ratio > 0 and not replay:
-            norm = math.sqrt(sum(float(np.dot(d.ravel().astype(np.float64), d.ravel())) for d in deltas.values()))
-            params = self.fragments[m.fragment].params
-            size = sum(a.size for a in params.values())
-            scale = math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in params.values()))
-            budget = sc.max_delta_ratio * max(scale, math.sqrt(size))
-            if not norm <= budget:
-                return "norm_budget", (f"delta norm {norm:.4g} > {sc.max_delta_ratio:g} x max(parameter norm {scale:.4g}, "
-                                       f"sqrt(size) {math.sqrt(size):.4g}) (syncer.max_delta_ratio)")
+            norm = math.sqrt(sum(float(np.sum(np.square(d, dtype=np.float64))) for d in deltas.values()))
+            scale = self.fragments[m.fragment].budget_scale()  # the parameters change only at a merge
+            if not norm <= sc.max_delta_ratio * scale:
+                return "norm_budget", (f"delta norm {norm:.4g} > {sc.max_delta_ratio:g} x max(parameter norm, "
+                                       f"sqrt(size)) = {sc.max_delta_ratio * scale:.4g} (syncer.max_delta_ratio)")
         return deltas
 
     # --- rounds --------------------------------------------------------------------------------
@@ -629,7 +633,7 @@ class Syncer:
             raise
         crash_point("merge_committed")
         st.version += 1
-        st.params, st.opt_state, st.residual = params, opt_state, residual
+        st.params, st.opt_state, st.residual, st._scale = params, opt_state, residual, None
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = f"applied:{p}:{st.version}"
