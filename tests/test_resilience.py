@@ -116,14 +116,18 @@ def test_learner_that_stops_is_not_waited_for_and_is_dropped(tiny_config):
 def test_mixed_speeds_train_without_a_global_stall(tiny_config):
     cfg = tiny_config(regions=[{"name": "fast", "learners": 2, "speed": 1.0},
                                {"name": "slow", "learners": 2, "speed": 0.25}],
-                      inner={"steps": 100_000, "max_seconds": 6.0}, syncer={"quorum": 2})
+                      inner={"steps": 100_000, "max_seconds": 6.0},
+                      # The fast pair closes ~4 rounds per slow sync period, so a slow delta's base is
+                      # 2-3 versions old on an idle machine and 5+ on a loaded one: the staleness bound
+                      # is not what this test is about (test_syncer_service covers it).
+                      syncer={"quorum": 2, "max_staleness": 16})
     s = train(cfg, progress=False, console=_quiet())
     steps = {lid: v["step"] for lid, v in s["learners"].items()}
     assert min(steps["fast-0"], steps["fast-1"]) > 2 * max(steps["slow-0"], steps["slow-1"])
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, s["run_id"])
     by_learner = {lid: sum(1 for m in state.merges() for x in m["learners"] if x == lid) for lid in steps}
     assert min(by_learner["fast-0"], by_learner["fast-1"]) > max(by_learner["slow-0"], by_learner["slow-1"]) > 0
-    assert s["contributions"]["applied"] == s["contributions"]["published"]
+    assert s["contributions"]["applied"] == s["contributions"]["published"], (s["contributions"], s["rejections"])
     assert s["eval_loss_end"] < s["eval_loss_start"]
 
 
