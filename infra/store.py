@@ -3,7 +3,10 @@
 Layout under `<store.url>/<run>/`:
     plan.json                                the run's plan (diloco.plan): tensor names, shapes, dtypes,
                                              fragments, merge rules; written once at provisioning
-    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/params/<tensor>   zarr3 arrays in the plan's dtype (bf16 stays bf16)
+    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/params/<tensor>   zarr3 arrays in the plan's dtype (bf16 stays bf16);
+                                             one object per tensor, in blocks along its longest axis
+                                             (zarr3 sharding) so that a host of a sharded learner
+                                             reads only the bytes of its own shards
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/opt/<state leaf>  zarr3 float32 arrays
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/residual/<tensor> zarr3 float32: quantization error the
                                              syncer carries into the next update
@@ -24,6 +27,7 @@ fenced commit in Redis that follows the write.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -32,9 +36,28 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from diloco.plan import Plan, PlanError
+from diloco.plan import Plan, PlanError, Region
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+BLOCK_BYTES = 1 << 18   # a params tensor above 2x this is stored in blocks of at least this size
+MAX_BLOCKS = 64
+
+
+def block_shape(shape: tuple[int, ...], itemsize: int) -> list[int] | None:
+    """Inner chunks of a params tensor: its longest axis cut into a power-of-two count of blocks,
+    as FSDP shards it (None: small enough to read whole)."""
+    nbytes = math.prod(shape) * itemsize
+    if not shape or nbytes < 2 * BLOCK_BYTES:
+        return None
+    axis = max(range(len(shape)), key=lambda i: shape[i])
+    k = 1
+    while k * 2 <= MAX_BLOCKS and shape[axis] % (k * 2) == 0 and nbytes // (k * 2) >= BLOCK_BYTES:
+        k *= 2
+    if k == 1:
+        return None
+    inner = list(shape)
+    inner[axis] //= k
+    return inner
 
 
 def _zarr_dtype(arr: np.ndarray) -> str:
@@ -84,12 +107,16 @@ class FragmentStore:
     def _dir(self, fragment: int, version: int) -> str:
         return f"fragments/{fragment:03d}/v{version:08d}/"
 
-    def _array_spec(self, key: str, shape=None, dtype: str = "float32") -> dict:
+    def _array_spec(self, key: str, shape=None, dtype: str = "float32", blocks: list[int] | None = None) -> dict:
         spec = {"driver": "zarr3", "kvstore": {**self._base, "path": self._base["path"] + key + "/"}}
         if shape is not None:
             chunk = list(shape) if shape else []
             spec["metadata"] = {"shape": list(shape), "data_type": dtype,
                                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}}}
+            if blocks:  # one object, read by byte ranges of its blocks
+                spec["metadata"]["codecs"] = [{"name": "sharding_indexed", "configuration": {
+                    "chunk_shape": blocks, "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                    "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]
         return spec
 
     def data_dir(self, fragment: int, version: int, meta: dict) -> str:
@@ -113,8 +140,9 @@ class FragmentStore:
                 arr = np.asarray(arr)
                 keep = group == "params" and (arr.dtype.kind == "f" or arr.dtype == _BF16)  # the plan's dtype
                 arr = arr if keep else arr.astype(np.float32, copy=False)
-                opening.append((ts.open(self._array_spec(f"{d}{group}/{_safe(name)}", arr.shape, _zarr_dtype(arr)),
-                                        create=True, open=True), arr))
+                blocks = block_shape(arr.shape, arr.dtype.itemsize) if group == "params" else None
+                opening.append((ts.open(self._array_spec(f"{d}{group}/{_safe(name)}", arr.shape, _zarr_dtype(arr),
+                                                         blocks), create=True, open=True), arr))
         futures += [t.result().write(arr) for t, arr in opening]
         for f in futures:
             f.result()
@@ -153,6 +181,24 @@ class FragmentStore:
             except ValueError as err:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} {group} unreadable: {err}") from None
         return FragmentVersion(out["params"], out.get("opt", {}), meta, out.get("residual", {}))
+
+    def read_blocks(self, fragment: int, version: int, blocks: dict[str, list[Region]]
+                    ) -> dict[str, dict[Region, np.ndarray]]:
+        """Only the named blocks of a version's params: what one host of a sharded learner holds."""
+        meta = self.read_meta(fragment, version)
+        d = self.data_dir(fragment, version, meta)
+        if missing := sorted(set(blocks) - set(meta.get("params", []))):
+            raise StoreError(f"{self.url}: fragment {fragment} v{version} has no params {missing[:4]}")
+        stores = {n: ts.open(self._array_spec(f"{d}params/{n}"), open=True) for n in blocks}
+        try:
+            arrays = {n: s.result() for n, s in stores.items()}
+            reads = {(n, r): arrays[n][tuple(slice(a, b) for a, b in r)].read() for n, rs in blocks.items() for r in rs}
+            out: dict[str, dict[Region, np.ndarray]] = {n: {} for n in blocks}
+            for (n, r), f in reads.items():
+                out[n][r] = np.asarray(f.result())
+        except (ValueError, IndexError) as err:
+            raise StoreError(f"{self.url}: fragment {fragment} v{version} params unreadable: {err}") from None
+        return out
 
     def read_update(self, fragment: int, version: int) -> tuple[str, dict[str, bytes]]:
         """(scheme, encoded tensors) of the update that takes version-1 to `version`."""
