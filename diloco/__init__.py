@@ -6,8 +6,8 @@ The public API lives in `diloco.api` and is importable from here (`diloco.Sessio
 
 __version__ = "0.1.0"
 
-_API = ("Config", "ConfigError", "DataShard", "ModelSpec", "Plan", "PlanError", "Session", "configure", "evaluate",
-        "latest_versions", "load_config", "make_plan", "restore", "train")
+_API = ("Config", "ConfigError", "DataShard", "LearnerMesh", "ModelSpec", "Plan", "PlanError", "Session", "configure",
+        "evaluate", "latest_versions", "learner_mesh", "load_config", "make_plan", "restore", "train")
 
 
 def __getattr__(name: str):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from diloco.checkpoint import latest_versions, restore
 from diloco.config import Config, ConfigError, build_config, load_config
+from diloco.learners.parallel import LearnerMesh, learner_mesh
 from diloco.learners.session import Session
 from diloco.plan import Plan, PlanError, make_plan
 from diloco.spec import DataShard, ModelSpec, evaluate
@@ -37,5 +38,5 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     return run_train(cfg, summary_json=summary_json, progress=progress)
 
 
-__all__ = ["Config", "ConfigError", "DataShard", "ModelSpec", "Plan", "PlanError", "Session", "configure", "evaluate",
-           "latest_versions", "load_config", "make_plan", "restore", "train"]
+__all__ = ["Config", "ConfigError", "DataShard", "LearnerMesh", "ModelSpec", "Plan", "PlanError", "Session", "configure",
+           "evaluate", "latest_versions", "learner_mesh", "load_config", "make_plan", "restore", "train"]

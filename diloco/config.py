@@ -98,6 +98,18 @@ class InnerConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
 
 
+class ParallelConfig(_Section):
+    """How one learner spreads over its devices and hosts (learners/parallel.py). The devices form a
+    mesh of axes (data, fsdp, tensor): fsdp shards parameters and optimizer state, tensor is for the
+    model's own partition specs, data is what is left (the batch is split over data x fsdp)."""
+    fsdp: int = Field(1, ge=1, description="devices each parameter is sharded over (FSDP / ZeRO-3)")
+    tensor: int = Field(1, ge=1, description="tensor-parallel devices (used by partition specs that name it)")
+    processes: int = Field(1, ge=1, description="hosts (JAX processes) per learner; the local backend starts this "
+                                                "many, on a slice the TPU runtime says so itself")
+    heartbeat_timeout_s: int = Field(10, ge=2, description="a learner's host that stops answering this long takes "
+                                                           "the whole learner down (it restarts as one)")
+
+
 class OuterConfig(_Section):
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
@@ -238,6 +250,7 @@ class Config(_Section):
     data: DataConfig = DataConfig()
     regions: tuple[RegionConfig, ...] = (RegionConfig(name="us"), RegionConfig(name="eu"))
     inner: InnerConfig = InnerConfig()
+    parallel: ParallelConfig = ParallelConfig()
     outer: OuterConfig = OuterConfig()
     fragments: FragmentsConfig = FragmentsConfig()
     syncer: SyncerConfig = SyncerConfig()

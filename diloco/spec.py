@@ -50,6 +50,9 @@ class ModelSpec:
                 used when the config's syncer.mean_merge_tensors is not set.
     sync / local: glob patterns of leaves to sync (default: every floating-point leaf) / to keep local.
     vocab_size: checked against the tokenizer of the run's corpus at provisioning.
+    partition:  params -> a tree of jax PartitionSpecs over the learner's mesh axes (data, fsdp,
+                tensor), how the built-in loop places parameters and optimizer state; default: each
+                array sharded along its longest axis over `parallel.fsdp` devices.
     """
     init: Callable[[int], PyTree]
     loss: Callable[[PyTree, Batch], Any]
@@ -62,6 +65,7 @@ class ModelSpec:
     sync: tuple[str, ...] | None = None
     local: tuple[str, ...] = ()
     vocab_size: int | None = None
+    partition: Callable[[PyTree], PyTree] | None = None
 
     def inner_optimizer(self, start_step: int, total_steps: int) -> optax.GradientTransformation:
         opt = self.optimizer

@@ -1,6 +1,7 @@
 """The learner process that `diloco learner` (and so `diloco train`, the flows and the job manifests)
 starts: the config's model entry point, trained by the plain loop a user would write around a
-`Session`, over all of the learner's devices (data parallel, `learners/parallel.py`).
+`Session`, over all of the learner's devices and hosts (`learners/parallel.py`: data parallel, FSDP
+and tensor parallel by the model's partition specs).
 
 Regions slower than 1 (`regions[].speed`) stand for slower hardware: each step is stretched to
 1/speed of its time.
@@ -18,7 +19,7 @@ import jax
 import optax
 
 from diloco.config import Config
-from diloco.learners.parallel import data_parallel
+from diloco.learners.parallel import learner_mesh
 from diloco.learners.session import ENV_CONFIG, ENV_CORPUS, ENV_LEARNER, ENV_START_STEP, Session
 from diloco.spec import DataShard, ModelSpec, load_spec
 
@@ -39,26 +40,32 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
         **services) -> dict:
     """Train `learner_id` of the run to its step budget (or until SIGTERM); returns its summary."""
     spec = spec or load_spec(cfg)
-    dp = data_parallel(cfg.inner.batch_size)
+    mesh = learner_mesh(cfg)
     total_steps = cfg.learner_steps(learner_id)
     speed = cfg.region_of(learner_id).speed
     shard = DataShard(cfg.learner_ids().index(learner_id), cfg.num_learners, start_step, cfg.data.seed,
                       jax.process_index(), jax.process_count())
     n = jax.process_count()
-    feed = ((spec.tokens_in(b) * n, dp.shard_batch(b)) for b in spec.batches(shard))  # (global tokens, on devices)
+    feed = ((spec.tokens_in(b) * n, mesh.shard_batch(b)) for b in spec.batches(shard))  # (global tokens, on devices)
     session = Session(cfg, learner_id, run_id=run_id, start_step=start_step, **services)
     session.open()
     ok = False
     try:
-        params = session.join(dp.replicate(spec.init(cfg.model.seed)))
+        init = spec.init(cfg.model.seed)
+        params = session.join(mesh.shard(init, spec.partition(init) if spec.partition else None))
+        del init
         opt = spec.inner_optimizer(start_step, total_steps)
-        opt_state = opt.init(params)
+        opt_state = mesh.init_optimizer(opt, params)
+        log.info("parameters placed", extra={"mesh": dict(mesh.mesh.shape), "hosts": jax.process_count(),
+                                             "param_bytes_per_device": mesh.bytes_per_device(params),
+                                             "opt_bytes_per_device": mesh.bytes_per_device(opt_state)})
         tokens, batch = next(feed)
         # Compile before the clock starts: step times feed the grace window and the time budget.
         train_step = make_train_step(spec.loss, opt).lower(params, opt_state, batch).compile()
         compute_s = 0.0
         for _ in range(start_step + 1, total_steps + 1):
-            if session.stopping or (cfg.inner.max_seconds and compute_s >= cfg.inner.max_seconds):
+            # both agreed by every host of the learner at its last step, so that all stop together
+            if session.stopping or (cfg.inner.max_seconds and session.compute_s >= cfg.inner.max_seconds):
                 break
             t0 = time.perf_counter()
             params, opt_state, loss = train_step(params, opt_state, batch)

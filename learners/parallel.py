@@ -1,26 +1,67 @@
-"""Data parallelism inside one learner: one JAX program over all of the learner's devices.
+"""Where one learner's arrays live: one JAX program over all of its devices and hosts.
 
 Kept apart from the model (torchtitan style): the model and the train step are single-device code;
-this module only says where arrays live. Parameters and optimizer state are replicated, the batch
-is split along its first axis, and XLA inserts the gradient all-reduce. The same code runs on one
-CPU, on N CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N) and on a multi-host TPU
-slice, where `jax.distributed.initialize()` reads the coordinator from the environment the TPU
-runtime (or the job backend) sets.
+this module only says where arrays live, and XLA inserts the collectives. The learner's devices form
+a mesh with axes
+
+    data    copies of the model, each on its own rows of the batch
+    fsdp    parameters and optimizer state sharded across these devices (FSDP / ZeRO-3)
+    tensor  for partition specs that split a layer's matrices (tensor parallelism)
+
+from `parallel.fsdp` and `parallel.tensor` (data is what is left). Parameters are placed by the
+model's partition specs (`ModelSpec.partition`) or, without them, by `fsdp_specs`: each array cut
+along its longest axis that the fsdp axis divides. The batch is split over data x fsdp.
+
+The same code runs on one CPU, on N CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N)
+and on a multi-host slice. Hosts find each other through `jax.distributed`: on a TPU slice (and under
+SLURM or Open MPI) JAX reads everything from the environment the runtime sets; other backends set
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (the local backend and the GKE JobSet
+manifests do).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from diloco.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+
+
+def initialize_distributed(cfg: Config) -> None:
+    """Join this learner's other hosts, once per process; a no-op for a one-host learner."""
+    if jax.distributed.is_initialized():
+        return
+    n = int(os.environ.get(ENV_NUM_PROCESSES) or 1)
+    auto = os.environ.get(ENV_COORDINATOR) or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",")
+    if n == 1 and not auto:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts talk over TCP
+    timeout = cfg.parallel.heartbeat_timeout_s  # a dead host brings the others down this fast, not never
+    if n > 1:
+        jax.distributed.initialize(os.environ[ENV_COORDINATOR], num_processes=n,
+                                   process_id=int(os.environ[ENV_PROCESS_ID]), heartbeat_timeout_seconds=timeout)
+    else:
+        jax.distributed.initialize(heartbeat_timeout_seconds=timeout)  # the TPU runtime's environment
+    log.info("joined the learner's hosts", extra={"host": jax.process_index(), "hosts": jax.process_count(),
+                                                  "devices": jax.device_count()})
+
 
 @dataclass(frozen=True)
-class DataParallel:
+class LearnerMesh:
     mesh: Mesh
 
     @property
@@ -32,31 +73,100 @@ class DataParallel:
         """One host per learner publishes deltas and heartbeats, not one per device or host."""
         return jax.process_index() == 0
 
+    def shard(self, tree, specs=None):
+        """Host values (NumPy or JAX arrays) placed on the mesh by `specs`, a tree of PartitionSpecs
+        like `tree` (default: `fsdp_specs`). Each device receives only its block."""
+        specs = fsdp_specs(tree, self.mesh) if specs is None else specs
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        spec_leaves = treedef.flatten_up_to(specs)
+        out = []
+        for leaf, spec in zip(leaves, spec_leaves):
+            value = np.asarray(leaf)
+            check_spec(spec, value.shape, self.mesh)
+            out.append(jax.make_array_from_callback(value.shape, NamedSharding(self.mesh, spec),
+                                                    lambda index, v=value: v[index]))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def init_optimizer(self, opt, params):
+        """`opt.init(params)` with each parameter-shaped state (Adam's moments, ...) sharded like its
+        parameter and the rest (step counts) replicated, instead of whatever XLA would pick."""
+        import optax
+
+        shapes = jax.eval_shape(opt.init, params)
+        shardings = optax.tree_map_params(opt, lambda _, p: p.sharding, shapes, params,
+                                          transform_non_params=lambda _: NamedSharding(self.mesh, P()))
+        return jax.jit(opt.init, out_shardings=shardings)(params)
+
     def replicate(self, tree):
-        sharding = NamedSharding(self.mesh, P())
-        return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+        return self.shard(tree, jax.tree_util.tree_map(lambda _: P(), tree))
 
     def shard_batch(self, local_batch):
-        """This host's rows of the global batch (an array or any pytree of arrays), spread over the
-        data axis."""
-        sharding = NamedSharding(self.mesh, P("data"))
+        """This host's rows of the global batch (an array or any pytree of arrays), split over data x fsdp."""
+        sharding = NamedSharding(self.mesh, P(BATCH_AXES))
         return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
                                       local_batch)
 
-    @staticmethod
-    def to_host(x: jax.Array) -> np.ndarray:
-        """A replicated array's value on this host (every device holds all of it)."""
-        return np.asarray(x.addressable_data(0))
+    def bytes_per_device(self, tree) -> int:
+        """Bytes of `tree` on the most loaded device (what has to fit in one chip's memory)."""
+        per: dict[int, int] = {}
+        for leaf in jax.tree_util.tree_leaves(tree):
+            for s in getattr(leaf, "addressable_shards", ()):
+                per[s.device.id] = per.get(s.device.id, 0) + s.data.nbytes
+        return max(per.values(), default=0)
 
 
-def data_parallel(global_batch: int) -> DataParallel:
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") and jax.process_count() == 1:
-        jax.distributed.initialize()  # multi-host slice: coordinator, process count and id from the env
+def learner_mesh(cfg: Config) -> LearnerMesh:
+    """The mesh of this learner's devices (all hosts') for `parallel.fsdp` / `parallel.tensor`."""
+    initialize_distributed(cfg)
     devices = jax.devices()
-    if global_batch % len(devices):
-        raise ValueError(f"inner.batch_size ({global_batch}) must be divisible by the learner's "
-                         f"{len(devices)} devices")
-    return DataParallel(Mesh(np.array(devices), ("data",)))
+    fsdp, tensor = cfg.parallel.fsdp, cfg.parallel.tensor
+    if len(devices) % (fsdp * tensor):
+        raise ConfigError(f"parallel.fsdp x parallel.tensor ({fsdp} x {tensor}) must divide the learner's "
+                          f"{len(devices)} devices")
+    data = len(devices) // (fsdp * tensor)
+    if cfg.inner.batch_size % (data * fsdp):
+        raise ConfigError(f"inner.batch_size ({cfg.inner.batch_size}) must be divisible by the learner's "
+                          f"{data * fsdp} data x fsdp devices")
+    if cfg.inner.batch_size % jax.process_count():
+        raise ConfigError(f"inner.batch_size ({cfg.inner.batch_size}) must split over the learner's "
+                          f"{jax.process_count()} hosts")
+    # devices are in process order, so the inner axes (tensor, then fsdp) stay within a host where they fit
+    return LearnerMesh(Mesh(np.array(devices).reshape(data, fsdp, tensor), AXES))
+
+
+def fsdp_specs(tree, mesh: Mesh):
+    """The default placement: each array cut along its longest axis that the fsdp axis divides
+    (replicated when none does, or when fsdp is 1)."""
+    n = mesh.shape["fsdp"]
+
+    def spec(leaf) -> P:
+        shape = tuple(np.shape(leaf))
+        if n == 1 or not shape:
+            return P()
+        fits = [i for i in range(len(shape)) if shape[i] % n == 0]
+        if not fits:
+            return P()
+        axis = max(fits, key=lambda i: shape[i])
+        return P(*[("fsdp" if i == axis else None) for i in range(len(shape))])
+
+    return jax.tree_util.tree_map(spec, tree)
+
+
+def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> None:
+    if len(spec) > len(shape):
+        raise ConfigError(f"partition spec {spec} has more entries than the array's {len(shape)} axes {shape}")
+    for dim, names in zip(shape, spec):
+        names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+        unknown = [a for a in names if a not in mesh.shape]
+        if unknown:
+            raise ConfigError(f"partition spec {spec} names {unknown}; the learner's mesh has {list(mesh.shape)}")
+        size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        if dim % size:
+            raise ConfigError(f"partition spec {spec} for an array of shape {shape}: {dim} does not split "
+                              f"over {names} ({size} devices)")
+
+
+Partition = Callable[[Any], Any]  # params tree -> tree of PartitionSpecs
 
 
 def local_batch_size(global_batch: int) -> int:

@@ -106,6 +106,24 @@ def adamw(cfg: Config, start_step: int = 0, steps: int | None = None) -> optax.G
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.inner.weight_decay))
 
 
+def partition(params: Params):
+    """Megatron-style placement on the learner's mesh: the first matrix of each block split by its
+    columns over `tensor` and the second by its rows, both sharded over `fsdp` along the other
+    axis; embeddings over fsdp; norms replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    def spec(name: str) -> P:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("qkv", "fc1"):
+            return P("fsdp", "tensor")
+        if leaf in ("proj", "fc2"):
+            return P("tensor", "fsdp")
+        if leaf in ("tok_embed", "pos_embed"):
+            return P("fsdp", None)
+        return P()
+    return {name: spec(name) for name in params}
+
+
 def spec(cfg: Config) -> ModelSpec:
     """The built-in transformer on the run's token shards (model.options: TransformerOptions)."""
     from diloco.learners.data import corpus_for, eval_batches, sample_batches
@@ -129,4 +147,5 @@ def spec(cfg: Config) -> ModelSpec:
         eval_batches=held_out,
         mean_merge=("tok_embed", "pos_embed"),
         vocab_size=opts.vocab_size,
+        partition=partition,
     )
