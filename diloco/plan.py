@@ -240,12 +240,40 @@ def make_plan(params, *, fragments: int, mean_merge: Sequence[str] = (), sync: S
 
 # --- between the user's tree and named arrays -----------------------------------------------------
 
-def to_host(x) -> np.ndarray:
-    """A leaf's value on this host (a replicated multi-host array: this host's copy)."""
+Region = tuple[tuple[int, int], ...]  # (start, stop) per axis: one block of an array
+
+
+def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    """The block an index of slices (as JAX's shardings give them) selects."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def regions(leaf) -> dict[Region, tuple[slice, ...]]:
+    """The blocks of a leaf this host holds, each once however many of its devices hold a copy: for a
+    NumPy array or a single-device one the whole array, for a sharded one its addressable shards."""
+    shape = tuple(leaf.shape)
+    if isinstance(leaf, jax.Array):
+        out: dict[Region, tuple[slice, ...]] = {}
+        for index in leaf.sharding.addressable_devices_indices_map(shape).values():
+            out.setdefault(region_of(index, shape), index)
+        return out
+    whole = tuple(slice(0, n) for n in shape)
+    return {region_of(whole, shape): whole}
+
+
+def is_whole(blocks: Mapping[Region, Any], shape: tuple[int, ...]) -> bool:
+    return tuple((0, n) for n in shape) in blocks
+
+
+def gather(x) -> np.ndarray:
+    """A leaf's whole value on this host. For an array sharded across hosts this is a collective:
+    every host of the learner must call it at the same point (they do: syncs fall on the same steps)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if not x.is_fully_replicated:
-            raise NotImplementedError("parameters sharded across hosts are not supported by this build yet")
-        return np.asarray(x.addressable_data(0))
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
 
@@ -255,6 +283,17 @@ def place(value: np.ndarray, like):
     if isinstance(like, jax.Array):
         return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
     return value
+
+
+def place_blocks(blocks: Mapping[Region, np.ndarray], like, dtype=None):
+    """An array shaped and placed like `like` (its devices and sharding) from this host's blocks of
+    it, as `regions(like)` names them; in `dtype` (default like's)."""
+    dtype = np.dtype(dtype or like.dtype)
+    shape = tuple(like.shape)
+    if isinstance(like, jax.Array):
+        return jax.make_array_from_callback(
+            shape, like.sharding, lambda index: np.asarray(blocks[region_of(index, shape)]).astype(dtype, copy=False))
+    return np.asarray(blocks[tuple((0, n) for n in shape)]).astype(dtype, copy=False)
 
 
 def check_tree(tree, plan: Plan) -> None:
@@ -281,6 +320,14 @@ def flatten(tree, plan: Plan) -> dict[str, Any]:
     """The synced leaves of `tree` by name (as they are: NumPy or JAX arrays)."""
     wanted = plan.by_name
     return {n: leaf for n, leaf in named_leaves(tree) if n in wanted}
+
+
+def with_leaves(template, plan: Plan, leaves: Mapping[str, Any]) -> Any:
+    """`template` with the synced leaves named in `leaves` replaced as they are (already placed)."""
+    wanted = plan.by_name
+    treedef = jax.tree_util.tree_structure(template)
+    out = [leaves[name] if name in wanted and name in leaves else old for name, old in named_leaves(template)]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def unflatten(template, plan: Plan, arrays: Mapping[str, Any], place=None, *, partial: bool = False) -> Any:

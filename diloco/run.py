@@ -252,7 +252,7 @@ class LocalRun:
             return
         step = self.prog.learners.get(name, {}).get("step", 0)  # resume where its heartbeats left off
         self.jobs.start(name, ["learner", *conf, "--learner", name, "--corpus", str(self.corpus.dir),
-                               "--start-step", str(step)])
+                               "--start-step", str(step)], processes=self.cfg.parallel.processes)
 
     def _down(self, name: str, now: float, delay: float, why: str) -> None:
         self.restart_at[name] = now + delay

@@ -39,6 +39,9 @@ def slice_shape(s: SliceConfig) -> SliceShape:
     return SliceShape(f"v6e-{chips}", "tpu-v6e-slice", chips, chips // per_host, per_host)
 
 
+COORDINATOR_PORT = 8476  # jax.distributed's coordinator on a learner's first host
+
+
 def job_name(cfg: Config, name: str) -> str:
     """A DNS-1035 name for a job of this run (JobSet names are capped at 63 characters)."""
     return re.sub(r"[^a-z0-9-]", "-", f"dl-{cfg.run.id}-{name}".lower())[:63].rstrip("-")
@@ -77,6 +80,13 @@ def jobset(cfg: Config, name: str, argv: list[str]) -> dict:
         if s.spot:
             pod["nodeSelector"]["cloud.google.com/gke-spot"] = "true"
         container["resources"] = {"limits": {"google.com/tpu": shape.chips_per_host}}
+        if hosts > 1:  # one JAX program over the slice: pod 0 coordinates, each pod knows its index
+            container["env"] = [
+                {"name": "JAX_COORDINATOR_ADDRESS",
+                 "value": f"{job_name(cfg, name)}-slice-0-0.{job_name(cfg, name)}:{COORDINATOR_PORT}"},
+                {"name": "JAX_NUM_PROCESSES", "value": str(hosts)},
+                {"name": "JAX_PROCESS_ID", "valueFrom": {"fieldRef": {
+                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
     labels = {"diloco/run": cfg.run.id, "diloco/job": name}
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
@@ -86,8 +96,9 @@ def jobset(cfg: Config, name: str, argv: list[str]) -> dict:
                      if learner else {}},
         "spec": {
             "failurePolicy": {"maxRestarts": 0},  # the flow restarts with its own backoff, resuming the step
+            "network": {"enableDNSHostnames": True},  # <jobset>-slice-0-<i>.<jobset>: how the hosts find pod 0
             "replicatedJobs": [{"name": "slice" if learner else "syncer", "replicas": 1, "template": {"spec": {
-                "parallelism": hosts, "completions": hosts, "backoffLimit": 0,
+                "parallelism": hosts, "completions": hosts, "backoffLimit": 0, "completionMode": "Indexed",
                 "template": {"metadata": {"labels": labels}, "spec": pod}}}}],
         },
     }
@@ -137,7 +148,8 @@ class GkeJobs:
     def _apply(self, manifest: dict) -> None:
         self._kubectl("apply", "-f", "-", manifest=manifest)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> GkeJob:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1) -> GkeJob:
+        """Apply the job's JobSet (`processes` is the local backend's: here the slice's hosts decide)."""
         self._kubectl("delete", "jobset", job_name(self.cfg, name), "--ignore-not-found", "--wait=true")  # a restart
         self._apply(jobset(self.cfg, name, argv))
         self.jobs[name] = GkeJob(name, argv, f"kubectl logs -l diloco/job={name} -n {self.cfg.backend.namespace}")

@@ -2,6 +2,11 @@
 
 `LocalJobs` runs them as child processes of this machine. A backend for TPU VMs or GKE offers the
 same four calls; orchestration code (run.py, flows/) never touches Popen directly.
+
+A job may be several processes: a learner over several hosts (`parallel.processes`) is one JAX
+program, so its processes live and die together. They find each other through JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID; when one of them fails, the others are killed at once (they
+would only wait in a collective for it) and the job reports the failure, so it restarts as a whole.
 """
 
 from __future__ import annotations
@@ -13,55 +18,92 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.infra.services import free_port
+
 
 @dataclass
 class Job:
     name: str
     argv: list[str]
-    log: Path
-    popen: subprocess.Popen
+    log: Path                       # process 0's; process i > 0 logs to <name>.p<i>.log beside it
+    procs: list[subprocess.Popen]
+
+    @property
+    def popen(self) -> subprocess.Popen:
+        return self.procs[0]
+
+    @property
+    def logs(self) -> list[Path]:
+        return [self.log] + [self.log.with_name(f"{self.name}.p{i}.log") for i in range(1, len(self.procs))]
 
 
 class LocalJobs:
-    """`python -m diloco ARGV...` per job, output appended to a log file per job name."""
+    """`python -m diloco ARGV...` per job (per process of a job), output appended to a log file."""
 
     def __init__(self, logs: Path, env: dict[str, str] | None = None):
         self.logs, self.env = logs, env or dict(os.environ)
         self.jobs: dict[str, Job] = {}
         logs.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Job:
-        log = self.logs / f"{name}.log"
-        with open(log, "ab") as out:
-            popen = subprocess.Popen([sys.executable, "-m", "diloco", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env={**self.env, **(env or {})})
-        self.jobs[name] = Job(name, argv, log, popen)
-        return self.jobs[name]
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1) -> Job:
+        base = {**self.env, **(env or {})}
+        if processes > 1:
+            base |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": str(processes)}
+        job = Job(name, argv, self.logs / f"{name}.log", [])
+        for i, log in enumerate(Job(name, argv, job.log, [None] * processes).logs):
+            with open(log, "ab") as out:
+                job.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "diloco", *argv], stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, env={**base, "JAX_PROCESS_ID": str(i)} if processes > 1 else base))
+        self.jobs[name] = job
+        return job
 
     def poll(self, name: str) -> int | None:
-        """None while running, else the exit code (negative: killed by that signal)."""
-        return self.jobs[name].popen.poll()
+        """None while running, else the exit code (negative: killed by that signal). The first
+        process to fail fails the job: its siblings are killed."""
+        procs = self.jobs[name].procs
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            return failed[0]
+        return None if None in codes else 0
 
     def signal(self, name: str, sig: int = signal.SIGTERM) -> None:
-        if self.poll(name) is None:
-            self.jobs[name].popen.send_signal(sig)
+        for p in self.jobs[name].procs:
+            if p.poll() is None:
+                p.send_signal(sig)
 
     def wait(self, name: str, timeout: float | None = None) -> int:
-        return self.jobs[name].popen.wait(timeout)
+        for p in self.jobs[name].procs:
+            p.wait(timeout)
+        return self.poll(name)
 
     def stop_all(self, timeout: float = 10.0) -> None:
         """SIGTERM everything still running, then SIGKILL what does not exit in time: no orphans."""
         for name in self.jobs:
             self.signal(name, signal.SIGTERM)
         for job in self.jobs.values():
-            try:
-                job.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                job.popen.kill()
-                job.popen.wait()
+            for p in job.procs:
+                try:
+                    p.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
     def tail(self, name: str, lines: int = 20) -> str:
         try:
-            return "\n".join(self.jobs[name].log.read_text(errors="replace").splitlines()[-lines:])
-        except (OSError, KeyError):
+            job = self.jobs[name]
+        except KeyError:
             return "(no log)"
+        out = []
+        for log in job.logs:
+            try:
+                text = "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+            except OSError:
+                text = "(no log)"
+            out.append(text if len(job.logs) == 1 else f"--- {log.name}\n{text}")
+        return "\n".join(out)

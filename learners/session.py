@@ -13,11 +13,22 @@ applies them at the next call (`fragments.apply`: rebase, overwrite or mix). Onl
 DiLoCo (`fragments.wait_for_merge`, the benchmark's baseline) stops, overlap_steps after a send,
 until that fragment's merge arrives. Leaves outside the plan (RNG keys, counters, local statistics)
 are never touched. Values keep their leaf's dtype and device placement (sharding).
+
+A learner may span many devices and hosts (learners/parallel.py). Then no host ever holds the
+model: the delta reference stays on the devices beside the parameters, a sync moves one tensor of
+one fragment at a time to the host, and each host's fetcher reads only its own blocks of a new
+version from TensorStore. The hosts of one learner act alike at every step: `step` agrees with the
+others (one small all-gather) on which fetched versions to apply, whether to stop, and the compute
+time, so they never diverge and all stop at the same step. Peak host memory per host is bounded by
+the fragments in flight (PUBLISH_QUEUE fragments waiting to be sent, one being sent) plus
+Fetcher.keep fetched versions of each fragment's share, never by the model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import os
 import queue
 import signal
@@ -25,8 +36,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from kafka import TopicPartition
 from kafka.errors import KafkaError
@@ -36,7 +49,7 @@ from diloco.config import Config, ConfigError, load_config
 from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError
-from diloco.plan import Plan, check_tree, flatten, place, to_host, unflatten
+from diloco.plan import Plan, Region, check_tree, flatten, gather, is_whole, place, place_blocks, regions, with_leaves
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +67,19 @@ class Counters:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+PUBLISH_QUEUE = 2  # contributions waiting to be sent; one more means the link is behind and the loop waits
+
+
 class Publisher(threading.Thread):
-    """Sends contributions from a queue so that inner steps never wait on the broker."""
+    """Sends contributions from a bounded queue so that inner steps do not wait on the broker (unless
+    it falls PUBLISH_QUEUE contributions behind: then the loop waits rather than host memory growing)."""
 
     def __init__(self, cfg: Config, run_id: str, learner: str, region: str, producer, topics: kafka_io.Topics,
                  counters: Counters):
         super().__init__(daemon=True, name=f"publisher-{learner}")
         self.cfg, self.run_id, self.learner, self.region = cfg, run_id, learner, region
         self.producer, self.topics, self.counters = producer, topics, counters
-        self.queue: queue.Queue = queue.Queue()
+        self.queue: queue.Queue = queue.Queue(maxsize=PUBLISH_QUEUE)
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -129,22 +146,36 @@ class Heartbeat(threading.Thread):
 
 
 class Fetcher(threading.Thread):
-    """Follows the outer topic; brings each newer announced version of a fragment from TensorStore:
-    the compact updates from the version it holds when there are few, else the whole fragment."""
+    """Follows the outer topic; brings each newer announced version of a fragment from TensorStore.
+
+    Only this host's blocks of each tensor are read (`want`); a host that holds whole tensors (one
+    host, unsharded or sharded over its own devices) reads the compact updates from the version it
+    holds when there are few, else the whole fragment. The newest `keep` fetched versions of each
+    fragment wait until the learner applies one (`take`).
+    """
 
     CHAIN_MAX = 4  # beyond this many updates, one fp32 read is about as cheap
     MAX_ATTEMPTS = 20  # reads of one announced version before the fetcher gives up on it
 
     def __init__(self, cfg: Config, run_id: str, consumer, store: FragmentStore, topics: kafka_io.Topics,
-                 counters: Counters, plan: list[list[str]]):
+                 counters: Counters, plan: Plan, keep: int = 1):
         super().__init__(daemon=True, name="fetcher")
         self.cfg, self.run_id, self.consumer, self.store = cfg, run_id, consumer, store
-        self.topics, self.counters, self.plan = topics, counters, plan
-        self.held: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # the exact global, per fragment
-        self.latest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        self.topics, self.counters, self.plan, self.keep = topics, counters, plan, keep
+        self.blocks: dict[str, list[Region]] = {}
+        self.wanted = threading.Event()
+        self.held: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}  # newest fetched (whole: its exact global)
+        self.ready: dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.error: BaseException | None = None
+
+    def want(self, blocks: dict[str, list[Region]]) -> None:
+        """Read these blocks of each tensor (this host's); fetching starts once this is known."""
+        self.blocks = blocks
+        held = sum(math.prod(b - a for a, b in r) for rs in blocks.values() for r in rs)
+        log.info("fetching this host's blocks", extra={"share": round(held / max(self.plan.num_params, 1), 4)})
+        self.wanted.set()
 
     def run(self) -> None:
         tp = TopicPartition(self.topics.outer, 0)
@@ -158,12 +189,12 @@ class Fetcher(threading.Thread):
                         if p is not None and v > max(self.held.get(p, (-1,))[0], due.get(p, [-1])[0]):
                             due[p] = [v, 0, 0.0]
                 now = time.monotonic()
-                for p, entry in sorted(due.items()):
+                for p, entry in sorted(due.items()) if self.wanted.is_set() else ():
                     if entry[2] > now:
                         continue
                     try:
-                        params, nbytes = self.fetch(p, entry[0])
-                    except (StoreError, quantize.CodecError, OSError, ValueError) as err:
+                        blocks, whole, nbytes = self.fetch(p, entry[0])
+                    except (StoreError, quantize.CodecError, OSError, ValueError, KeyError) as err:
                         # transient (the store is slow or away) or a version that is not there: try
                         # again with backoff; a newer announcement replaces it meanwhile
                         entry[1] += 1
@@ -175,9 +206,12 @@ class Fetcher(threading.Thread):
                             del due[p]
                         continue
                     del due[p]
-                    self.held[p] = (entry[0], params)
+                    self.held[p] = (entry[0], whole)
                     with self.lock:
-                        self.latest[p] = (entry[0], params)
+                        ready = self.ready.setdefault(p, {})
+                        ready[entry[0]] = blocks
+                        for old in sorted(ready)[:-self.keep]:
+                            del ready[old]
                     with self.counters.lock:
                         self.counters.bytes_fetched += nbytes
         except BaseException as err:
@@ -194,15 +228,25 @@ class Fetcher(threading.Thread):
             return None, -1
         p, v = ev.get("fragment"), ev.get("version")
         ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (p, v))
-        if not ok or not 0 <= p < len(self.plan) or not 0 <= v < messages.MAX_COUNT:
+        if not ok or not 0 <= p < self.plan.fragments or not 0 <= v < messages.MAX_COUNT:
             log.warning("announcement ignored: fragment %s version %s", messages.short(p, 40), messages.short(v, 40))
             return None, -1
         return p, v
 
-    def fetch(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
-        """(params of version v of fragment p, bytes read)."""
+    def fetch(self, p: int, v: int) -> tuple[dict[str, dict[Region, np.ndarray]], dict[str, np.ndarray] | None, int]:
+        """(this host's blocks of version v of fragment p, the whole arrays when that is what it holds,
+        bytes read)."""
+        names = self.plan.fragment_names[p]
+        shapes = self.plan.shapes
+        if not all(is_whole(self.blocks[n], shapes[n]) for n in names):
+            blocks = self.store.read_blocks(p, v, {n: self.blocks[n] for n in names})
+            return blocks, None, sum(a.nbytes for b in blocks.values() for a in b.values())
+        params, nbytes = self._fetch_whole(p, v)
+        return {n: {tuple((0, s) for s in shapes[n]): a} for n, a in params.items()}, params, nbytes
+
+    def _fetch_whole(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
         held = self.held.get(p)
-        if held and 0 < v - held[0] <= self.CHAIN_MAX:
+        if held and held[1] is not None and 0 < v - held[0] <= self.CHAIN_MAX:
             params, nbytes = held[1], 0
             try:
                 for u in range(held[0] + 1, v + 1):
@@ -215,10 +259,19 @@ class Fetcher(threading.Thread):
         fv = self.store.read(p, v, with_opt=False)
         return fv.params, sum(a.nbytes for a in fv.params.values())
 
-    def take(self) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
+    def versions(self) -> dict[int, list[int]]:
+        """The fetched versions of each fragment waiting to be applied, ascending."""
         with self.lock:
-            out, self.latest = self.latest, {}
-        return out
+            return {p: sorted(r) for p, r in self.ready.items() if r}
+
+    def take(self, p: int, v: int) -> dict[str, dict[Region, np.ndarray]]:
+        """Version v of fragment p (this host's blocks), dropping it and every older one."""
+        with self.lock:
+            ready = self.ready[p]
+            blocks = ready[v]
+            for old in [u for u in ready if u <= v]:
+                del ready[old]
+        return blocks
 
 
 class Session:
@@ -253,7 +306,7 @@ class Session:
         P = self.plan.fragments
         self._since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
         self._waits: dict[int, tuple[int, int]] = {}  # fragment -> (step at which to wait, version to wait for)
-        self._base: dict[int, dict[str, np.ndarray]] = {}  # float32 host reference each next delta starts from
+        self._base: dict[str, Any] = {}  # float32 reference each next delta starts from, placed like its leaf
         self._version: dict[int, int] = {}
         self._last_t: float | None = None
         self._params = None
@@ -304,7 +357,7 @@ class Session:
                                    self.counters)
         self.heartbeat = Heartbeat(self._beat, self.cfg.run.heartbeat_s, kafka_io.BrokerWatch(self.cfg.transport, self.id))
         self.fetcher = Fetcher(self.cfg, self.run_id, self._outer or kafka_io.consumer(self.cfg.transport), self.store,
-                               self.topics, self.counters, self._names)
+                               self.topics, self.counters, self.plan, keep=1 if jax.process_count() == 1 else 2)
         if self.leader:
             self.publisher.start()
             self.heartbeat.start()
@@ -315,22 +368,29 @@ class Session:
         into its synced leaves; waits until every fragment has a version. Raises PlanError naming the
         leaves if the tree does not match the run's plan."""
         check_tree(params, self.plan)
-        got: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        leaves = flatten(params, self.plan)
+        self.fetcher.want({n: list(regions(leaf)) for n, leaf in leaves.items()})
         deadline = time.time() + timeout_s
-        while len(got) < self.plan.fragments:
+        while True:
             self._raise_thread_errors()
-            if time.time() > deadline:
+            (late,), _, chosen = self._agree(time.time() > deadline)
+            if len(chosen) == self.plan.fragments:
+                break
+            if late:
                 raise TimeoutError(f"no global version announced for fragments "
-                                   f"{sorted(set(range(self.plan.fragments)) - set(got))} on {self.topics.outer}")
-            got |= self.fetcher.take()
+                                   f"{sorted(set(range(self.plan.fragments)) - set(chosen))} on {self.topics.outer}")
             time.sleep(0.05)
         values = {}
-        for p, (v, arrays) in got.items():
-            self._version[p], self._base[p] = v, {n: np.asarray(a, np.float32) for n, a in arrays.items()}
-            values |= arrays
-        self._params = unflatten(params, self.plan, values, place=place)
+        for p, v in chosen.items():
+            blocks = self.fetcher.take(p, v)
+            self._version[p] = v
+            for n in self._names[p]:
+                values[n] = place_blocks(blocks[n], leaves[n])
+                self._base[n] = place_blocks(blocks[n], leaves[n], np.float32)
+        self._params = with_leaves(params, self.plan, values)
         log.info("joined", extra={"learner": self.id, "versions": dict(self._version), "shard": self.index,
-                                  "devices": len(jax.devices())})
+                                  "devices": jax.device_count(), "host": jax.process_index(),
+                                  "hosts": jax.process_count()})
         return self._params
 
     def step(self, params, *, tokens: int, loss=None, compute_s: float | None = None):
@@ -344,13 +404,15 @@ class Session:
         self.tokens += int(tokens)
         if dt:
             self.step_time = dt if self.step_time == 0 else 0.9 * self.step_time + 0.1 * dt
-        self.compute_s = compute_s if compute_s is not None else self.compute_s + dt
+        compute_s = compute_s if compute_s is not None else self.compute_s + dt
         if loss is not None:
             self.loss = float(loss)
         for s in self._since.values():
             s["tokens"] += int(tokens)
             s["steps"] += 1
             s["time"] += dt or self.step_time
+        # what every host of this learner does now: stop (SIGTERM on any), the versions to apply
+        (self.stopping,), self.compute_s, chosen = self._agree(self.stopping, compute_s=compute_s)
         P, H = self.plan.fragments, self.cfg.fragments.sync_every
         for p in fragments_due(self.steps, P, H):
             self._sync(p, params)
@@ -359,7 +421,7 @@ class Session:
         self.heartbeat.status = {"step": self.steps, "tokens": self.tokens, "loss": self.loss,
                                  "step_time": self.step_time, "compute_s": self.compute_s, "at": time.time(),
                                  "state": "running", "versions": dict(self._version)}
-        params = self._apply_arrivals(params)
+        params = self._apply(params, chosen)
         for p in [p for p, (at, _) in self._waits.items() if self.steps + 1 >= at]:
             params = self._wait_for_merge(p, self._waits.pop(p)[1], params)
         self._params = params
@@ -386,11 +448,13 @@ class Session:
         self.fetcher.join(timeout=30)  # a TensorStore read still running at exit aborts the process
         summary = {"step": self.steps, "tokens": self.tokens, "loss": self.loss, "step_time": self.step_time,
                    "compute_s": self.compute_s, "versions": dict(self._version)}
+        if jax.process_count() > 1 and self._params is not None:
+            summary["blocks_digest"] = blocks_digest(self._params, self.plan)
         try:
             if self.publisher.error:
                 raise self.publisher.error
             if self.leader and hand_in:
-                self._beat(**summary, state="finished")
+                self._beat(**{k: v for k, v in summary.items() if k != "blocks_digest"}, state="finished")
                 self.producer.flush()
         finally:
             if self._owns:
@@ -411,21 +475,48 @@ class Session:
             "heartbeat", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
             incarnation=self.incarnation, start_step=self.start_step, **c, **fields), partition=0)
 
+    def _agree(self, *flags: bool, compute_s: float | None = None) -> tuple[list[bool], float, dict[int, int]]:
+        """(each flag OR-ed over this learner's hosts, the largest compute time, per fragment the
+        newest fetched version that every host holds). One host: its own flags and newest versions.
+        Every host calls it at the same point of the loop (an all-gather of a few numbers)."""
+        compute_s = self.compute_s if compute_s is None else compute_s
+        held = self.fetcher.versions()
+        if jax.process_count() == 1:
+            return list(flags), compute_s, {p: vs[-1] for p, vs in held.items()}
+        from jax.experimental import multihost_utils
+
+        K, F = self.fetcher.keep, len(flags)
+        row = np.full(F + 1 + self.plan.fragments * K, -1.0)
+        row[:F], row[F] = flags, compute_s
+        for p, vs in held.items():
+            row[F + 1 + p * K:F + 1 + p * K + len(vs[-K:])] = vs[-K:]
+        rows = np.asarray(multihost_utils.process_allgather(row))  # (hosts, len(row))
+        common = {}
+        for p in range(self.plan.fragments):
+            sets = [set(r[F + 1 + p * K:F + 1 + (p + 1) * K].tolist()) - {-1.0} for r in rows]
+            if both := set.intersection(*sets):
+                common[p] = int(max(both))
+        return [bool(rows[:, i].max() > 0) for i in range(F)], float(rows[:, F].max()), common
+
     def _sync(self, p: int, params) -> None:
         names = self._names[p]
-        leaves = flatten(params, self.plan)
-        base = self._base[p]
-        deltas = {n: quantize.roundtrip(base[n] - to_host(leaves[n]).astype(np.float32), self._schemes[n])
-                  for n in names}  # global - local, as the syncer will decode it
-        # The next delta starts from what was just sent, so that if the merged global value is slow
-        # to arrive, two contributions never carry the same progress twice; what quantization left
-        # out stays in the difference and travels with the next delta (error feedback).
-        self._base[p] = {n: base[n] - deltas[n] for n in names}
+        deltas = outer_deltas(self._base, flatten(params, self.plan), names, self._schemes)
         s = self._since[p]
         if self.leader:
-            self.publisher.queue.put({"fragment": p, "base_version": self._version[p], "tokens": s["tokens"],
-                                      "steps": s["steps"], "step_time": s["time"] / max(s["steps"], 1),
-                                      "deltas": deltas, "schemes": {n: self._schemes[n] for n in names}})
+            job = {"fragment": p, "base_version": self._version[p], "tokens": s["tokens"], "steps": s["steps"],
+                   "step_time": s["time"] / max(s["steps"], 1), "deltas": deltas,
+                   "schemes": {n: self._schemes[n] for n in names}}
+            try:
+                self.publisher.queue.put_nowait(job)
+            except queue.Full:
+                log.warning("publisher %d contributions behind: waiting for the link", PUBLISH_QUEUE)
+                while True:
+                    self._raise_thread_errors()
+                    try:
+                        self.publisher.queue.put(job, timeout=1.0)
+                        break
+                    except queue.Full:
+                        continue
         self._since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
 
     def _wait_for_merge(self, p: int, version: int, params):
@@ -433,37 +524,87 @@ class Session:
         learner is in. Counted from its steps, not from what it sent, so that a restarted learner that
         re-sends a round already merged is not left waiting a round ahead of everyone else."""
         deadline = time.monotonic() + self.cfg.fragments.wait_timeout_s
-        while self._version[p] < version and not self.stopping:
+        while self._version[p] < version:
             self._raise_thread_errors()
-            if time.monotonic() > deadline:
+            (stop, late), _, chosen = self._agree(self.stopping, time.monotonic() > deadline)
+            params = self._apply(params, chosen)
+            self.stopping = stop
+            if self._version[p] >= version or stop:
+                break
+            if late:
                 log.warning("no merge of fragment %d after %.0f s; training on", p, self.cfg.fragments.wait_timeout_s)
                 break
             time.sleep(0.01)
-            params = self._apply_arrivals(params)
         self._last_t = time.perf_counter()  # waiting is not a step
         return params
 
-    def _apply_arrivals(self, params):
-        arrived = self.fetcher.take()
-        if not arrived:
+    def _apply(self, params, chosen: dict[int, int]):
+        """`params` with the agreed new global versions applied (fragments.apply), on the devices."""
+        chosen = {p: v for p, v in chosen.items() if v > self._version[p]}
+        if not chosen:
             return params
         mode = self.cfg.fragments.apply
         alpha = self.cfg.fragments.mix_alpha if mode == "mix" else 1.0
         leaves = flatten(params, self.plan)
         values = {}
-        for p, (v, new) in arrived.items():
-            if v <= self._version[p]:
-                continue
-            new32 = {n: np.asarray(a, np.float32) for n, a in new.items()}
-            for n, a in new32.items():
+        for p, v in chosen.items():
+            blocks = self.fetcher.take(p, v)
+            for n in self._names[p]:
+                leaf = leaves[n]
+                new = place_blocks(self._blocks_for(p, v, n, leaf, blocks), leaf, np.float32)
                 if mode == "rebase":  # keep the steps taken since the last send: they are in no delta yet
-                    a = a + (to_host(leaves[n]).astype(np.float32) - self._base[p][n])
-                elif alpha != 1.0:
-                    a = alpha * a + (1 - alpha) * to_host(leaves[n]).astype(np.float32)
-                values[n] = a if mode in ("rebase", "mix") else new[n]
-            self._base[p], self._version[p] = new32, v
+                    value = new + (_float32(leaf) - self._base[n])
+                elif mode == "mix":
+                    value = alpha * new + (1 - alpha) * _float32(leaf)
+                else:
+                    value = new
+                values[n] = value.astype(leaf.dtype)
+                self._base[n] = new
+            self._version[p] = v
             with self.counters.lock:
                 self.counters.versions_applied += 1
-        if not values:
-            return params
-        return unflatten(params, self.plan, values, place=place, partial=True)
+        return with_leaves(params, self.plan, values)
+
+    def _blocks_for(self, p: int, v: int, n: str, leaf, blocks) -> dict[Region, np.ndarray]:
+        """The fetched blocks of tensor n, read again if the leaf's sharding changed since the join
+        (a train step free to choose its output shardings did): then the fetcher follows the new one."""
+        have, need = blocks[n], list(regions(leaf))
+        if all(r in have for r in need):
+            return have
+        log.warning("tensor %s is placed differently than at the join; reading its new blocks", n)
+        self.fetcher.want({**self.fetcher.blocks, n: need})
+        return self.store.read_blocks(p, v, {n: need})[n]
+
+
+def outer_deltas(base: dict[str, Any], leaves: dict[str, Any], names: list[str], schemes: dict[str, str]
+                 ) -> dict[str, np.ndarray]:
+    """The outer deltas (global - local) of tensors `names`, as the syncer will decode them, on this
+    host. One tensor at a time leaves the devices, so the host never holds more than the fragment;
+    on a learner sharded across hosts every host must call it (each tensor is an all-gather).
+
+    Each `base[n]` (float32, placed like its leaf) moves to what was just sent, so that if the merged
+    global value is slow to arrive, two contributions never carry the same progress twice; what
+    quantization left out stays in the difference and travels with the next delta (error feedback)."""
+    deltas = {}
+    for n in names:
+        delta = gather(base[n] - _float32(leaves[n]))
+        deltas[n] = quantize.roundtrip(delta, schemes[n])
+        base[n] = base[n] - place(deltas[n], base[n])
+        del delta
+    return deltas
+
+
+def _float32(leaf):
+    return leaf.astype(jnp.float32) if isinstance(leaf, jax.Array) else np.asarray(leaf, np.float32)
+
+
+def blocks_digest(params, plan: Plan) -> str:
+    """A digest of this host's blocks of every synced leaf: hosts holding the same blocks (replicas
+    across hosts) must report the same digest."""
+    h = hashlib.sha256()
+    for n, leaf in sorted(flatten(params, plan).items()):
+        for r, index in sorted(regions(leaf).items()):
+            shard = next(s for s in leaf.addressable_shards if s.index == index) if isinstance(leaf, jax.Array) else None
+            h.update(f"{n}{r}".encode())
+            h.update(np.ascontiguousarray(np.asarray(shard.data if shard else leaf[index])).tobytes())
+    return h.hexdigest()[:16]

@@ -256,6 +256,15 @@ def test_gke_jobsets_carry_every_config_field(tmp_path):
         assert pod["volumes"] == [{"name": "config", "configMap": {"name": "dl-prod-run-7-config"}}]
         assert pod.get("nodeSelector") == selector
         assert c.get("resources", {}).get("limits", {}).get("google.com/tpu") == chips
+        env = {e["name"]: e for e in c.get("env", [])}
+        if hosts > 1:  # the slice's hosts are one JAX program: pod 0 of the indexed job coordinates
+            assert job["completionMode"] == "Indexed" and doc["spec"]["network"] == {"enableDNSHostnames": True}
+            assert env["JAX_COORDINATOR_ADDRESS"]["value"] == f"dl-prod-run-7-{name}-slice-0-0.dl-prod-run-7-{name}:8476"
+            assert env["JAX_NUM_PROCESSES"]["value"] == str(hosts)
+            assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+                "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        else:
+            assert "JAX_NUM_PROCESSES" not in env
 
 
 def test_gke_plan_starts_one_jobset_per_syncer_shard(tmp_path):

@@ -180,14 +180,14 @@ def test_the_fetcher_skips_bad_announcements_and_outlives_a_missing_version(harn
         h.producer.send(h.topics.outer, raw, partition=0)
     h.producer.send(h.topics.outer, messages.event("version", run=h.run_id, fragment=3, version=99), partition=0)
     h.producer.flush()
-    fetcher = Fetcher(h.cfg, h.run_id, kafka_io.consumer(h.cfg.transport), h.store, h.topics, Counters(), h.plan)
+    fetcher = Fetcher(h.cfg, h.run_id, kafka_io.consumer(h.cfg.transport), h.store, h.topics, Counters(), h.run_plan)
+    fetcher.want({n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()})
     thread = threading.Thread(target=fetcher.run, daemon=True)
     thread.start()
     try:
-        deadline, got = time.time() + 30, {}
-        while 2 not in got or got[2][0] != 1:
+        deadline = time.time() + 30
+        while 1 not in fetcher.versions().get(2, []):
             assert time.time() < deadline and fetcher.error is None, fetcher.error
-            got |= fetcher.take()
             time.sleep(0.05)
         time.sleep(1.5)                                        # fragment 3 v99 does not exist: retried, not fatal
         assert fetcher.error is None and thread.is_alive()

@@ -106,11 +106,13 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
         h.publish("us-0", 0, base_version=v, deltas=h.deltas(0, seed=v))
         h.publish("eu-0", 0, base_version=v, deltas=h.deltas(0, seed=10 + v))
         h.pump(lambda: h.state.versions()[0] == v + 1)
-    fetcher = Fetcher(h.cfg, h.run_id, None, h.store, h.topics, Counters(), h.plan)
-    v0, whole_bytes = fetcher.fetch(0, 0)                          # nothing held: the whole fragment
+    fetcher = Fetcher(h.cfg, h.run_id, None, h.store, h.topics, Counters(), h.run_plan)
+    whole = {n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()}
+    fetcher.want(whole)
+    _, v0, whole_bytes = fetcher.fetch(0, 0)                       # nothing held: the whole fragment
     assert whole_bytes == sum(a.nbytes for a in v0.values())
     fetcher.held[0] = (0, v0)
-    v3, update_bytes = fetcher.fetch(0, 3)                         # three int8 updates instead
+    _, v3, update_bytes = fetcher.fetch(0, 3)                      # three int8 updates instead
     stored = h.store.read(0, 3)
     for n, a in stored.params.items():
         np.testing.assert_array_equal(v3[n], a)
@@ -123,8 +125,18 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
         np.testing.assert_array_equal(live[n], r)
     fetcher.held[0] = (0, v0)
     fetcher.CHAIN_MAX = 2                                          # too far behind: one whole read
-    again, nbytes = fetcher.fetch(0, 3)
+    _, again, nbytes = fetcher.fetch(0, 3)
     assert nbytes == whole_bytes and all(np.array_equal(again[n], v3[n]) for n in v3)
+    # a host holding half of each tensor (sharded across hosts) reads that half, fp32, and no more
+    halves = {n: [((0, s[0] // 2), *((0, d) for d in s[1:]))] for n, s in h.run_plan.shapes.items() if s[0] % 2 == 0}
+    fetcher.want({**whole, **halves})
+    blocks, held_whole, half_bytes = fetcher.fetch(0, 3)
+    names = h.plan[0]
+    assert held_whole is None and set(blocks) == set(names)
+    for n in names:
+        (r,) = fetcher.blocks[n]
+        np.testing.assert_array_equal(blocks[n][r], stored.params[n][tuple(slice(a, b) for a, b in r)])
+    assert half_bytes == sum(blocks[n][fetcher.blocks[n][0]].nbytes for n in names) < 0.6 * whole_bytes
 
 
 def test_replayed_records_are_not_applied_twice_after_restart(harness):
