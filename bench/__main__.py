@@ -1,5 +1,6 @@
 """`python -m bench [--methods ...] [--scenarios ...] [--quick] [--output DIR]` runs the side-by-side
-benchmark; `python -m bench merge` runs the merge-path micro-benchmark."""
+benchmark; `python -m bench merge` runs the merge-path micro-benchmark; `python -m bench sharded`
+compares a learner's parameters replicated and sharded (FSDP) over CPU devices."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench import merge_bench, report, setups
+from bench import merge_bench, report, setups, sharded_bench
 from diloco import quantize
 from diloco.config import TransformerOptions
 
@@ -56,6 +57,29 @@ def main_merge(argv: list[str]) -> dict:
     print(f"merge path: {out['merge_mb_per_s']:.1f} MB/s of contributions ({out['payload_mb']:.2f} MB in "
           f"{1000 * out['merge_s']:.0f} ms); NumPy copy of the same bytes: {out['copy_mb_per_s']:.0f} MB/s "
           f"({out['copy_over_merge']:.0f}x faster)")
+    return out
+
+
+def main_sharded(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench sharded", description=sharded_bench.__doc__)
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--fragments", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (after one warm-up step)")
+    a = ap.parse_args(argv)
+    out = sharded_bench.run(devices=a.devices, d_model=a.d_model, layers=a.layers, seq_len=a.seq_len,
+                            fragments=a.fragments, steps=a.steps)
+    print(json.dumps(out, indent=1))
+    r, s = out["rows"]["replicated"], out["rows"]["fsdp"]
+    print(f"{r['params'] / 1e6:.1f}M parameters on {r['devices']} CPU devices | replicated | fsdp | fsdp / replicated")
+    for key, what in [("step_ms", "step (ms)"), ("param_mb_per_device", "params per device (MB)"),
+                      ("opt_mb_per_device", "optimizer state per device (MB)"), ("peak_rss_mb", "peak host RSS (MB)"),
+                      ("sync_host_peak_mb", "host peak of one sync (MB)")]:
+        print(f"{what:34s} | {r[key]:10.1f} | {s[key]:8.1f} | {s[key] / r[key]:.2f}")
+    print(f"largest fragment {s['largest_fragment_mb']:.1f} MB of a {s['model_mb']:.1f} MB model: a sync's host peak is "
+          f"{out['ratios']['sync_peak_over_fragment']:.2f}x the fragment")
     return out
 
 
@@ -104,5 +128,7 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["merge"]:
         main_merge(args[1:])
+    elif args[:1] == ["sharded"]:
+        main_sharded(args[1:])
     else:
         main(args)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import dp, ideal, merge_bench, metrics, report, runs, setups
+from bench import dp, ideal, merge_bench, metrics, report, runs, setups, sharded_bench
 from diloco.config import ConfigError, TransformerOptions, TransportConfig, build_config
 from diloco.learners.data import FORMAT, Corpus
 from diloco.models.transformer import loss_fn
@@ -234,3 +234,11 @@ def test_report_writes_a_table_and_plots(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     alone = report.write(results[2:], tmp_path / "ideal-only")  # a run of ideal alone has no bytes to plot
     assert "| healthy | ideal |" in alone.read_text() and not (tmp_path / "ideal-only" / "bytes.png").exists()
+
+
+def test_sharded_bench_compares_the_two_layouts_in_one_run():
+    out = sharded_bench.run(devices=2, d_model=32, layers=1, seq_len=8, fragments=2, steps=1)
+    r, s = out["rows"]["replicated"], out["rows"]["fsdp"]
+    assert (r["fsdp"], s["fsdp"]) == (1, 2) and r["params"] == s["params"]
+    assert out["ratios"]["param_mb_per_device"] < 0.6      # each of the 2 devices holds about half
+    assert s["sync_host_peak_mb"] > 0 and 0 < out["ratios"]["sync_peak_over_fragment"] < 8  # fixed costs at this size
