@@ -259,19 +259,18 @@ class Fetcher(threading.Thread):
         fv = self.store.read(p, v, with_opt=False)
         return fv.params, sum(a.nbytes for a in fv.params.values())
 
-    def versions(self) -> dict[int, list[int]]:
-        """The fetched versions of each fragment waiting to be applied, ascending."""
+    def ready_now(self) -> dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]]:
+        """The fetched versions of each fragment waiting to be applied, as they are now (a newer
+        arrival may drop one from the fetcher meanwhile; this copy keeps it)."""
         with self.lock:
-            return {p: sorted(r) for p, r in self.ready.items() if r}
+            return {p: dict(r) for p, r in self.ready.items() if r}
 
-    def take(self, p: int, v: int) -> dict[str, dict[Region, np.ndarray]]:
-        """Version v of fragment p (this host's blocks), dropping it and every older one."""
+    def release(self, p: int, v: int) -> None:
+        """Version v of fragment p was applied: drop it and every older one."""
         with self.lock:
-            ready = self.ready[p]
-            blocks = ready[v]
+            ready = self.ready.get(p, {})
             for old in [u for u in ready if u <= v]:
                 del ready[old]
-        return blocks
 
 
 class Session:
@@ -381,8 +380,8 @@ class Session:
                                    f"{sorted(set(range(self.plan.fragments)) - set(chosen))} on {self.topics.outer}")
             time.sleep(0.05)
         values = {}
-        for p, v in chosen.items():
-            blocks = self.fetcher.take(p, v)
+        for p, (v, blocks) in chosen.items():
+            self.fetcher.release(p, v)
             self._version[p] = v
             for n in self._names[p]:
                 values[n] = place_blocks(blocks[n], leaves[n])
@@ -475,27 +474,30 @@ class Session:
             "heartbeat", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
             incarnation=self.incarnation, start_step=self.start_step, **c, **fields), partition=0)
 
-    def _agree(self, *flags: bool, compute_s: float | None = None) -> tuple[list[bool], float, dict[int, int]]:
+    def _agree(self, *flags: bool, compute_s: float | None = None) -> tuple[list[bool], float, dict[int, tuple]]:
         """(each flag OR-ed over this learner's hosts, the largest compute time, per fragment the
-        newest fetched version that every host holds). One host: its own flags and newest versions.
-        Every host calls it at the same point of the loop (an all-gather of a few numbers)."""
+        newest fetched version that every host holds, as (version, this host's blocks)). One host:
+        its own flags and newest versions. Every host calls it at the same point of the loop (an
+        all-gather of a few numbers)."""
         compute_s = self.compute_s if compute_s is None else compute_s
-        held = self.fetcher.versions()
+        ready = self.fetcher.ready_now()
         if jax.process_count() == 1:
-            return list(flags), compute_s, {p: vs[-1] for p, vs in held.items()}
+            return list(flags), compute_s, {p: (max(r), r[max(r)]) for p, r in ready.items()}
         from jax.experimental import multihost_utils
 
         K, F = self.fetcher.keep, len(flags)
         row = np.full(F + 1 + self.plan.fragments * K, -1.0)
         row[:F], row[F] = flags, compute_s
-        for p, vs in held.items():
-            row[F + 1 + p * K:F + 1 + p * K + len(vs[-K:])] = vs[-K:]
+        for p, r in ready.items():
+            vs = sorted(r)[-K:]
+            row[F + 1 + p * K:F + 1 + p * K + len(vs)] = vs
         rows = np.asarray(multihost_utils.process_allgather(row))  # (hosts, len(row))
         common = {}
         for p in range(self.plan.fragments):
             sets = [set(r[F + 1 + p * K:F + 1 + (p + 1) * K].tolist()) - {-1.0} for r in rows]
             if both := set.intersection(*sets):
-                common[p] = int(max(both))
+                v = int(max(both))
+                common[p] = (v, ready[p][v])
         return [bool(rows[:, i].max() > 0) for i in range(F)], float(rows[:, F].max()), common
 
     def _sync(self, p: int, params) -> None:
@@ -538,17 +540,17 @@ class Session:
         self._last_t = time.perf_counter()  # waiting is not a step
         return params
 
-    def _apply(self, params, chosen: dict[int, int]):
+    def _apply(self, params, chosen: dict[int, tuple]):
         """`params` with the agreed new global versions applied (fragments.apply), on the devices."""
-        chosen = {p: v for p, v in chosen.items() if v > self._version[p]}
+        chosen = {p: (v, blocks) for p, (v, blocks) in chosen.items() if v > self._version[p]}
         if not chosen:
             return params
         mode = self.cfg.fragments.apply
         alpha = self.cfg.fragments.mix_alpha if mode == "mix" else 1.0
         leaves = flatten(params, self.plan)
         values = {}
-        for p, v in chosen.items():
-            blocks = self.fetcher.take(p, v)
+        for p, (v, blocks) in chosen.items():
+            self.fetcher.release(p, v)
             for n in self._names[p]:
                 leaf = leaves[n]
                 new = place_blocks(self._blocks_for(p, v, n, leaf, blocks), leaf, np.float32)

@@ -138,20 +138,20 @@ def test_an_id_too_long_for_the_state_is_malformed(harness):
 @pytest.mark.integration
 def test_a_merge_that_would_not_be_finite_is_rejected_not_written(harness, monkeypatch):
     h = harness
-    real = syncer_mod.merge_math.outer_step
+    real = syncer_mod.fused.outer_sgd
 
-    def poisoned(opt, params, state, delta):
-        new, state = real(opt, params, state, delta)
+    def poisoned(params, state, delta, **kw):
+        new, state = real(params, state, delta, **kw)
         return {n: np.full_like(a, np.nan) for n, a in new.items()}, state
 
-    monkeypatch.setattr(syncer_mod.merge_math, "outer_step", poisoned)
+    monkeypatch.setattr(syncer_mod.fused, "outer_sgd", poisoned)
     a = h.publish("us-0", 1, deltas=h.deltas(1, seed=1))
     b = h.publish("eu-0", 1, deltas=h.deltas(1, seed=2))
     h.pump(lambda: _reason(h, a.id).startswith("rejected") and _reason(h, b.id).startswith("rejected"))
     assert {_reason(h, a.id), _reason(h, b.id)} == {"rejected:merge_failed"}
     assert h.state.versions()[1] == 0 and h.store.versions(1) == [0]    # nothing written or announced
     assert not [e for e in h.events() if e["kind"] == "version" and e.get("fragment") == 1 and e["version"] > 0]
-    monkeypatch.setattr(syncer_mod.merge_math, "outer_step", real)
+    monkeypatch.setattr(syncer_mod.fused, "outer_sgd", real)
     _good_round(h, fragment=1)
 
 
@@ -186,7 +186,7 @@ def test_the_fetcher_skips_bad_announcements_and_outlives_a_missing_version(harn
     thread.start()
     try:
         deadline = time.time() + 30
-        while 1 not in fetcher.versions().get(2, []):
+        while 1 not in fetcher.ready_now().get(2, {}):
             assert time.time() < deadline and fetcher.error is None, fetcher.error
             time.sleep(0.05)
         time.sleep(1.5)                                        # fragment 3 v99 does not exist: retried, not fatal
