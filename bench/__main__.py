@@ -46,17 +46,23 @@ def parse_merge(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--contributions", type=int, default=4)
     ap.add_argument("--scheme", choices=list(quantize.SCHEMES), default="int8")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="threads of the fused merge (1 = per core figures)")
+    ap.add_argument("--no-reference", action="store_true", help="skip timing the NumPy reference path")
     return ap.parse_args(argv)
 
 
 def main_merge(argv: list[str]) -> dict:
     a = parse_merge(argv)
     out = merge_bench.run(TransformerOptions(d_model=a.d_model, n_layers=a.layers, n_heads=4), k=a.contributions,
-                          scheme=a.scheme, repeats=a.repeats)
+                          scheme=a.scheme, repeats=a.repeats, threads=a.threads, reference=not a.no_reference)
     print(json.dumps(out, indent=1))
     print(f"merge path: {out['merge_mb_per_s']:.1f} MB/s of contributions ({out['payload_mb']:.2f} MB in "
-          f"{1000 * out['merge_s']:.0f} ms); NumPy copy of the same bytes: {out['copy_mb_per_s']:.0f} MB/s "
-          f"({out['copy_over_merge']:.0f}x faster)")
+          f"{1000 * out['merge_s']:.0f} ms), {out['merge_mb_per_s_without_store']:.0f} MB/s without the store write; "
+          f"NumPy copy of the same bytes: {out['copy_mb_per_s']:.0f} MB/s ({out['copy_over_merge']:.0f}x faster)")
+    print("per phase (ms): " + ", ".join(f"{k} {1000 * v:.0f}" for k, v in out["phases_s"].items()))
+    if "reference_s" in out:
+        print(f"NumPy reference math (no store write): {out['reference_mb_per_s']:.1f} MB/s; the fused path without "
+              f"the write is {out['fused_over_reference']:.1f}x faster")
     return out
 
 

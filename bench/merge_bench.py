@@ -1,10 +1,12 @@
-"""Micro-benchmark of the syncer's merge path: decode (checksum + dequantize) + validate (shapes,
-finite) + token weights + RDA + outer step + TensorStore write, against a plain NumPy copy of the
-same bytes measured in the same process. The write includes the encoded update learners fetch
-(`broadcast` scheme) and the residual it leaves."""
+"""Micro-benchmark of the syncer's merge path: validate (checksum, norms and finiteness from the
+codes) + token weights + fused RDA + outer step + fused update encoding + TensorStore write, against
+a plain NumPy copy of the same bytes and the NumPy reference math (decode, stack, merge), both
+measured in the same process. The write includes the encoded update learners fetch (`broadcast`
+scheme) and the residual it leaves. Times per phase are reported."""
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 
@@ -14,6 +16,7 @@ from diloco import messages, quantize
 from diloco.config import TransformerOptions
 from diloco.infra.store import FragmentStore
 from diloco.models.transformer import init_params
+from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
 
 
@@ -31,20 +34,52 @@ def contributions(params: dict[str, np.ndarray], k: int, scheme: str, seed: int 
     return out
 
 
+PHASES = ("validate", "merge", "outer_step", "encode_update", "store_write")
+
+
 def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_state, store: FragmentStore,
-               version: int, broadcast: str = "int8") -> None:
+               version: int, broadcast: str = "int8", threads: int = 1, times: dict | None = None) -> None:
+    """The syncer's merge path (syncer/fused.py, as Syncer.validate and Syncer._merged run it):
+    checksum and norms from the codes, fused RDA, outer step, fused update encoding, store write."""
+    times = {} if times is None else times
+    clock = [time.perf_counter()]
+
+    def lap(phase: str) -> None:
+        now = time.perf_counter()
+        times[phase] = times.get(phase, 0.0) + now - clock[0]
+        clock[0] = now
+
     deltas = []
     for manifest, payload in contribs:
-        d = messages.decode_payload(manifest, payload)
-        if any(d[n].shape != params[n].shape or not np.isfinite(d[n]).all() for n in params):
+        messages.verify_payload(manifest, payload)
+        d = fused.encoded_delta(manifest, payload)
+        if any(d.tensors[n].shape != params[n].shape or not math.isfinite(d.norms[n]) for n in params):
             raise ValueError("benchmark contribution failed validation")
         deltas.append(d)
+    lap("validate")
     weights = merge_math.token_weights([m.tokens for m, _ in contribs], [m.steps for m, _ in contribs])
-    delta = merge_math.merge_deltas(deltas, weights, ("tok_embed", "pos_embed"))
-    new, state = merge_math.outer_step(opt, params, opt_state, delta)
-    update, new, residual = quantize.encode_update(params, new, {}, broadcast)
+    delta = fused.merge(deltas, weights, ("tok_embed", "pos_embed"), threads=threads)
+    lap("merge")
+    new, state = fused.outer_sgd(params, opt_state, delta, lr=0.7, momentum=0.9, nesterov=True, threads=threads)
+    lap("outer_step")
+    update, new, residual = fused.encode_update(params, new, {}, broadcast, threads=threads)
+    lap("encode_update")
     store.write(0, version, new, merge_math.flatten_state(state), {"time": time.time()}, residual=residual,
                 update=update, update_scheme=broadcast)
+    lap("store_write")
+
+
+def reference_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_state, broadcast: str = "int8"
+                   ) -> None:
+    """The same math on the NumPy reference path (decode every contribution, stack, merge.merge_deltas,
+    quantize.encode_update), without the store write: the baseline the fused path is measured against."""
+    deltas = [messages.decode_payload(m, p) for m, p in contribs]
+    if any(not np.isfinite(d[n]).all() for d in deltas for n in params):
+        raise ValueError("benchmark contribution failed validation")
+    weights = merge_math.token_weights([m.tokens for m, _ in contribs], [m.steps for m, _ in contribs])
+    delta = merge_math.merge_deltas(deltas, weights, ("tok_embed", "pos_embed"))
+    new, _ = merge_math.outer_step(opt, params, opt_state, delta)
+    quantize.encode_update(params, new, {}, broadcast)
 
 
 def copy_mb_per_s(nbytes: int, repeats: int) -> float:
@@ -56,21 +91,34 @@ def copy_mb_per_s(nbytes: int, repeats: int) -> float:
     return nbytes * repeats / 1e6 / (time.perf_counter() - t0)
 
 
-def run(model: TransformerOptions, k: int = 4, scheme: str = "int8", repeats: int = 5, store_url: str | None = None) -> dict:
+def run(model: TransformerOptions, k: int = 4, scheme: str = "int8", repeats: int = 5, store_url: str | None = None,
+        threads: int = 1, reference: bool = True) -> dict:
     params = init_params(model)
     contribs = contributions(params, k, scheme)
     opt = merge_math.outer_optimizer(0.7, 0.9, True)
     opt_state = opt.init(params)
     nbytes = sum(len(p) for _, p in contribs)
+    times: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = FragmentStore(store_url or f"file://{tmp}/store", "merge-bench")
-        merge_once(contribs, params, opt, opt_state, store, 0)  # warm-up: jit of the outer step, store open
+        merge_once(contribs, params, opt, opt_state, store, 0, threads=threads)  # warm-up: compile, store open
         t0 = time.perf_counter()
         for v in range(1, repeats + 1):
-            merge_once(contribs, params, opt, opt_state, store, v)
+            merge_once(contribs, params, opt, opt_state, store, v, threads=threads, times=times)
         seconds = (time.perf_counter() - t0) / repeats
-    merge = nbytes / 1e6 / seconds
+    out = {"params": sum(a.size for a in params.values()), "contributions": k, "scheme": scheme, "threads": threads,
+           "payload_mb": nbytes / 1e6, "merge_s": seconds, "merge_mb_per_s": nbytes / 1e6 / seconds,
+           "phases_s": {p: times.get(p, 0.0) / repeats for p in PHASES}}
+    without_store = seconds - out["phases_s"]["store_write"]
+    out["merge_mb_per_s_without_store"] = nbytes / 1e6 / without_store
     copy = copy_mb_per_s(nbytes, max(repeats, 20))
-    return {"params": sum(a.size for a in params.values()), "contributions": k, "scheme": scheme,
-            "payload_mb": nbytes / 1e6, "merge_s": seconds, "merge_mb_per_s": merge, "copy_mb_per_s": copy,
-            "copy_over_merge": copy / merge}
+    out |= {"copy_mb_per_s": copy, "copy_over_merge": copy / out["merge_mb_per_s"]}
+    if reference:
+        reference_once(contribs, params, opt, opt_state)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(max(1, repeats // 2)):
+            reference_once(contribs, params, opt, opt_state)
+        ref_s = (time.perf_counter() - t0) / max(1, repeats // 2)
+        out |= {"reference_s": ref_s, "reference_mb_per_s": nbytes / 1e6 / ref_s,
+                "fused_over_reference": ref_s / without_store}
+    return out

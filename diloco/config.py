@@ -147,6 +147,8 @@ class SyncerConfig(_Section):
     mean_merge_tensors: tuple[str, ...] | None = Field(
         None, description="glob patterns of tensors merged by plain mean instead of RDA; None = the model spec's")
     merge: Literal["rda", "mean"] = Field("rda", description="mean = plain weighted mean of every tensor (sync DiLoCo)")
+    merge_threads: int = Field(2, ge=1, description="threads one merge spreads its tensors over (the kernels "
+                                                     "release the GIL)")
     token_weighting: bool = Field(True, description="weigh by tokens * tokens / steps; off = equal weights")
     scale_partial_rounds: bool = Field(False, description="a round with n of M learners applies n/M of its merged delta")
     broadcast: Literal["fp32", "bf16", "int8", "int4"] = Field(

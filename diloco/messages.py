@@ -166,11 +166,16 @@ def encode_contribution(
     return manifest, frames
 
 
-def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
+def verify_payload(manifest: Manifest, payload: bytes) -> None:
+    """Raise WireError unless the payload has the manifest's size and SHA-256."""
     if len(payload) != manifest.total_bytes:
         raise WireError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
     if hashlib.sha256(payload).hexdigest() != manifest.sha256:
         raise WireError("checksum mismatch: payload SHA-256 differs from the manifest")
+
+
+def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
+    verify_payload(manifest, payload)
     out, pos = {}, 0
     for t in manifest.tensors:
         if t.nbytes != quantize.encoded_nbytes(t.shape, t.scheme):

@@ -35,13 +35,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from diloco import messages, quantize
+from diloco import messages
 from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreFenced
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
 from diloco.plan import Plan
+from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
 from diloco.syncer import shards as shards_mod
 from diloco.syncer.policy import QuorumPolicy, decide
@@ -55,12 +56,13 @@ DRAIN_SETTLE_S = 1.0  # on stop: how long the syncer must stay caught up before 
 
 @dataclass
 class Pending:
-    """A contribution accepted into an open round; `deltas` is None until a replay brings it back."""
+    """A contribution accepted into an open round, kept encoded as it arrived (int8: a quarter of its
+    float32 size) with its norms; `deltas` is None until a replay brings it back."""
     manifest_meta: dict
     arrival: float
     tp: TP
     first_offset: int
-    deltas: dict[str, np.ndarray] | None = None
+    deltas: fused.EncodedDelta | None = None
 
 
 @dataclass
@@ -542,14 +544,15 @@ class Syncer:
             if m.base_version < current - self.cfg.syncer.max_staleness:
                 return "stale", f"base version {m.base_version} older than {current} - {self.cfg.syncer.max_staleness}"
         try:
-            deltas = messages.decode_payload(m, payload)
+            messages.verify_payload(m, payload)
+            deltas = fused.encoded_delta(m, payload)  # norms from the codes; nothing decoded yet
         except WireError as err:
             return ("checksum" if "checksum" in str(err) else "malformed"), str(err)
-        bad = [n for n, d in deltas.items() if not np.all(np.isfinite(d))]
+        bad = [n for n, x in deltas.norms.items() if not math.isfinite(x)]
         if bad:
             return "non_finite", f"non-finite values in {bad[:8]}"
         if sc.max_delta_ratio > 0 and not replay:
-            norm = math.sqrt(sum(float(np.sum(np.square(d, dtype=np.float64))) for d in deltas.values()))
+            norm = deltas.norm
             scale = self.fragments[m.fragment].budget_scale()  # the parameters change only at a merge
             if not norm <= sc.max_delta_ratio * scale:
                 return "norm_budget", (f"delta norm {norm:.4g} > {sc.max_delta_ratio:g} x max(parameter norm, "
@@ -646,13 +649,14 @@ class Syncer:
         sc, metas = self.cfg.syncer, [c.manifest_meta for c in contribs]
         weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
                                            weighted=sc.token_weighting)
-        delta = merge_math.merge_deltas([c.deltas for c in contribs], weights, self.run_plan.mean_merged, rule=sc.merge)
-        if share != 1.0:
-            delta = {n: d * np.float32(share) for n, d in delta.items()}
+        delta = fused.merge([c.deltas for c in contribs], weights, self.run_plan.mean_merged, rule=sc.merge,
+                            share=share, threads=sc.merge_threads)
         old = {n: st.params[n] for n in self.plan[p]}
-        params, opt_state = merge_math.outer_step(self.opt, old, st.opt_state, delta)
+        o = self.cfg.outer
+        params, opt_state = fused.outer_sgd(old, st.opt_state, delta, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                                            threads=sc.merge_threads)
         _check_finite("merged values", params)  # before the encoding: int8 codes would launder a NaN
-        update, params, residual = quantize.encode_update(old, params, st.residual, sc.broadcast)
+        update, params, residual = fused.encode_update(old, params, st.residual, sc.broadcast, threads=sc.merge_threads)
         _check_finite("published values", params)
         _check_finite("broadcast residual", residual)
         return weights, params, opt_state, update, residual
@@ -661,7 +665,7 @@ class Syncer:
         factor = self.cfg.syncer.norm_outlier_factor
         if factor <= 0 or len(contribs) < 3:
             return contribs
-        norms = [math.sqrt(sum(float(np.sum(d.astype(np.float64) ** 2)) for d in c.deltas.values())) for c in contribs]
+        norms = [c.deltas.norm for c in contribs]
         median = float(np.median(norms))
         keep = []
         for c, n in zip(contribs, norms):

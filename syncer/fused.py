@@ -1,0 +1,208 @@
+"""The syncer's merge path at production sizes: the math of `syncer/merge.py` and the broadcast
+encoding of `diloco.quantize`, computed on the encoded contributions where they lie.
+
+A contribution is kept as it arrived (`Encoded` views into its payload: int8 is a quarter of the
+float32 it stands for), with each tensor's norm computed once from its codes at validation. A merge
+then makes one pass per contribution per tensor into one float32 accumulator (`kernels.axpy_*`),
+instead of decoding K float32 copies, stacking them and converting to float64; tensors run in
+parallel threads (the kernels release the GIL). The results equal the NumPy reference within float
+rounding (tests/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from diloco import quantize
+from diloco.messages import Manifest, WireError
+from diloco.syncer import kernels
+from diloco.syncer.merge import _CANCELLED
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tensor of one contribution as it arrived: its wire scheme, shape and bytes."""
+    scheme: str
+    shape: tuple[int, ...]
+    buf: memoryview
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row scales, codes) of an int8 / int4 encoding, as views."""
+        rows, cols = quantize._rows(self.shape)
+        scale = np.frombuffer(self.buf, dtype="<f4", count=rows)
+        width = cols if self.scheme == "int8" else (cols + 1) // 2
+        codes = np.frombuffer(self.buf, dtype=np.int8 if self.scheme == "int8" else np.uint8,
+                              offset=4 * rows).reshape(rows, width)
+        return scale, codes
+
+    def flat(self) -> np.ndarray:
+        """The values of an fp32 encoding, or the uint16 bits of a bf16 one, as a flat view."""
+        return np.frombuffer(self.buf, dtype="<f4" if self.scheme == "fp32" else "<u2")
+
+    def decode(self) -> np.ndarray:
+        return quantize.decode(self.buf, self.shape, self.scheme)
+
+
+@dataclass(frozen=True)
+class EncodedDelta:
+    """A validated contribution's tensors as they arrived, with each one's norm."""
+    tensors: dict[str, Encoded]
+    norms: dict[str, float]
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(sum(n * n for n in self.norms.values()))
+
+    def decode(self) -> dict[str, np.ndarray]:
+        return {n: e.decode() for n, e in self.tensors.items()}
+
+
+def views(manifest: Manifest, payload: bytes) -> dict[str, Encoded]:
+    """The payload's tensors as `Encoded` views (no copy); raises WireError if a size does not fit."""
+    out, pos, buf = {}, 0, memoryview(payload)
+    if len(payload) != manifest.total_bytes:
+        raise WireError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
+    for t in manifest.tensors:
+        if t.nbytes != quantize.encoded_nbytes(t.shape, t.scheme):
+            raise WireError(f"tensor {t.name}: nbytes {t.nbytes} does not fit {t.scheme} {t.shape}")
+        out[t.name] = Encoded(t.scheme, tuple(t.shape), buf[pos:pos + t.nbytes])
+        pos += t.nbytes
+    return out
+
+
+def encoded_delta(manifest: Manifest, payload: bytes) -> EncodedDelta:
+    """The payload's tensors and their norms; a norm is nan where a value is not finite."""
+    tensors = views(manifest, payload)
+    return EncodedDelta(tensors, {n: math.sqrt(s) if s == s else math.nan for n, s in
+                                  ((n, sumsq(e)) for n, e in tensors.items())})
+
+
+def sumsq(e: Encoded) -> float:
+    """The squared norm of the decoded tensor (float64), from its codes; nan if any value is not finite."""
+    if e.scheme in ("int8", "int4"):
+        scale, codes = e.rows()
+        if e.scheme == "int8":
+            return float(kernels.sumsq_q8(codes, scale))
+        return float(kernels.sumsq_q4(codes, scale, quantize._rows(e.shape)[1]))
+    return float(kernels.sumsq_f32(e.flat()) if e.scheme == "fp32" else kernels.sumsq_bf16(e.flat()))
+
+
+def axpy(acc: np.ndarray, e: Encoded, coef: float) -> None:
+    """acc (float32, the tensor's shape) += coef * decode(e)."""
+    if e.scheme in ("int8", "int4"):
+        scale, codes = e.rows()
+        target = acc.reshape(quantize._rows(e.shape))
+        (kernels.axpy_q8 if e.scheme == "int8" else kernels.axpy_q4)(target, codes, scale, coef)
+    elif e.scheme == "fp32":
+        kernels.axpy_f32(acc.reshape(-1), e.flat(), coef)
+    else:
+        kernels.axpy_bf16(acc.reshape(-1), e.flat(), coef)
+
+
+def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.ndarray, *, plain: bool,
+                 share: float = 1.0) -> np.ndarray:
+    """One tensor's merged delta: RDA (merge.rda) or, if `plain`, the weighted mean (merge.weighted_mean);
+    times `share`. `norms` are the parts' norms, `weights` sum to 1."""
+    acc = np.zeros(parts[0].shape, np.float32)
+    w = np.asarray(weights, np.float64)
+    if plain:
+        for e, wm in zip(parts, w):
+            axpy(acc, e, float(wm))
+        if share != 1.0:
+            kernels.scale_into(acc.reshape(-1), acc.reshape(-1), share)
+        return acc
+    radius = float(np.sum(w * np.asarray(norms)) / np.sum(w))
+    for e, wm, nm in zip(parts, w / np.sum(w), norms):
+        if nm > 0:  # an all-zero delta has no direction and adds none
+            axpy(acc, e, float(wm / nm))
+    dnorm = math.sqrt(kernels.sumsq(acc.reshape(-1)))
+    if dnorm < _CANCELLED:  # the deltas cancel: no direction to move in
+        return np.zeros_like(acc)
+    kernels.scale_into(acc.reshape(-1), acc.reshape(-1), radius / dnorm * share)
+    return acc
+
+
+def merge(contributions: Sequence[EncodedDelta], weights: np.ndarray, mean_names: Sequence[str] = (),
+          rule: str = "rda", share: float = 1.0, threads: int = 1) -> dict[str, np.ndarray]:
+    """`merge.merge_deltas` (then times `share`) on encoded contributions, tensors in `threads` threads."""
+    if rule not in ("rda", "mean"):
+        raise ValueError(f"unknown merge rule {rule!r}")
+    names = list(contributions[0].tensors)
+
+    def one(name: str) -> np.ndarray:
+        return merge_tensor([c.tensors[name] for c in contributions], [c.norms[name] for c in contributions],
+                            weights, plain=rule == "mean" or name in mean_names, share=share)
+
+    if threads <= 1:
+        return {n: one(n) for n in names}
+    with ThreadPoolExecutor(threads) as pool:
+        return dict(zip(names, pool.map(one, names)))
+
+
+def outer_sgd(params: Mapping[str, np.ndarray], state, delta: Mapping[str, np.ndarray], *, lr: float,
+              momentum: float, nesterov: bool, threads: int = 1):
+    """`merge.outer_step` for the outer optimizer `merge.outer_optimizer(lr, momentum, nesterov)`
+    (optax.sgd), one fused pass per tensor: (new params in their dtypes, the optax state)."""
+    trace_state = state[0] if momentum > 0 else None
+    new_trace = {n: np.array(trace_state.trace[n], np.float32) for n in delta} if trace_state is not None else {}
+
+    def one(n: str) -> np.ndarray:
+        p = np.asarray(params[n])
+        p32 = np.ascontiguousarray(p, np.float32).reshape(-1)
+        out = np.empty_like(p32)
+        trace = new_trace[n].reshape(-1) if n in new_trace else out
+        kernels.sgd_step(p32, np.ascontiguousarray(delta[n], np.float32).reshape(-1), trace, lr, momentum,
+                         nesterov and momentum > 0, out)
+        return out.reshape(p.shape).astype(p.dtype, copy=False)
+
+    names = list(delta)
+    if threads <= 1:
+        new = {n: one(n) for n in names}
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            new = dict(zip(names, pool.map(one, names)))
+    if trace_state is not None:
+        state = (trace_state._replace(trace=new_trace), *state[1:])
+    return new, state
+
+
+def encode_update(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], residual: Mapping[str, np.ndarray],
+                  scheme: str, threads: int = 1) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """`quantize.encode_update`, bit for bit, one fused pass per row for int8 / int4 float32 tensors
+    (other schemes and dtypes take the NumPy path)."""
+    def one(n: str):
+        o, x = np.asarray(old[n]), np.asarray(new[n])
+        if scheme not in quantize.LEVELS or o.dtype != np.float32 or x.dtype != np.float32:
+            wire, pub, car = quantize.encode_update({n: o}, {n: x}, {n: residual[n]} if n in residual else {}, scheme)
+            return wire[n], pub[n], car[n]
+        rows, cols = quantize._rows(x.shape)
+        res = residual.get(n)
+        res = np.zeros((rows, cols), np.float32) if res is None else np.asarray(res, np.float32).reshape(rows, cols)
+        q = np.empty((rows, cols), np.int8)
+        scale = np.empty(rows, "<f4")
+        published = np.empty((rows, cols), np.float32)
+        carried = np.empty((rows, cols), np.float32)
+        kernels.update_q(x.reshape(rows, cols), o.reshape(rows, cols), res, quantize.LEVELS[scheme], q, scale,
+                         published, carried)
+        if scheme == "int4":
+            q = np.pad(q, ((0, 0), (0, cols % 2))) + 8
+            q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+        return scale.tobytes() + q.tobytes(), published.reshape(x.shape), carried.reshape(x.shape)
+
+    names = list(new)
+    if threads <= 1:
+        results = [one(n) for n in names]
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(one, names))
+    return ({n: r[0] for n, r in zip(names, results)}, {n: r[1] for n, r in zip(names, results)},
+            {n: r[2] for n, r in zip(names, results)})

@@ -1,0 +1,132 @@
+"""The fused merge path equals the NumPy reference math (syncer/merge.py, diloco/quantize.py)."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco import messages, quantize
+from diloco.messages import WireError
+from diloco.syncer import fused
+from diloco.syncer import merge as ref
+
+SHAPES = [(7,), (5, 9), (3, 4, 6), (1, 1), (64, 33)]
+
+
+def _encoded(deltas: dict[str, np.ndarray], scheme: str):
+    manifest, frames = messages.encode_contribution(
+        run="r", learner="l", region="g", fragment=0, base_version=0, tokens=10, steps=1, step_time=0.1,
+        deltas=deltas, scheme=scheme, chunk_bytes=1 << 20)
+    payload = b"".join(bytes(messages.parse_frame(f)[1]) for f in frames[1:])
+    return manifest, payload
+
+
+@pytest.mark.parametrize("scheme", quantize.SCHEMES)
+def test_norms_from_codes_equal_the_norms_of_the_decoded_values(scheme):
+    rng = np.random.default_rng(0)
+    deltas = {f"t{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate(SHAPES)}
+    deltas["zero"] = np.zeros((4, 3), np.float32)
+    manifest, payload = _encoded(deltas, scheme)
+    decoded = messages.decode_payload(manifest, payload)
+    for name, e in fused.views(manifest, payload).items():
+        want = float(np.sum(decoded[name].astype(np.float64) ** 2))
+        assert fused.sumsq(e) == pytest.approx(want, rel=1e-6, abs=1e-12), name
+        np.testing.assert_array_equal(e.decode(), decoded[name])
+
+
+@pytest.mark.parametrize("scheme", quantize.SCHEMES)
+def test_a_non_finite_value_or_scale_makes_the_norm_nan(scheme):
+    x = np.ones((3, 4), np.float32)
+    x[1, 2] = np.nan if scheme in ("fp32", "bf16") else 1.0
+    manifest, payload = _encoded({"x": x}, scheme)
+    payload = bytearray(payload)
+    if scheme in ("int8", "int4"):
+        payload[4:8] = np.float32(np.inf).tobytes()   # row 1's scale
+    e = fused.views(manifest, bytes(payload))["x"]
+    assert math.isnan(fused.sumsq(e))
+
+
+def test_views_refuse_sizes_that_do_not_fit():
+    manifest, payload = _encoded({"x": np.ones((3, 4), np.float32)}, "int8")
+    with pytest.raises(WireError, match="payload has"):
+        fused.views(manifest, payload[:-1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(1, 5), scheme=st.sampled_from(quantize.SCHEMES), seed=st.integers(0, 2**16),
+       rule=st.sampled_from(["rda", "mean"]), share=st.sampled_from([1.0, 0.5]),
+       cancel=st.booleans())
+def test_the_fused_merge_equals_the_reference(k, scheme, seed, rule, share, cancel):
+    rng = np.random.default_rng(seed)
+    contribs, encoded = [], []
+    for i in range(k):
+        d = {f"t{j}": rng.normal(size=s).astype(np.float32) * (10.0 ** rng.integers(-3, 2)) for j, s in enumerate(SHAPES)}
+        if cancel and i == 1:  # an exact opposite of the first: directions cancel for k == 2
+            d = {n: -contribs[0][n] for n in d}
+        if i == k - 1 and k > 2:
+            d["t0"] = np.zeros_like(d["t0"])   # no direction
+        manifest, payload = _encoded(d, scheme)
+        contribs.append(messages.decode_payload(manifest, payload))
+        encoded.append(fused.encoded_delta(manifest, payload))
+    weights = ref.token_weights(rng.integers(1, 1000, k), rng.integers(1, 10, k))
+    want = ref.merge_deltas(contribs, weights, ("t1",), rule=rule)
+    got = fused.merge(encoded, weights, ("t1",), rule=rule, share=share, threads=2)
+    for n in want:
+        scale = max(float(np.abs(want[n]).max()), 1e-30)
+        np.testing.assert_allclose(got[n], share * want[n], rtol=2e-5, atol=2e-6 * scale, err_msg=n)
+
+
+@pytest.mark.parametrize("scheme", quantize.SCHEMES)
+def test_the_fused_update_encoding_is_bit_identical(scheme):
+    rng = np.random.default_rng(1)
+    old = {f"t{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate(SHAPES)}
+    old["bf"] = rng.normal(size=(6, 5)).astype(ml_dtypes.bfloat16)           # a bf16 tensor: the NumPy path
+    new = {n: (a.astype(np.float32) + 1e-2 * rng.normal(size=a.shape)).astype(a.dtype) for n, a in old.items()}
+    new["t1"] = old["t1"].copy()                                              # a tensor that did not move
+    residual = {n: (1e-4 * rng.normal(size=a.shape)).astype(np.float32) for n, a in old.items() if n != "t0"}
+    want = quantize.encode_update(old, new, residual, scheme)
+    got = fused.encode_update(old, new, residual, scheme, threads=2)
+    for w, g in zip(want, got):
+        assert w.keys() == g.keys()
+        for n in w:
+            if isinstance(w[n], bytes):
+                assert w[n] == g[n], n
+            else:
+                assert w[n].dtype == g[n].dtype and w[n].shape == g[n].shape, n
+                np.testing.assert_array_equal(g[n], w[n], err_msg=n)
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, True), (0.5, False)])
+def test_the_fused_outer_step_equals_optax(momentum, nesterov):
+    rng = np.random.default_rng(2)
+    params = {f"t{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate(SHAPES)}
+    params["bf"] = rng.normal(size=(4, 6)).astype(ml_dtypes.bfloat16)
+    opt = ref.outer_optimizer(0.7, momentum, nesterov)
+    state_ref = state_fused = opt.init(ref.as_float32(params))
+    p_ref = p_fused = params
+    for step in range(3):
+        delta = {n: rng.normal(size=a.shape).astype(np.float32) for n, a in params.items()}
+        p_ref, state_ref = ref.outer_step(opt, p_ref, state_ref, delta)
+        p_fused, state_fused = fused.outer_sgd(p_fused, state_fused, delta, lr=0.7, momentum=momentum,
+                                               nesterov=nesterov, threads=2)
+        for n in params:
+            assert p_fused[n].dtype == p_ref[n].dtype
+            np.testing.assert_allclose(p_fused[n].astype(np.float32), p_ref[n].astype(np.float32),
+                                       rtol=1e-6, atol=1e-6, err_msg=f"{n} step {step}")
+        a, b = ref.flatten_state(state_ref), ref.flatten_state(state_fused)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("scheme", quantize.SCHEMES)
+def test_norms_of_huge_finite_values_are_finite(scheme):
+    """1e30 squared overflows float32 but not the float64 the norms are summed in."""
+    manifest, payload = _encoded({"a": np.full((4, 8), 1e30, np.float32)}, scheme)
+    norm = fused.encoded_delta(manifest, payload).norm
+    assert math.isfinite(norm) and norm == pytest.approx(1e30 * math.sqrt(32), rel=1e-2)
