@@ -48,18 +48,25 @@ def parse_merge(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="threads of the fused merge (1 = per core figures)")
     ap.add_argument("--no-reference", action="store_true", help="skip timing the NumPy reference path")
+    ap.add_argument("--snapshot-every", type=int, default=8, help="store.snapshot_every")
     return ap.parse_args(argv)
 
 
 def main_merge(argv: list[str]) -> dict:
     a = parse_merge(argv)
     out = merge_bench.run(TransformerOptions(d_model=a.d_model, n_layers=a.layers, n_heads=4), k=a.contributions,
-                          scheme=a.scheme, repeats=a.repeats, threads=a.threads, reference=not a.no_reference)
+                          scheme=a.scheme, repeats=a.repeats, threads=a.threads, reference=not a.no_reference,
+                          snapshot_every=a.snapshot_every)
     print(json.dumps(out, indent=1))
     print(f"merge path: {out['merge_mb_per_s']:.1f} MB/s of contributions ({out['payload_mb']:.2f} MB in "
           f"{1000 * out['merge_s']:.0f} ms), {out['merge_mb_per_s_without_store']:.0f} MB/s without the store write; "
           f"NumPy copy of the same bytes: {out['copy_mb_per_s']:.0f} MB/s ({out['copy_over_merge']:.0f}x faster)")
     print("per phase (ms): " + ", ".join(f"{k} {1000 * v:.0f}" for k, v in out["phases_s"].items()))
+    b = out["store_bytes"]
+    print(f"store per version: {b['between_snapshots'] / 1e6:.2f} MB between snapshots, {b['snapshot'] / 1e6:.2f} MB "
+          f"at a snapshot (every {out['snapshot_every']}), update {b['update'] / 1e6:.2f} MB: "
+          f"{b['between_over_update']:.2f}x the update ({b['amortized_over_update']:.2f}x with snapshots amortized); "
+          f"merge path with snapshots amortized: {out['merge_mb_per_s_amortized']:.0f} MB/s")
     if "reference_s" in out:
         print(f"NumPy reference math (no store write): {out['reference_mb_per_s']:.1f} MB/s; the fused path without "
               f"the write is {out['fused_over_reference']:.1f}x faster")

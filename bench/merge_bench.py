@@ -1,14 +1,17 @@
 """Micro-benchmark of the syncer's merge path: validate (checksum, norms and finiteness from the
 codes) + token weights + fused RDA + outer step + fused update encoding + TensorStore write, against
 a plain NumPy copy of the same bytes and the NumPy reference math (decode, stack, merge), both
-measured in the same process. The write includes the encoded update learners fetch (`broadcast`
-scheme) and the residual it leaves. Times per phase are reported."""
+measured in the same process. Timed versions fall between two snapshots (store.snapshot_every): their
+write is the encoded update learners fetch; a snapshot version's extra write (parameters, outer
+state, residual) is measured once and amortized. Times per phase and store bytes per version are
+reported."""
 
 from __future__ import annotations
 
 import math
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -38,7 +41,8 @@ PHASES = ("validate", "merge", "outer_step", "encode_update", "store_write")
 
 
 def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_state, store: FragmentStore,
-               version: int, broadcast: str = "int8", threads: int = 1, times: dict | None = None) -> None:
+               version: int, broadcast: str = "int8", threads: int = 1, times: dict | None = None,
+               snapshot_every: int = 8) -> int:
     """The syncer's merge path (syncer/fused.py, as Syncer.validate and Syncer._merged run it):
     checksum and norms from the codes, fused RDA, outer step, fused update encoding, store write."""
     times = {} if times is None else times
@@ -65,8 +69,15 @@ def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_st
     update, new, residual = fused.encode_update(params, new, {}, broadcast, threads=threads)
     lap("encode_update")
     store.write(0, version, new, merge_math.flatten_state(state), {"time": time.time()}, residual=residual,
-                update=update, update_scheme=broadcast)
+                update=update, update_scheme=broadcast, snapshot_at=None if version % snapshot_every == 0 else 0)
     lap("store_write")
+    return sum(len(b) for b in update.values())
+
+
+def version_bytes(root: Path, version: int) -> int:
+    """Bytes a version occupies in a file:// store (all its files)."""
+    d = root / "merge-bench" / "fragments" / "000" / f"v{version:08d}"
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
 def reference_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_state, broadcast: str = "int8"
@@ -92,25 +103,39 @@ def copy_mb_per_s(nbytes: int, repeats: int) -> float:
 
 
 def run(model: TransformerOptions, k: int = 4, scheme: str = "int8", repeats: int = 5, store_url: str | None = None,
-        threads: int = 1, reference: bool = True) -> dict:
+        threads: int = 1, reference: bool = True, snapshot_every: int = 8) -> dict:
     params = init_params(model)
     contribs = contributions(params, k, scheme)
     opt = merge_math.outer_optimizer(0.7, 0.9, True)
     opt_state = opt.init(params)
     nbytes = sum(len(p) for _, p in contribs)
     times: dict[str, float] = {}
+    repeats = min(repeats, snapshot_every - 1)  # timed versions fall between two snapshots
     with tempfile.TemporaryDirectory() as tmp:
         store = FragmentStore(store_url or f"file://{tmp}/store", "merge-bench")
         merge_once(contribs, params, opt, opt_state, store, 0, threads=threads)  # warm-up: compile, store open
         t0 = time.perf_counter()
         for v in range(1, repeats + 1):
-            merge_once(contribs, params, opt, opt_state, store, v, threads=threads, times=times)
+            update_bytes = merge_once(contribs, params, opt, opt_state, store, v, threads=threads, times=times,
+                                      snapshot_every=snapshot_every)
         seconds = (time.perf_counter() - t0) / repeats
+        snap: dict[str, float] = {}
+        merge_once(contribs, params, opt, opt_state, store, snapshot_every, threads=threads, times=snap,
+                   snapshot_every=snapshot_every)
+        stored = {"between_snapshots": version_bytes(Path(tmp) / "store", 1),
+                  "snapshot": version_bytes(Path(tmp) / "store", snapshot_every), "update": update_bytes}
     out = {"params": sum(a.size for a in params.values()), "contributions": k, "scheme": scheme, "threads": threads,
            "payload_mb": nbytes / 1e6, "merge_s": seconds, "merge_mb_per_s": nbytes / 1e6 / seconds,
            "phases_s": {p: times.get(p, 0.0) / repeats for p in PHASES}}
     without_store = seconds - out["phases_s"]["store_write"]
     out["merge_mb_per_s_without_store"] = nbytes / 1e6 / without_store
+    # every snapshot_every-th version also writes the whole state: its extra write time, amortized
+    extra = max(snap["store_write"] - out["phases_s"]["store_write"], 0.0) / snapshot_every
+    out["merge_mb_per_s_amortized"] = nbytes / 1e6 / (seconds + extra)
+    out["snapshot_every"] = snapshot_every
+    out["store_bytes"] = stored | {"between_over_update": stored["between_snapshots"] / stored["update"],
+                                   "amortized_over_update": (stored["between_snapshots"] * (snapshot_every - 1)
+                                                             + stored["snapshot"]) / snapshot_every / stored["update"]}
     copy = copy_mb_per_s(nbytes, max(repeats, 20))
     out |= {"copy_mb_per_s": copy, "copy_over_merge": copy / out["merge_mb_per_s"]}
     if reference:

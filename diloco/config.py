@@ -190,6 +190,8 @@ class StateConfig(_Section):
 
 class StoreConfig(_Section):
     url: str = Field("file://.diloco/store", pattern=r"^(file|gs)://.+")
+    snapshot_every: int = Field(8, ge=1, description="a full snapshot (parameters, outer state, residual) every this "
+                                                     "many versions; the versions between store only their update")
 
 
 class RunConfig(_Section):

@@ -14,6 +14,13 @@ Layout under `<store.url>/<run>/`:
                                              quantize.encode_update): what learners fetch
     fragments/<ppp>/v<vvvvvvvv>/meta.json    written last, names its e<eeeeee> folder: a version
                                              without it is incomplete
+
+Snapshots: params, opt and residual are written only at snapshot versions (version 0 and every
+`store.snapshot_every`-th one); a version between two snapshots stores its update alone, the only
+thing learners read (its meta says `snapshot: false` and which snapshot it follows). Its parameters
+are the snapshot's with the updates applied, bit for bit what every learner holds (`read_params`);
+its outer state and residual are rebuilt by the syncer by replaying the merges since the snapshot
+(syncer.Syncer._rebuild). So a version costs its update's bytes, not 13 bytes per parameter.
 Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at an emulator).
 
 Fencing: the epoch is the writer's ownership epoch of the fragment (a counter in Redis that each
@@ -36,6 +43,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
+from diloco import quantize
 from diloco.plan import Plan, PlanError, Region
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -66,6 +74,12 @@ def _zarr_dtype(arr: np.ndarray) -> str:
 
 class StoreError(RuntimeError):
     pass
+
+
+def is_snapshot(meta: dict) -> bool:
+    """Whether a version holds its parameters, outer state and residual (versions written before
+    snapshots existed all do)."""
+    return meta.get("snapshot", True)
 
 
 class StoreFenced(StoreError):
@@ -103,6 +117,7 @@ class FragmentStore:
         self.url = url.rstrip("/") + f"/{run_id}"
         self._base = kvstore_spec(self.url)
         self._kv = ts.KvStore.open(self._base).result()
+        self._plan: Plan | None = None
 
     def _dir(self, fragment: int, version: int) -> str:
         return f"fragments/{fragment:03d}/v{version:08d}/"
@@ -124,12 +139,18 @@ class FragmentStore:
 
     def write(self, fragment: int, version: int, params: dict[str, np.ndarray], opt: dict[str, np.ndarray],
               meta: dict, *, epoch: int = 0, residual: dict[str, np.ndarray] | None = None,
-              update: dict[str, bytes] | None = None, update_scheme: str = "") -> None:
+              update: dict[str, bytes] | None = None, update_scheme: str = "", snapshot_at: int | None = None) -> None:
         """Write one version; meta.json goes last so readers never see a half-written version.
-        `update` (encoded with `update_scheme`) takes version-1 to this one."""
+        `update` (encoded with `update_scheme`) takes version-1 to this one. With `snapshot_at` (an
+        earlier snapshot version) only the update is written: the version is not a snapshot."""
         data = f"e{epoch:06d}/"
         d = self._dir(fragment, version) + data
         residual = residual or {}
+        snapshot = snapshot_at is None or snapshot_at == version
+        if not snapshot:
+            if not update:
+                raise StoreError(f"fragment {fragment} v{version}: a version that is not a snapshot needs its update")
+            params, opt, residual = {}, {}, {}
         futures = [self._kv.write(f"{d}update/{_safe(n)}", blob) for n, blob in (update or {}).items()]
         # Every array opened at once, then every write issued, so no round trip waits on another. The
         # epoch folder is this writer's own; a retry of the same version in it finds arrays of the same
@@ -147,7 +168,8 @@ class FragmentStore:
         for f in futures:
             f.result()
         body = {**meta, "fragment": fragment, "version": version, "epoch": epoch, "data": data,
-                "params": sorted(params), "opt": sorted(opt), "residual": sorted(residual)}
+                "params": sorted(params), "opt": sorted(opt), "residual": sorted(residual),
+                "snapshot": snapshot, "snapshot_at": version if snapshot else snapshot_at}
         if update:
             body["update"] = {"from": version - 1, "scheme": update_scheme, "tensors": sorted(update)}
         self._commit_meta(fragment, version, epoch, json.dumps(body, sort_keys=True).encode())
@@ -170,7 +192,11 @@ class FragmentStore:
         return json.loads(r.value)
 
     def read(self, fragment: int, version: int, *, with_opt: bool = True) -> FragmentVersion:
+        """A version's arrays. At a version that is not a snapshot only its parameters exist (the
+        snapshot's with the updates applied); `opt` and `residual` are then empty."""
         meta = self.read_meta(fragment, version)
+        if not is_snapshot(meta):
+            return FragmentVersion(self.read_params(fragment, version, meta)[0], {}, meta)
         d = self.data_dir(fragment, version, meta)
         out = {}
         for group in ("params", "opt", "residual") if with_opt else ("params",):
@@ -182,10 +208,38 @@ class FragmentStore:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} {group} unreadable: {err}") from None
         return FragmentVersion(out["params"], out.get("opt", {}), meta, out.get("residual", {}))
 
+    def read_params(self, fragment: int, version: int, meta: dict | None = None) -> tuple[dict[str, np.ndarray], int]:
+        """(a version's parameters, bytes read): at a snapshot its arrays, else the snapshot's with
+        each update since applied, as a learner applies them (the same bits)."""
+        meta = meta or self.read_meta(fragment, version)
+        if is_snapshot(meta):
+            fv = self.read(fragment, version, with_opt=False)
+            return fv.params, sum(a.nbytes for a in fv.params.values())
+        params, nbytes = self.read_params(fragment, meta["snapshot_at"])
+        for u in range(meta["snapshot_at"] + 1, version + 1):
+            scheme, update = self.read_update(fragment, u)
+            params = quantize.apply_update(params, update, scheme)
+            nbytes += sum(len(b) for b in update.values())
+        return params, nbytes
+
     def read_blocks(self, fragment: int, version: int, blocks: dict[str, list[Region]]
                     ) -> dict[str, dict[Region, np.ndarray]]:
-        """Only the named blocks of a version's params: what one host of a sharded learner holds."""
+        """Only the named blocks of a version's params: what one host of a sharded learner holds
+        (between snapshots: the snapshot's blocks plus each update's, one tensor at a time)."""
         meta = self.read_meta(fragment, version)
+        if not is_snapshot(meta):
+            out = self.read_blocks(fragment, meta["snapshot_at"], blocks)
+            for u in range(meta["snapshot_at"] + 1, version + 1):
+                scheme, update = self.read_update(fragment, u)
+                for n, rs in out.items():
+                    dtype = next(iter(rs.values())).dtype
+                    shape = self._shape_of(fragment, n, rs)
+                    step = quantize.decode(update[n], shape, scheme)
+                    for r in rs:
+                        block = step[tuple(slice(a, b) for a, b in r)]
+                        rs[r] = (rs[r].astype(np.float32) + block).astype(dtype)
+                    del step
+            return out
         d = self.data_dir(fragment, version, meta)
         if missing := sorted(set(blocks) - set(meta.get("params", []))):
             raise StoreError(f"{self.url}: fragment {fragment} v{version} has no params {missing[:4]}")
@@ -199,6 +253,13 @@ class FragmentStore:
         except (ValueError, IndexError) as err:
             raise StoreError(f"{self.url}: fragment {fragment} v{version} params unreadable: {err}") from None
         return out
+
+    def _shape_of(self, fragment: int, name: str, blocks) -> tuple[int, ...]:
+        plan = self._plan or self.read_plan()
+        self._plan = plan
+        if name not in plan.by_name:
+            raise StoreError(f"{self.url}: tensor {name!r} is not in the run's plan")
+        return plan.by_name[name].shape
 
     def read_update(self, fragment: int, version: int) -> tuple[str, dict[str, bytes]]:
         """(scheme, encoded tensors) of the update that takes version-1 to `version`."""

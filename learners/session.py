@@ -150,11 +150,10 @@ class Fetcher(threading.Thread):
 
     Only this host's blocks of each tensor are read (`want`); a host that holds whole tensors (one
     host, unsharded or sharded over its own devices) reads the compact updates from the version it
-    holds when there are few, else the whole fragment. The newest `keep` fetched versions of each
+    holds, or the nearest snapshot and the updates since, whichever is fewer bytes. The newest `keep` fetched versions of each
     fragment wait until the learner applies one (`take`).
     """
 
-    CHAIN_MAX = 4  # beyond this many updates, one fp32 read is about as cheap
     MAX_ATTEMPTS = 20  # reads of one announced version before the fetcher gives up on it
 
     def __init__(self, cfg: Config, run_id: str, consumer, store: FragmentStore, topics: kafka_io.Topics,
@@ -245,19 +244,27 @@ class Fetcher(threading.Thread):
         return {n: {tuple((0, s) for s in shapes[n]): a} for n, a in params.items()}, params, nbytes
 
     def _fetch_whole(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
+        """Version v's whole arrays, by whichever reads fewer bytes: the updates since the version
+        held, or the nearest snapshot and the updates since it."""
         held = self.held.get(p)
-        if held and held[1] is not None and 0 < v - held[0] <= self.CHAIN_MAX:
-            params, nbytes = held[1], 0
-            try:
-                for u in range(held[0] + 1, v + 1):
-                    scheme, update = self.store.read_update(p, u)
-                    params = quantize.apply_update(params, update, scheme)
-                    nbytes += sum(len(b) for b in update.values())
-                return params, nbytes
-            except (StoreError, quantize.CodecError) as err:  # e.g. written before updates existed
-                log.warning("fetching fragment %d v%d whole: %s", p, v, err)
-        fv = self.store.read(p, v, with_opt=False)
-        return fv.params, sum(a.nbytes for a in fv.params.values())
+        meta = self.store.read_meta(p, v)
+        if held and held[1] is not None and v > held[0]:
+            names = self.plan.fragment_names[p]
+            scheme = (meta.get("update") or {}).get("scheme", self.cfg.syncer.broadcast)
+            per_update = sum(quantize.encoded_nbytes(self.plan.shapes[n], scheme) for n in names)
+            whole = sum(self.plan.by_name[n].size * self.plan.by_name[n].np_dtype.itemsize for n in names)
+            since_snapshot = v - meta.get("snapshot_at", v)
+            if (v - held[0]) * per_update <= whole + since_snapshot * per_update:
+                params, nbytes = held[1], 0
+                try:
+                    for u in range(held[0] + 1, v + 1):
+                        scheme, update = self.store.read_update(p, u)
+                        params = quantize.apply_update(params, update, scheme)
+                        nbytes += sum(len(b) for b in update.values())
+                    return params, nbytes
+                except (StoreError, quantize.CodecError) as err:  # e.g. written before updates existed
+                    log.warning("fetching fragment %d v%d from its snapshot: %s", p, v, err)
+        return self.store.read_params(p, v, meta)
 
     def ready_now(self) -> dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]]:
         """The fetched versions of each fragment waiting to be applied, as they are now (a newer

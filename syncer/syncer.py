@@ -39,7 +39,7 @@ from diloco import messages
 from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore, StoreFenced
+from diloco.infra.store import FragmentStore, StoreError, StoreFenced, is_snapshot
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
@@ -65,6 +65,46 @@ class Pending:
     deltas: fused.EncodedDelta | None = None
 
 
+class RebuildError(RuntimeError):
+    """A version between snapshots cannot be replayed exactly."""
+
+
+def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]], timeout_s: float = 60.0
+              ) -> dict[str, tuple[Manifest, bytes]]:
+    """The contributions `wanted` (id -> topic, partition, offset of its first record), read back
+    from the log and reassembled; those the log no longer holds are left out."""
+    by_tp: dict[TopicPartition, int] = {}
+    for topic, partition, offset in wanted.values():
+        tp = TopicPartition(topic, partition)
+        by_tp[tp] = min(by_tp.get(tp, offset), offset)
+    out: dict[str, tuple[Manifest, bytes]] = {}
+    if not by_tp:
+        return out
+    assembler = ChunkAssembler(max_bytes=cfg.syncer.max_contribution_bytes, timeout_s=timeout_s)
+    c = kafka_io.consumer(cfg.transport)
+    try:
+        kafka_io.assign_from(c, by_tp)
+        deadline = time.time() + timeout_s
+        while len(out) < len(wanted) and time.time() < deadline:
+            for records in c.poll(timeout_ms=200).values():
+                for rec in records:
+                    try:
+                        header, payload = messages.parse_frame(rec.value)
+                    except WireError:
+                        continue
+                    cid = header.get("id")
+                    if cid not in wanted or cid in out:
+                        continue
+                    got = assembler.add(header, payload, now=time.time(), offset=rec.offset)
+                    if isinstance(got, Assembled) and got.manifest.run == run_id:
+                        out[cid] = (got.manifest, got.payload)
+            if all(c.highwater(tp) is not None and c.position(tp) >= c.highwater(tp) for tp in by_tp):
+                break
+    finally:
+        c.close()
+    return out
+
+
 @dataclass
 class FragmentState:
     version: int
@@ -72,6 +112,7 @@ class FragmentState:
     opt_state: object
     round: dict[str, Pending] = field(default_factory=dict)
     residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
+    snapshot_at: int = 0  # the newest version stored whole (store.snapshot_every)
     _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
 
     def budget_scale(self) -> float:
@@ -310,9 +351,7 @@ class Syncer:
 
     def _load(self, p: int, epoch: int, previous: str | None, offsets: dict[TP, int]) -> None:
         v = self.state.version(p)
-        fv = self.store.read(p, v)
-        template = self.opt.init(merge_math.as_float32({n: fv.params[n] for n in self.plan[p]}))
-        st = FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt), residual=fv.residual)
+        st = self._rebuild(p, v)
         self.status.update(self.state.statuses())
         for cid, meta in self.state.round(p).items():
             st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
@@ -325,6 +364,52 @@ class Syncer:
                     pending=len(st.round), previous=previous)
         log.info("fragment claimed", extra={"fragment": p, "shard": self.shard, "epoch": epoch, "version": v,
                                             "previous_owner": previous, "pending": len(st.round)})
+
+    def _snapshot(self, p: int, v: int) -> FragmentState:
+        fv = self.store.read(p, v)
+        template = self.opt.init(merge_math.as_float32({n: fv.params[n] for n in self.plan[p]}))
+        return FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt), residual=fv.residual,
+                             snapshot_at=v)
+
+    def _rebuild(self, p: int, v: int) -> FragmentState:
+        """Fragment p's exact state at version v: its snapshot, then each merge since replayed from
+        the contributions it merged (read back from Kafka where its record says they are), each
+        checked bit for bit against the update stored for that version. If a contribution cannot be
+        read back (retention), the parameters still come exactly from the updates, but the outer
+        state and residual are the snapshot's: said loudly, in the log and an event."""
+        meta = self.store.read_meta(p, v)
+        s = meta.get("snapshot_at", v) if not is_snapshot(meta) else v
+        st = self._snapshot(p, s)
+        if s == v:
+            return st
+        records = {m["version"]: m for m in self.state.merges() if m["fragment"] == p and s < m["version"] <= v}
+        try:
+            if sorted(records) != list(range(s + 1, v + 1)):
+                raise RebuildError(f"merge records of versions {sorted(set(range(s + 1, v + 1)) - set(records))} missing")
+            wanted = {cid: tuple(w) for u in records.values() for cid, w in zip(u["ids"], u["where"])}
+            found = read_back(self.cfg, self.run_id, wanted)
+            for u in range(s + 1, v + 1):
+                rec = records[u]
+                contribs = []
+                for cid in rec["ids"]:
+                    if cid not in found:
+                        raise RebuildError(f"contribution {cid} of v{u} is no longer in the log")
+                    m, payload = found[cid]
+                    contribs.append(Pending({"tokens": m.tokens, "steps": m.steps}, 0.0, wanted[cid][:2],
+                                            wanted[cid][2], fused.encoded_delta(m, payload)))
+                _, params, opt_state, update, residual = self._merged(st, p, contribs, rec["share"])
+                if update != self.store.read_update(p, u)[1]:
+                    raise RebuildError(f"replaying v{u} does not reproduce its stored update")
+                st.version, st.params, st.opt_state, st.residual = u, params, opt_state, residual
+            log.info("fragment rebuilt from its snapshot", extra={"fragment": p, "snapshot": s, "version": v})
+        except (RebuildError, StoreError, WireError, KafkaError, KeyError, ValueError) as err:
+            log.error("fragment %d: outer state not rebuilt exactly since snapshot v%d (%s); parameters are exact, "
+                      "momentum and residual restart from the snapshot", p, s, err)
+            self._event("fragment_state_approximate", fragment=p, snapshot=s, version=v,
+                        reason=messages.bounded(str(err), messages.DETAIL_CHARS))
+            params, _ = self.store.read_params(p, v, meta)
+            st = FragmentState(v, params, st.opt_state, residual={}, snapshot_at=s)
+        return st
 
     def release(self, p: int) -> None:
         """Hand fragment p back: its replay offsets first, so the next owner resumes where this one was."""
@@ -609,11 +694,15 @@ class Syncer:
                   "tokens": sum(m["tokens"] for m in metas), "weights": [round(float(w), 6) for w in weights],
                   "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
                   "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
-                  "share": round(share, 4),
+                  "share": share,  # exact, with "where": what a rebuild since the last snapshot replays
+                  "where": [[m["topic"], m["partition"], m["offset"]] for m in metas],
                   "missing": sorted(live - contributors), "time": self.clock()}
+        version = st.version + 1
+        snapshot = version if version % self.cfg.store.snapshot_every == 0 else st.snapshot_at
         try:
-            self.store.write(p, st.version + 1, params, merge_math.flatten_state(opt_state), record,
-                             epoch=self.epochs[p], residual=residual, update=update, update_scheme=sc.broadcast)
+            self.store.write(p, version, params, merge_math.flatten_state(opt_state), record,
+                             epoch=self.epochs[p], residual=residual, update=update, update_scheme=sc.broadcast,
+                             snapshot_at=snapshot)
         except StoreFenced as err:
             raise Fenced(p, str(err)) from None
         crash_point("store_written")
@@ -637,6 +726,7 @@ class Syncer:
         crash_point("merge_committed")
         st.version += 1
         st.params, st.opt_state, st.residual, st._scale = params, opt_state, residual, None
+        st.snapshot_at = snapshot
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = f"applied:{p}:{st.version}"

@@ -209,6 +209,8 @@ def test_merge_micro_benchmark_at_a_tiny_size():
     out = merge_bench.run(TransformerOptions(vocab_size=16, d_model=8, n_layers=1, n_heads=2, seq_len=8), k=2, repeats=1)
     assert out["contributions"] == 2 and out["payload_mb"] > 0
     assert out["merge_mb_per_s"] > 0 and out["copy_mb_per_s"] > 0
+    b = out["store_bytes"]          # between snapshots a version stores its update and its meta.json
+    assert b["update"] < b["between_snapshots"] < b["update"] + 4096 < b["snapshot"]
 
 
 def _fake(method, scenario, loss, bytes_sent, merge_stats=None, bytes_fetched=0):

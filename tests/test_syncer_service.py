@@ -44,7 +44,7 @@ def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
     got = h.store.read(0, 1)
     for n in expect:
         np.testing.assert_allclose(got.params[n], expect[n], rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(got.residual[n], residual[n], atol=1e-7)
+        np.testing.assert_allclose(h.syncer.fragments[0].residual[n], residual[n], atol=1e-7)
     # learners holding v0 fetch the encoded update and hold v1 bit for bit
     scheme, update = h.store.read_update(0, 1)
     assert scheme == h.cfg.syncer.broadcast == "int8"
@@ -118,15 +118,22 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
         np.testing.assert_array_equal(v3[n], a)
     per_update = sum(quantize.encoded_nbytes(a.shape, "int8") for a in v0.values())
     assert update_bytes == 3 * per_update and per_update < 0.3 * whole_bytes  # ~1 byte per parameter, not 4
-    # the quantization error the syncer has not published yet survives a restart with the version
-    live = h.syncer.fragments[0].residual
-    assert any(np.any(r != 0) for r in live.values())
-    for n, r in stored.residual.items():
-        np.testing.assert_array_equal(live[n], r)
-    fetcher.held[0] = (0, v0)
-    fetcher.CHAIN_MAX = 2                                          # too far behind: one whole read
+    # v3 is not a snapshot (store.snapshot_every 8): the store holds its update only, yet a restart
+    # rebuilds the exact state, the quantization error not published yet included, by replaying the
+    # merges since v0 from the log
+    assert h.store.read_meta(0, 3)["snapshot"] is False and stored.residual == {} and stored.opt == {}
+    live = h.syncer.fragments[0]
+    assert any(np.any(r != 0) for r in live.residual.values())
+    rebuilt = h.syncer._rebuild(0, 3)
+    assert rebuilt.version == 3 and rebuilt.snapshot_at == 0
+    for group in ("params", "residual"):
+        for n, a in getattr(live, group).items():
+            np.testing.assert_array_equal(getattr(rebuilt, group)[n], a, err_msg=f"{group}/{n}")
+    for n, a in merge_math.flatten_state(live.opt_state).items():
+        np.testing.assert_array_equal(merge_math.flatten_state(rebuilt.opt_state)[n], a, err_msg=n)
+    fetcher.held.pop(0)                                            # nothing held: snapshot v0 + 3 updates
     _, again, nbytes = fetcher.fetch(0, 3)
-    assert nbytes == whole_bytes and all(np.array_equal(again[n], v3[n]) for n in v3)
+    assert nbytes == whole_bytes + update_bytes and all(np.array_equal(again[n], v3[n]) for n in v3)
     # a host holding half of each tensor (sharded across hosts) reads that half, fp32, and no more
     halves = {n: [((0, s[0] // 2), *((0, d) for d in s[1:]))] for n, s in h.run_plan.shapes.items() if s[0] % 2 == 0}
     fetcher.want({**whole, **halves})
@@ -195,3 +202,25 @@ def test_manifest_over_the_size_limit_is_rejected_before_its_chunks_arrive(tiny_
     n = h.resend(m.id)                                                         # its chunks come later
     h.pump(lambda: h.state.counters().get("duplicate_records", 0) == before + n)
     assert h.state.counters()["rejected"] == 1
+
+
+def test_a_rebuild_without_its_contributions_keeps_exact_parameters_and_says_so(harness):
+    h = harness
+    for v in range(2):
+        h.publish("us-0", 0, base_version=v, deltas=h.deltas(0, seed=v))
+        h.publish("eu-0", 0, base_version=v, deltas=h.deltas(0, seed=10 + v))
+        h.pump(lambda: h.state.versions()[0] == v + 1)
+    key = f"{h.cfg.state.key_prefix}:{h.run_id}:merges"
+    records = [__import__("json").loads(r) for r in h.state.r.lrange(key, 0, -1)]
+    for i, rec in enumerate(records):          # as if the log had dropped them (retention)
+        if rec["fragment"] == 0 and rec["version"] == 2:
+            rec["ids"] = [f"expired-{i}" for i in range(len(rec["ids"]))]
+            h.state.r.lset(key, i, __import__("json").dumps(rec))
+    live = h.syncer.fragments[0]
+    rebuilt = h.syncer._rebuild(0, 2)
+    for n, a in live.params.items():           # the parameters come from the updates: exact
+        np.testing.assert_array_equal(rebuilt.params[n], a)
+    assert rebuilt.residual == {} and rebuilt.version == 2
+    h.syncer.relay()
+    ev = [e for e in h.events() if e["kind"] == "fragment_state_approximate"]
+    assert ev and ev[-1]["fragment"] == 0 and ev[-1]["snapshot"] == 0 and "no longer in the log" in ev[-1]["reason"]

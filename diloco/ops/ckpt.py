@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import numpy as np
 import tensorstore as ts
 
-from diloco.infra.store import FragmentStore, FragmentVersion, StoreError, kvstore_spec
+from diloco.infra.store import FragmentStore, FragmentVersion, StoreError, is_snapshot, kvstore_spec
 from diloco.ops import OpsError
 from diloco.plan import Plan, PlanError
 
@@ -273,7 +273,8 @@ def show(ck: Checkpoint, version: int | None = None, fragment: int | None = None
                       "params": {n: tensor_stats(a) for n, a in sorted(fv.params.items())},
                       "opt": {n: tensor_stats(a) for n, a in sorted(fv.opt.items())},
                       "residual": {n: tensor_stats(a) for n, a in sorted(fv.residual.items())},
-                      "update": fv.meta.get("update", {}).get("scheme")})
+                      "update": fv.meta.get("update", {}).get("scheme"),
+                      "snapshot": is_snapshot(fv.meta), "snapshot_at": fv.meta.get("snapshot_at", v)})
     return {"url": ck.url, "run": ck.run, "fragments": frags}
 
 
@@ -293,7 +294,8 @@ def diff(ck: Checkpoint, v1: int, v2: int, fragment: int | None = None) -> dict:
     for p in first:
         a, b = read_version(ck, p, first[p]), read_version(ck, p, second[p])
         tensors = {}
-        for group in ("params", "opt"):
+        both_whole = is_snapshot(a.meta) and is_snapshot(b.meta)  # between snapshots only params are stored
+        for group in ("params", "opt") if both_whole else ("params",):
             x, y = getattr(a, group), getattr(b, group)
             if set(x) != set(y):
                 raise OpsError(f"{ck.url}: fragment {p} {group} differ in names between v{first[p]} and "

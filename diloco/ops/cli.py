@@ -265,7 +265,9 @@ def ckpt_show(url: UrlArg = None,
     for f in rep["fragments"]:
         head = (f"fragment {f['fragment']} v{f['version']}: {f['tokens']:,} tokens from "
                 f"{' '.join(f['contributors']) or 'nobody'} ({f['reason']}, {_when(f['time'])})"
-                + (f"; learners fetch it as a {f['update']} update" if f.get("update") else ""))
+                + (f"; learners fetch it as a {f['update']} update" if f.get("update") else "")
+                + ("" if f.get("snapshot", True) else f"; not a snapshot: parameters from v{f['snapshot_at']} "
+                                                      "plus the updates since, no outer state stored"))
         out.print(_stats_table(head, {**{f"params/{n}": s for n, s in f["params"].items()},
                                       **{f"opt/{n}": s for n, s in f["opt"].items()},
                                       **{f"residual/{n}": s for n, s in f.get("residual", {}).items()}}))
