@@ -96,6 +96,31 @@ def main_sharded(argv: list[str]) -> dict:
     return out
 
 
+def main_load(argv: list[str]) -> list[dict]:
+    from bench import load
+    from diloco.config import load_config
+
+    ap = argparse.ArgumentParser(prog="python -m bench load", description=load.__doc__)
+    ap.add_argument("--params", default="1e6,1e7,5e7", help="parameters per fragment, comma-separated")
+    ap.add_argument("--learners", default="8,32", help="simulated learners, comma-separated")
+    ap.add_argument("--shards", default="1,3", help="syncer shards, comma-separated")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured window per setting")
+    ap.add_argument("--period", type=float, default=2.0, help="seconds between two contributions of a learner to a fragment")
+    ap.add_argument("--jitter", type=float, default=0.2, help="relative jitter of that period")
+    ap.add_argument("--output", type=Path, default=None, help="also write the rows as JSON here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override (e.g. transport.bootstrap_servers=host:9092, state.redis_url=...)")
+    a = ap.parse_args(argv)
+    rows = load.sweep(load_config(None, a.set), sizes=[float(x) for x in a.params.split(",")],
+                      learners=[int(x) for x in a.learners.split(",")], shards=[int(x) for x in a.shards.split(",")],
+                      seconds=a.seconds, period_s=a.period, jitter=a.jitter, progress=lambda r: print(r, flush=True))
+    print(load.table(rows))
+    if a.output:
+        a.output.parent.mkdir(parents=True, exist_ok=True)
+        a.output.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def main(argv: list[str]) -> Path:
     a = parse(argv)
     from bench import dp as dp_mod
@@ -143,5 +168,7 @@ if __name__ == "__main__":
         main_merge(args[1:])
     elif args[:1] == ["sharded"]:
         main_sharded(args[1:])
+    elif args[:1] == ["load"]:
+        main_load(args[1:])
     else:
         main(args)

@@ -244,3 +244,18 @@ def test_sharded_bench_compares_the_two_layouts_in_one_run():
     assert (r["fsdp"], s["fsdp"]) == (1, 2) and r["params"] == s["params"]
     assert out["ratios"]["param_mb_per_device"] < 0.6      # each of the 2 devices holds about half
     assert s["sync_host_peak_mb"] > 0 and 0 < out["ratios"]["sync_peak_over_fragment"] < 8  # fixed costs at this size
+
+
+@pytest.mark.integration
+def test_the_load_generator_drives_a_real_syncer_and_measures_it(tiny_config):
+    from bench import load
+
+    row = load.run_one(tiny_config(), params=256 * 1024, learners=4, shards=1, seconds=4.0, period_s=1.0, fragments=3)
+    assert row["params_per_fragment"] == 256 * 1024 and row["published"] >= 4 * 3 * 3
+    assert row["applied"] == row["accepted"] == row["published"] and row["rejected"] == 0   # drained, flushed
+    assert row["merges_per_s"] > 0 and row["merged_mb_per_s"] > 0 and row["sent_mb_per_s"] > 0
+    assert 0 < row["latency_p50_s"] <= row["latency_p99_s"] < 10
+    # between snapshots a version stores its update and a small meta.json
+    assert row["versions"] > 8 and row["store_bytes_per_version"] > row["store_bytes_between_snapshots"]
+    assert row["update_bytes_per_version"] < row["store_bytes_between_snapshots"] < 1.5 * row["update_bytes_per_version"]
+    assert row["syncer_peak_rss_mb"] > 0

@@ -1,0 +1,246 @@
+"""Load generator for the syncer (`python -m bench load`): M simulated learners with no JAX publish
+pre-encoded int8 contributions of a chosen fragment size, at a chosen period and arrival jitter, to
+the real broker, against real syncer processes (1 or more shards), Redis and TensorStore.
+
+Each learner sends one contribution per fragment per period (fragments staggered across the period,
+as learners' fragments are), based on the fragment's current version. One payload per fragment is
+encoded once and shared (each contribution gets its own id, learner and manifest), so the generator
+itself needs no model and little memory. Reported per setting: sustained merges/s, contribution
+MB/s sent and merged, the syncer's lag (records behind the partitions' ends, from the offsets the
+syncer saves every few seconds: an upper bound) at the start and end of the window, publish-to-merge latency p50/p99 (the merge event's time minus the send's ack),
+store bytes per version, and the syncer processes' peak RSS.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from kafka.errors import KafkaError
+
+from diloco import messages
+from diloco.config import Config, build_config, dump_config
+from diloco.infra import kafka as kafka_io
+from diloco.infra.jobs import LocalJobs
+from diloco.infra.store import FragmentStore
+from diloco.plan import make_plan
+from diloco.syncer import state as state_mod
+from diloco.syncer.syncer import provision
+
+COLS = 1024
+
+
+def _config(base: Config, *, params: int, learners: int, shards: int, fragments: int, store: str) -> Config:
+    tree = base.model_dump(mode="json")
+    tree |= {"regions": [{"name": "load", "learners": learners}]}
+    tree["fragments"] |= {"count": fragments, "quantization": "int8"}
+    tree["syncer"] |= {"shards": shards, "quorum": max(1, learners // 4), "grace_max_s": 0.2, "max_staleness": 1000,
+                       "silent_after_s": 3600.0, "drop_after_s": 7200.0}
+    tree["store"] = {**tree["store"], "url": store}
+    tree["run"] |= {"id": f"load-{time.time_ns() % 10**10}"}
+    return build_config(tree)
+
+
+def _frames(manifest: messages.Manifest, payload: bytes, *, learner: str, base_version: int, chunk_bytes: int,
+            ) -> tuple[str, list[bytes]]:
+    """A new contribution (id, learner, base version) carrying an already encoded payload."""
+    cid = os.urandom(16).hex()
+    header = manifest.to_header() | {"id": cid, "learner": learner, "base_version": base_version,
+                                     "created": time.time()}
+    frames = [messages.frame(header)]
+    for i in range(manifest.n_chunks):
+        frames.append(messages.frame({"kind": "chunk", "id": cid, "index": i, "count": manifest.n_chunks},
+                                     payload[i * chunk_bytes:(i + 1) * chunk_bytes]))
+    return cid, frames
+
+
+def _rss_peak_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+def _lag(cfg: Config, state: state_mod.SyncerState, topics: kafka_io.Topics) -> int:
+    """Records of the region topics the syncer has not consumed yet."""
+    c = kafka_io.consumer(cfg.transport)
+    try:
+        tps = [tp for t in topics.fragments.values() for tp in kafka_io.partitions_of(t, topics.partitions)]
+        ends = c.end_offsets(tps)
+    finally:
+        c.close()
+    done = state.offsets()  # saved by the syncer every few seconds: an upper bound on its lag
+    return sum(max(0, end - done.get((tp.topic, tp.partition), 0)) for tp, end in ends.items())
+
+
+def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: float = 20.0, period_s: float = 2.0,
+            jitter: float = 0.2, fragments: int = 3, senders: int = 4, logs: Path | None = None) -> dict:
+    """One setting: provision, start the syncer shards, publish for `seconds`, drain, measure."""
+    tmp = tempfile.mkdtemp(prefix="diloco-load-")
+    cfg = _config(base, params=params, learners=learners, shards=shards, fragments=fragments, store=f"file://{tmp}/store")
+    run_id = cfg.run.id
+    rows = max(1, params // COLS)
+    tree = {f"f{p}.w": np.zeros((rows, COLS), np.float32) for p in range(fragments)}
+    plan = make_plan(tree, fragments=fragments)
+    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
+    store = FragmentStore(cfg.store.url, run_id)
+    producer = kafka_io.producer(cfg.transport)
+    provision(cfg, run_id, state=state, store=store, producer=producer, plan=plan, initial=tree)
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    rng = np.random.default_rng(0)
+    encoded = {}
+    for p, names in enumerate(plan.fragment_names):
+        deltas = {n: (1e-3 * rng.standard_normal(tree[n].shape)).astype(np.float32) for n in names}
+        m, frames = messages.encode_contribution(run=run_id, learner="load-0", region="load", fragment=p, base_version=0,
+                                                 tokens=1000, steps=10, step_time=0.1, deltas=deltas, scheme="int8",
+                                                 chunk_bytes=cfg.fragments.chunk_bytes)
+        encoded[p] = (m, b"".join(bytes(messages.parse_frame(f)[1]) for f in frames[1:]))
+    del tree
+    conf = Path(tmp) / "config.yaml"
+    conf.write_text(dump_config(cfg))
+    jobs = LocalJobs(logs or Path(tmp) / "logs")
+    for i in range(shards):
+        jobs.start(f"syncer-{i}", ["syncer", "--config", str(conf), "--shard", str(i)])
+    time.sleep(2.0 + cfg.syncer.lease_ttl_s)  # shards claim their fragments
+
+    versions = dict(state.versions())
+    sent: dict[str, float] = {}
+    sent_bytes = [0]
+    lock = threading.Lock()
+    queue: list[tuple[float, str, int]] = []
+    t0 = time.time() + 0.5
+    ids = cfg.learner_ids()
+    for lid in ids:
+        offset = random.Random(lid).uniform(0, period_s)
+        for p in range(fragments):
+            heapq.heappush(queue, (t0 + offset + p * period_s / fragments, lid, p))
+    stop_at = t0 + seconds
+    behind = [0.0]
+    failed = [0]
+
+    def sender() -> None:
+        prod = kafka_io.producer(cfg.transport)
+        try:
+            while True:
+                with lock:
+                    if not queue or queue[0][0] > stop_at:
+                        return
+                    due, lid, p = heapq.heappop(queue)
+                    heapq.heappush(queue, (due + period_s * (1 + random.uniform(-jitter, jitter)), lid, p))
+                wait = due - time.time()
+                if wait > 0:
+                    time.sleep(wait)
+                else:
+                    behind[0] = max(behind[0], -wait)
+                m, payload = encoded[p]
+                cid, frames = _frames(m, payload, learner=lid, base_version=versions.get(p, 0),
+                                      chunk_bytes=cfg.fragments.chunk_bytes)
+                try:
+                    futs = [prod.send(topics.fragments["load"], f, key=str(p).encode(),
+                                      partition=topics.partition_of(p)) for f in frames]
+                    for f in futs:
+                        f.get(timeout=60)
+                except KafkaError:  # the broker is overloaded: count it and go on (the row says so)
+                    with lock:
+                        failed[0] += 1
+                    continue
+                with lock:
+                    sent[cid] = time.time()
+                    sent_bytes[0] += len(payload)
+        finally:
+            prod.close()
+
+    def follow_versions() -> None:
+        while time.time() < stop_at:
+            versions.update(state.versions())
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=sender, daemon=True) for _ in range(senders)]
+    threads.append(threading.Thread(target=follow_versions, daemon=True))
+    for th in threads:
+        th.start()
+    time.sleep(max(0.0, t0 + 1.0 - time.time()))
+    lag_start = _lag(cfg, state, topics)
+    time.sleep(max(0.0, stop_at - time.time()))
+    lag_end = _lag(cfg, state, topics)
+    peak = {name: _rss_peak_mb(job.popen.pid) for name, job in jobs.jobs.items()}
+    for th in threads:
+        th.join(timeout=120)
+    deadline = time.time() + 60  # the syncer takes in what was sent (its saved offsets may lag behind)
+    while state.counters().get("accepted", 0) + state.counters().get("rejected", 0) < len(sent) \
+            and time.time() < deadline:
+        time.sleep(0.5)
+    jobs.stop_all(timeout=60)
+
+    merges = [m for m in state.merges()]
+    window = [m for m in merges if t0 <= m["time"] <= stop_at]
+    events = [messages.parse_event(r.value) for r in kafka_io.read_to_end(cfg.transport, [kafka_io.TopicPartition(topics.events, 0)])]
+    merged_at = {cid: e["time"] for e in events if e and e["kind"] == "merge" for cid in e["ids"]}
+    # contributions sent in the last two periods may wait for a quorum that stopped coming: left out
+    latency = [merged_at[c] - t for c, t in sent.items() if c in merged_at and t < stop_at - 2 * period_s]
+    counters = state.counters()
+    root = Path(tmp) / "store" / run_id / "fragments"
+    version_dirs = [d for d in root.glob("*/v*") if not d.name.endswith("00000000")]
+    def size(d: Path) -> int:
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+    between = [d for d in version_dirs if not json.loads((d / "meta.json").read_text()).get("snapshot", True)]
+    store_bytes = sum(size(d) for d in version_dirs)
+    update_bytes = sum(f.stat().st_size for d in version_dirs for f in d.glob("e*/update/*"))
+    merged_bytes = sum(len(encoded[m["fragment"]][1]) * len(m["ids"]) for m in window)
+    return {
+        "params_per_fragment": rows * COLS, "learners": learners, "shards": shards, "fragments": fragments,
+        "period_s": period_s, "seconds": seconds,
+        "offered_mb_per_s": learners * fragments * len(encoded[0][1]) / period_s / 1e6,
+        "sent_mb_per_s": sent_bytes[0] / seconds / 1e6, "sender_behind_s": round(behind[0], 3),
+        "merges_per_s": len(window) / seconds, "merged_mb_per_s": merged_bytes / seconds / 1e6,
+        "lag_records_start": lag_start, "lag_records_end": lag_end,
+        "latency_p50_s": float(np.percentile(latency, 50)) if latency else math.nan,
+        "latency_p99_s": float(np.percentile(latency, 99)) if latency else math.nan,
+        "store_bytes_per_version": store_bytes / max(len(version_dirs), 1),
+        "update_bytes_per_version": update_bytes / max(len(version_dirs), 1),
+        "store_bytes_between_snapshots": sum(size(d) for d in between) / max(len(between), 1),
+        "versions": len(version_dirs),
+        "syncer_peak_rss_mb": max(peak.values()),
+        "accepted": counters.get("accepted", 0), "applied": counters.get("applied", 0),
+        "rejected": counters.get("rejected", 0), "published": len(sent), "send_failures": failed[0],
+    }
+
+
+def sweep(base: Config, *, sizes, learners, shards, seconds: float, period_s: float, jitter: float,
+          progress=print) -> list[dict]:
+    rows = []
+    for size in sizes:
+        for m in learners:
+            for s in shards:
+                row = run_one(base, params=int(size), learners=m, shards=s, seconds=seconds, period_s=period_s,
+                              jitter=jitter)
+                progress(json.dumps(row))
+                rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| params / fragment | learners | shards | offered MB/s | sent MB/s | merged MB/s | merges/s | lag start -> end "
+            "(records) | publish->merge p50 / p99 | store bytes per version: all / between snapshots / update | "
+            "syncer peak RSS |")
+    out = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows:
+        out.append(f"| {r['params_per_fragment'] / 1e6:.1f}M | {r['learners']} | {r['shards']} | {r['offered_mb_per_s']:.1f} | "
+                   f"{r['sent_mb_per_s']:.1f} | {r['merged_mb_per_s']:.1f} | {r['merges_per_s']:.2f} | "
+                   f"{r['lag_records_start']} -> {r['lag_records_end']} | {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} s | "
+                   f"{r['store_bytes_per_version'] / 1e6:.2f} / {r['store_bytes_between_snapshots'] / 1e6:.2f} / "
+                   f"{r['update_bytes_per_version'] / 1e6:.2f} MB | "
+                   f"{r['syncer_peak_rss_mb']:.0f} MB |")
+    return "\n".join(out)
