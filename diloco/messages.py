@@ -316,10 +316,15 @@ def _seconds(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e9
 
 
+def _epoch(v) -> bool:
+    """A wall-clock time in seconds since 1970 (up to the year 5138)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e11
+
+
 _HEARTBEAT = {  # field -> check; unknown fields are dropped, a bad known one refuses the beat
     "step": _count, "start_step": _count, "tokens": _count, "published": _count, "bytes_sent": _count,
     "bytes_fetched": _count, "versions_applied": _count,
-    "step_time": _seconds, "compute_s": _seconds, "at": _seconds,
+    "step_time": _seconds, "compute_s": _seconds, "at": _epoch,
     "loss": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
     "state": lambda v: v in ("running", "finished"),
     "incarnation": lambda v: isinstance(v, str) and len(v) <= 64,

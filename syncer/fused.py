@@ -206,3 +206,28 @@ def encode_update(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], 
             results = list(pool.map(one, names))
     return ({n: r[0] for n, r in zip(names, results)}, {n: r[1] for n, r in zip(names, results)},
             {n: r[2] for n, r in zip(names, results)})
+
+
+def warm_up() -> None:
+    """Run every kernel once on tiny inputs of each wire scheme, so that compiling (or loading them
+    from numba's cache) happens when the syncer starts, not during its first merges."""
+    from diloco import messages
+    from diloco.syncer import merge as merge_math
+
+    rng = np.random.default_rng(0)
+    params = {"m": rng.normal(size=(4, 8)).astype(np.float32), "v": rng.normal(size=8).astype(np.float32)}
+    frozen = {n: np.frombuffer(a.tobytes(), np.float32).reshape(a.shape) for n, a in params.items()}  # read-only
+    for scheme in quantize.SCHEMES:
+        manifest, frames = messages.encode_contribution(
+            run="warm-up", learner="l", region="r", fragment=0, base_version=0, tokens=1, steps=1, step_time=0.1,
+            deltas=params, scheme=scheme, chunk_bytes=1 << 20)
+        delta = encoded_delta(manifest, b"".join(bytes(messages.parse_frame(f)[1]) for f in frames[1:]))
+        for rule in ("rda", "mean"):
+            merged = merge([delta, delta], np.array([0.5, 0.5]), ("v",), rule=rule, share=0.5)
+    for momentum in (0.0, 0.9):
+        opt = merge_math.outer_optimizer(0.5, momentum, True)
+        new, _ = outer_sgd(frozen, opt.init(params), merged, lr=0.5, momentum=momentum, nesterov=True)
+    for scheme in quantize.LEVELS:
+        for old in (params, frozen):
+            encode_update(old, new, {}, scheme)
+            encode_update(old, new, {n: np.zeros_like(a) for n, a in params.items()}, scheme)

@@ -207,6 +207,7 @@ class Syncer:
     def start(self) -> None:
         if not self.broker.is_alive():
             self.broker.start()
+        fused.warm_up()  # the merge kernels compile (or load from cache) now, not during the first rounds
         versions = self.state.versions()
         if len(versions) != len(self.plan):
             raise RuntimeError(f"run {self.run_id} is not provisioned in Redis (versions: {versions}); "

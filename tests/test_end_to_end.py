@@ -44,8 +44,11 @@ def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_pa
     every_version = L * sum(map(int, summary["versions"].values())) * whole / cfg.fragments.count
     assert L * whole < summary["bytes_fetched"] < L * whole + 0.5 * every_version
     assert summary["bytes_across"] == summary["bytes_sent"] + summary["bytes_fetched"]
-    _, published, _ = assert_exact_accounting(cfg, summary["run_id"])
+    state, published, _ = assert_exact_accounting(cfg, summary["run_id"])
     assert len(published) == c["published"]
+    # the syncer heard every learner's heartbeats (liveness, step times for the grace window)
+    registry = state.registry()
+    assert set(registry) == set(cfg.learner_ids()) and all(r.get("step_time", 0) > 0 for r in registry.values())
     assert (tmp_path / "summary.json").is_file()
 
 

@@ -133,3 +133,15 @@ def test_events_are_json_with_a_schema():
     ev = messages.parse_event(messages.event("merge", fragment=np.int64(2), version=3))
     assert ev["kind"] == "merge" and ev["fragment"] == 2 and ev["schema"] == messages.EVENT_SCHEMA
     assert messages.parse_event(b"\xff") is None and messages.parse_event(json.dumps([1]).encode()) is None
+
+
+def test_a_real_heartbeat_passes_the_checks():
+    """`at` is a wall-clock time: a heartbeat sent now must not be refused (it once was, for being
+    more than 1e9 seconds)."""
+    import time as _time
+
+    beat = {"learner": "us-0", "step": 5, "tokens": 640, "loss": 2.5, "step_time": 0.03, "compute_s": 1.2,
+            "at": _time.time(), "state": "running", "versions": {"0": 3}, "incarnation": "ab12cd34"}
+    assert messages.clean_heartbeat(beat)["at"] == beat["at"]
+    with pytest.raises(messages.WireError, match="field 'at'"):
+        messages.clean_heartbeat({**beat, "at": float("inf")})
