@@ -183,8 +183,7 @@ def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: f
         time.sleep(0.5)
     jobs.stop_all(timeout=60)
 
-    merges = [m for m in state.merges()]
-    window = [m for m in merges if t0 <= m["time"] <= stop_at]
+    window = [m for m in state.merges() if t0 <= m["time"] <= stop_at]
     events = [messages.parse_event(r.value) for r in kafka_io.read_to_end(cfg.transport, [kafka_io.TopicPartition(topics.events, 0)])]
     merged_at = {cid: e["time"] for e in events if e and e["kind"] == "merge" for cid in e["ids"]}
     # contributions sent in the last two periods may wait for a quorum that stopped coming: left out

@@ -261,8 +261,13 @@ def regions(leaf) -> dict[Region, tuple[slice, ...]]:
     return {region_of(whole, shape): whole}
 
 
+def whole(shape: tuple[int, ...]) -> Region:
+    """The block that is the whole array."""
+    return tuple((0, n) for n in shape)
+
+
 def is_whole(blocks: Mapping[Region, Any], shape: tuple[int, ...]) -> bool:
-    return tuple((0, n) for n in shape) in blocks
+    return whole(shape) in blocks
 
 
 def gather(x) -> np.ndarray:
@@ -293,7 +298,7 @@ def place_blocks(blocks: Mapping[Region, np.ndarray], like, dtype=None):
     if isinstance(like, jax.Array):
         return jax.make_array_from_callback(
             shape, like.sharding, lambda index: np.asarray(blocks[region_of(index, shape)]).astype(dtype, copy=False))
-    return np.asarray(blocks[tuple((0, n) for n in shape)]).astype(dtype, copy=False)
+    return np.asarray(blocks[whole(shape)]).astype(dtype, copy=False)
 
 
 def check_tree(tree, plan: Plan) -> None:

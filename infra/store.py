@@ -233,7 +233,7 @@ class FragmentStore:
                 scheme, update = self.read_update(fragment, u)
                 for n, rs in out.items():
                     dtype = next(iter(rs.values())).dtype
-                    shape = self._shape_of(fragment, n, rs)
+                    shape = self._shape_of(n)
                     step = quantize.decode(update[n], shape, scheme)
                     for r in rs:
                         block = step[tuple(slice(a, b) for a, b in r)]
@@ -254,12 +254,11 @@ class FragmentStore:
             raise StoreError(f"{self.url}: fragment {fragment} v{version} params unreadable: {err}") from None
         return out
 
-    def _shape_of(self, fragment: int, name: str, blocks) -> tuple[int, ...]:
-        plan = self._plan or self.read_plan()
-        self._plan = plan
-        if name not in plan.by_name:
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        self._plan = self._plan or self.read_plan()  # read once per store object
+        if name not in self._plan.by_name:
             raise StoreError(f"{self.url}: tensor {name!r} is not in the run's plan")
-        return plan.by_name[name].shape
+        return self._plan.by_name[name].shape
 
     def read_update(self, fragment: int, version: int) -> tuple[str, dict[str, bytes]]:
         """(scheme, encoded tensors) of the update that takes version-1 to `version`."""

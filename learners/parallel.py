@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import numpy as np
@@ -164,9 +162,6 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> None:
         if dim % size:
             raise ConfigError(f"partition spec {spec} for an array of shape {shape}: {dim} does not split "
                               f"over {names} ({size} devices)")
-
-
-Partition = Callable[[Any], Any]  # params tree -> tree of PartitionSpecs
 
 
 def local_batch_size(global_batch: int) -> int:

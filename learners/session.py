@@ -49,7 +49,8 @@ from diloco.config import Config, ConfigError, load_config
 from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError
-from diloco.plan import Plan, Region, check_tree, flatten, gather, is_whole, place, place_blocks, regions, with_leaves
+from diloco.plan import (Plan, Region, check_tree, flatten, gather, is_whole, place, place_blocks, regions, whole,
+                         with_leaves)
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ class Fetcher(threading.Thread):
             blocks = self.store.read_blocks(p, v, {n: self.blocks[n] for n in names})
             return blocks, None, sum(a.nbytes for b in blocks.values() for a in b.values())
         params, nbytes = self._fetch_whole(p, v)
-        return {n: {tuple((0, s) for s in shapes[n]): a} for n, a in params.items()}, params, nbytes
+        return {n: {whole(shapes[n]): a} for n, a in params.items()}, params, nbytes
 
     def _fetch_whole(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
         """Version v's whole arrays, by whichever reads fewer bytes: the updates since the version
@@ -515,17 +516,15 @@ class Session:
             job = {"fragment": p, "base_version": self._version[p], "tokens": s["tokens"], "steps": s["steps"],
                    "step_time": s["time"] / max(s["steps"], 1), "deltas": deltas,
                    "schemes": {n: self._schemes[n] for n in names}}
-            try:
-                self.publisher.queue.put_nowait(job)
-            except queue.Full:
+            if self.publisher.queue.full():
                 log.warning("publisher %d contributions behind: waiting for the link", PUBLISH_QUEUE)
-                while True:
-                    self._raise_thread_errors()
-                    try:
-                        self.publisher.queue.put(job, timeout=1.0)
-                        break
-                    except queue.Full:
-                        continue
+            while True:  # only this thread puts: wait for room, but not on a publisher that died
+                self._raise_thread_errors()
+                try:
+                    self.publisher.queue.put(job, timeout=1.0)
+                    break
+                except queue.Full:
+                    continue
         self._since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
 
     def _wait_for_merge(self, p: int, version: int, params):
