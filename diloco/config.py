@@ -138,7 +138,17 @@ class SyncerConfig(_Section):
     grace_max_s: float = Field(3.0, ge=0)
     max_staleness: int = Field(4, ge=0, description="reject deltas whose base is older than this many versions")
     max_contribution_bytes: int = Field(256 * 1024 * 1024, ge=1024)
-    incomplete_timeout_s: float = Field(60.0, gt=0, description="drop a chunk set still partial after this")
+    incomplete_timeout_s: float = Field(60.0, gt=0, description="drop a chunk set that made no progress this long "
+                                        "while its partition was read to the end (a stopped reader expires nothing)")
+    incomplete_after_bytes: int | None = Field(None, ge=1, description="drop a partial chunk set once this many bytes "
+                                               "of its partition were read past its last chunk; None = 4 x "
+                                               "max_contribution_bytes")
+    max_partial_sets: int = Field(4096, ge=1, description="partial chunk sets held at once; beyond, those without a "
+                                  "manifest go first, then the least recently progressed (buffer_full)")
+    status_keep: int = Field(100_000, ge=1, description="finished contribution ids remembered per partition to drop "
+                             "repeats; older ones whose records replay has passed are forgotten (bounds Redis)")
+    max_buffered_bytes: int = Field(1 << 30, ge=1024, description="bytes of partial chunk sets held at once (a "
+                                    "bound on the syncer's memory for hostile or abandoned sets)")
     norm_outlier_factor: float = Field(0.0, ge=0, description="reject deltas this many times the round median; 0 = off")
     max_tokens_per_step: int = Field(1 << 24, ge=1, description="a contribution claiming more tokens per step than "
                                                                 "this is rejected (bad_metadata): it would outweigh the rest")
@@ -275,6 +285,10 @@ class Config(_Section):
             raise ValueError(f"backend.slices: {unknown} are not regions of this run ({names})")
         if self.syncer.quorum > self.num_learners:
             raise ValueError(f"syncer.quorum ({self.syncer.quorum}) exceeds the number of learners ({self.num_learners})")
+        if self.syncer.max_buffered_bytes < self.syncer.max_contribution_bytes:
+            raise ValueError(f"syncer.max_buffered_bytes ({self.syncer.max_buffered_bytes}) is below "
+                             f"syncer.max_contribution_bytes ({self.syncer.max_contribution_bytes}): one contribution "
+                             "could never be held")
         if self.syncer.shards > self.fragments.count:
             raise ValueError(f"syncer.shards ({self.syncer.shards}) exceeds fragments.count ({self.fragments.count}): "
                              "a shard owns whole fragments")

@@ -189,7 +189,11 @@ def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
 class _Partial:
     manifest: Manifest | None = None
     chunks: dict[int, bytes] = field(default_factory=dict)
-    first_seen: float = 0.0
+    count: int | None = None        # chunks the first chunk frame said the set has
+    nbytes: int = 0                 # payload bytes held (kept as chunks arrive: no re-summing)
+    idle_s: float = 0.0             # reading time without progress (see ChunkAssembler.expire)
+    mark: int = 0                   # bytes of its partition read when it last progressed
+    seq: int = 0                    # order of last progress, for eviction
     first_offset: int | None = None
     where: str = ""
 
@@ -212,19 +216,41 @@ class Dropped:
     where: str
 
 
+# What one buffered chunk costs besides its bytes (dict entry, bytes object): zero-byte floods count too.
+CHUNK_OVERHEAD = 128
+
+
 class ChunkAssembler:
-    """Collects manifest and chunk frames by contribution id, in any order.
+    """Collects manifest and chunk frames by contribution id, in any order, within bounds.
 
     `add` returns an `Assembled` once every chunk is there, a `Dropped` when the set can never be
-    valid (oversized, inconsistent chunk counts), else None. `expire` drops sets still partial after
-    `timeout_s`. `first_offset` is the lowest log offset of the set, which bounds how far back a
-    restarted consumer must replay.
+    valid (oversized, inconsistent, refused by `check` on its manifest, no room), else None.
+    `expire` returns the sets dropped since its last call: those that stopped progressing and those
+    evicted to stay within `max_sets` and `max_buffered` (sets with no manifest go first, then the
+    least recently progressed).
+
+    Expiry follows the log, not the wall clock alone: a set expires once `after_bytes` of its
+    partition were read past its last chunk, or once it made no progress for `timeout_s` while its
+    partition was read to the end (`caught_up(where)`). Idle time only counts between checks at most
+    `tick_s` apart: a consumer that stops reading (a broker outage, a long merge, a pause) or lags
+    behind its partition (a replay) expires nothing whose chunks may still be in the log.
+    `first_offset` is the lowest log offset of the set, which bounds how far back a restarted
+    consumer must replay.
     """
 
-    def __init__(self, *, max_bytes: int, timeout_s: float):
-        self.max_bytes = max_bytes
-        self.timeout_s = timeout_s
+    def __init__(self, *, max_bytes: int, timeout_s: float, after_bytes: int | None = None,
+                 max_sets: int = 4096, max_buffered: int = 1 << 30, check=None, tick_s: float = 1.0):
+        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.after_bytes = after_bytes if after_bytes is not None else 4 * max_bytes
+        self.max_sets, self.max_buffered = max_sets, max_buffered
+        self.check = check                       # manifest -> (reason, detail) or None
         self._partial: dict[str, _Partial] = {}
+        self._read: dict[str, int] = {}          # where -> bytes read from it
+        self._buffered = 0
+        self._seq = 0
+        self._evicted: list[Dropped] = []
+        self.tick_s = tick_s
+        self._last_check: float | None = None
 
     def pending_offsets(self, where: str) -> list[int]:
         return [p.first_offset for p in self._partial.values() if p.where == where and p.first_offset is not None]
@@ -232,57 +258,127 @@ class ChunkAssembler:
     def __len__(self) -> int:
         return len(self._partial)
 
+    def __contains__(self, cid: str) -> bool:
+        return cid in self._partial
+
+    @property
+    def buffered(self) -> int:
+        return self._buffered
+
+    def read(self, where: str, nbytes: int) -> None:
+        """Count `nbytes` read from partition `where` (every record, whatever becomes of it)."""
+        self._read[where] = self._read.get(where, 0) + nbytes
+
     def add(self, header: Mapping, payload: bytes, *, now: float, offset: int | None = None,
             where: str = "") -> Assembled | Dropped | None:
         cid = header.get("id")
         if not isinstance(cid, str) or not cid:
             raise WireError("frame header has no contribution id")
-        part = self._partial.setdefault(cid, _Partial(first_seen=now, where=where))
+        part = self._partial.get(cid)
+        if part is None:
+            part = self._partial[cid] = _Partial(where=where)
+        self._seq += 1
+        part.idle_s, part.mark, part.seq = 0.0, self._read.get(where, 0), self._seq
         if offset is not None and (part.first_offset is None or offset < part.first_offset):
             part.first_offset = offset
         if header["kind"] == "manifest":
+            if part.manifest is not None:
+                return None                      # a repeated manifest (a producer retry)
             manifest = Manifest.from_header(header)
             if manifest.total_bytes > self.max_bytes:
                 return self._drop(cid, "oversized", f"{manifest.total_bytes} bytes > limit {self.max_bytes}", manifest)
+            if manifest.n_chunks > max(1, manifest.total_bytes):
+                return self._drop(cid, "malformed", f"{manifest.n_chunks} chunks for {manifest.total_bytes} bytes", manifest)
+            if part.count is not None and part.count != manifest.n_chunks:
+                return self._drop(cid, "malformed", f"chunks say {part.count} chunks, manifest {manifest.n_chunks}", manifest)
+            if part.nbytes > manifest.total_bytes:
+                return self._drop(cid, "malformed", f"chunks hold {part.nbytes} bytes, manifest {manifest.total_bytes}",
+                                  manifest)
+            verdict = self.check(manifest) if self.check else None
+            if verdict:
+                return self._drop(cid, *verdict, manifest)
             part.manifest = manifest
         else:
             index, count = header.get("index"), header.get("count")
-            if not isinstance(index, int) or not isinstance(count, int) or not 0 <= index < count:
-                return self._drop(cid, "malformed", f"chunk index {index!r} of {count!r}")
-            if part.manifest is not None and count != part.manifest.n_chunks:
-                return self._drop(cid, "malformed", f"chunk says {count} chunks, manifest {part.manifest.n_chunks}")
+            if (not isinstance(index, int) or not isinstance(count, int) or isinstance(index, bool)
+                    or isinstance(count, bool) or not 0 <= index < count):
+                return self._drop(cid, "malformed", f"chunk index {short(index, 40)} of {short(count, 40)}")
+            expected = part.manifest.n_chunks if part.manifest is not None else part.count
+            if expected is not None and count != expected:
+                return self._drop(cid, "malformed", f"chunk says {count} chunks, the set has {expected}")
+            if not payload and count > 1:
+                return self._drop(cid, "malformed", f"chunk {index} of {count} is empty")
+            part.count = count
+            old = part.chunks.get(index)
+            size = len(payload) + CHUNK_OVERHEAD
+            if old is not None:                  # a repeated chunk replaces its earlier copy
+                part.nbytes -= len(old)
+                self._buffered -= len(old) + CHUNK_OVERHEAD
             part.chunks[index] = bytes(payload)
-            if sum(len(c) for c in part.chunks.values()) > self.max_bytes:
-                return self._drop(cid, "oversized", f"chunks exceed limit {self.max_bytes}")
+            part.nbytes += len(payload)
+            self._buffered += size
+            limit = part.manifest.total_bytes if part.manifest is not None else self.max_bytes
+            if part.nbytes > limit:
+                return self._drop(cid, "oversized" if part.manifest is None else "malformed",
+                                  f"chunks hold {part.nbytes} bytes > {'limit' if part.manifest is None else 'manifest'} "
+                                  f"{limit}")
+        dropped = self._make_room(cid)
+        if dropped is not None:
+            return dropped
         m = part.manifest
         if m is None or len(part.chunks) < m.n_chunks:
             return None
-        if set(part.chunks) != set(range(m.n_chunks)):
-            return self._drop(cid, "malformed", f"chunk indices {sorted(part.chunks)} for {m.n_chunks} chunks")
-        del self._partial[cid]
+        self._forget(cid)
         payload_all = b"".join(part.chunks[i] for i in range(m.n_chunks))
         return Assembled(m, payload_all, part.first_offset, part.where)
 
+    def _make_room(self, cid: str) -> Dropped | None:
+        """Evict sets until the bounds hold; the newcomer's own set may be the one to go."""
+        while len(self._partial) > self.max_sets or self._buffered > self.max_buffered:
+            victim = min(self._partial, key=lambda c: (self._partial[c].manifest is not None, self._partial[c].seq))
+            detail = (f"buffer full ({len(self._partial)} partial sets, {self._buffered} bytes; limits "
+                      f"{self.max_sets} sets, {self.max_buffered} bytes)")
+            d = self._drop(victim, "buffer_full", detail)
+            if victim == cid:
+                return d
+            self._evicted.append(d)
+        return None
+
     def discard(self, cid: str) -> None:
-        self._partial.pop(cid, None)
+        self._forget(cid)
 
     def discard_where(self, where: str) -> None:
         """Forget the partial sets read from one partition (its fragment moved to another shard)."""
         for cid in [cid for cid, p in self._partial.items() if p.where == where]:
-            del self._partial[cid]
+            self._forget(cid)
+        self._read.pop(where, None)
 
-    def expire(self, now: float) -> list[Dropped]:
-        old = [cid for cid, p in self._partial.items() if now - p.first_seen > self.timeout_s]
-        out = []
-        for cid in old:
-            p = self._partial[cid]
-            have = f"{len(p.chunks)}/{p.manifest.n_chunks if p.manifest else '?'} chunks"
-            out.append(self._drop(cid, "incomplete", f"{have}, manifest {'present' if p.manifest else 'missing'}",
-                                  p.manifest))
+    def expire(self, now: float, caught_up=lambda where: True) -> list[Dropped]:
+        out, self._evicted = self._evicted, []
+        tick = 0.0 if self._last_check is None else min(max(now - self._last_check, 0.0), self.tick_s)
+        self._last_check = now
+        for cid, p in list(self._partial.items()):
+            outgrown = self._read.get(p.where, 0) - p.mark > self.after_bytes
+            if not outgrown and not caught_up(p.where):
+                continue                         # its chunks may be in the part of the log not read yet
+            p.idle_s += tick
+            if outgrown or p.idle_s > self.timeout_s:
+                have = f"{len(p.chunks)}/{p.manifest.n_chunks if p.manifest else '?'} chunks"
+                why = (f"{self.after_bytes} bytes of its partition read since its last chunk" if outgrown else
+                       f"no chunk for {self.timeout_s:g}s with its partition read to the end")
+                out.append(self._drop(cid, "incomplete", f"{have}, manifest {'present' if p.manifest else 'missing'}: "
+                                      f"{why}", p.manifest))
         return out
 
+    def _forget(self, cid: str) -> _Partial:
+        p = self._partial.pop(cid, None)
+        if p is None:
+            return _Partial()
+        self._buffered -= sum(len(c) + CHUNK_OVERHEAD for c in p.chunks.values())
+        return p
+
     def _drop(self, cid: str, reason: str, detail: str, manifest: Manifest | None = None) -> Dropped:
-        p = self._partial.pop(cid, _Partial())
+        p = self._forget(cid)
         return Dropped(cid, manifest or p.manifest, reason, detail, p.first_offset, p.where)
 
 

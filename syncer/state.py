@@ -4,6 +4,8 @@ Keys, all under `<key_prefix>:<run>:`:
     version          hash  fragment -> current global version
     round:<p>        hash  contribution id -> JSON meta of a pending contribution (arrival time, offsets...)
     status           hash  contribution id -> "pending:<p>" | "applied:<p>:<v>" | "rejected:<reason>"
+    finished:<t>|<n> zset  ids finished (applied or rejected) from partition n of topic t, scored by the
+                           offset of their first record: what `prune_statuses` forgets from `status`
     offsets          hash  "<topic>|<partition>" -> next offset to read on restart (fragment partitions)
     events_offset    hash  shard -> next offset of the events topic that shard reads
     lease:<p>        string "<shard>:<incarnation>" of the fragment's owner, with a TTL the owner renews
@@ -194,11 +196,15 @@ class SyncerState:
         self._transact(fence, build)
 
     def reject(self, cid: str | None, reason: str, offsets: dict[tuple[str, int], int],
-               fragment: int | None = None, outbox: list[dict] = (), *, fence: Fence = None) -> None:
-        """Record a rejection; `cid` None for a record that names no contribution."""
+               fragment: int | None = None, outbox: list[dict] = (), *, fence: Fence = None,
+               where: tuple[str, int, int | None] | None = None) -> None:
+        """Record a rejection; `cid` None for a record that names no contribution. `where` (topic,
+        partition, offset of its first record) lets the status be forgotten once replay is past it."""
         def build(p):
             if cid is not None:
                 p.hset(self.k + "status", cid, f"rejected:{reason}")
+                if where is not None and where[2] is not None:
+                    p.zadd(self.k + f"finished:{where[0]}|{where[1]}", {cid: int(where[2])})
                 if fragment is not None:
                     p.hdel(f"{self.k}round:{fragment}", cid)
             p.hincrby(self.k + "counters", "rejected" if cid is not None else "rejected_records", 1)
@@ -213,6 +219,21 @@ class SyncerState:
     def save_offsets(self, offsets: dict[tuple[str, int], int], *, fence: Fence = None) -> None:
         if offsets:
             self._transact(fence, lambda p: self._offsets(p, offsets))
+
+    def prune_statuses(self, tp: tuple[str, int], below: int, keep: int, *, fence: Fence = None) -> list[str]:
+        """Forget the statuses of ids finished from partition `tp` whose records all lie before offset
+        `below` (the replay offset: never read again), keeping the newest `keep`. Returns the ids."""
+        key = self.k + f"finished:{_offset_key(tp)}"
+        extra = self.r.zcard(key) - keep
+        if extra <= 0:
+            return []
+        old = self.r.zrangebyscore(key, "-inf", f"({below}", start=0, num=min(extra, 10_000))
+        if old:
+            def build(p):
+                p.hdel(self.k + "status", *old)
+                p.zrem(key, *old)
+            self._transact(fence, build)
+        return old
 
     def save_events_offset(self, shard: int, offset: int) -> None:
         self.r.hset(self.k + "events_offset", str(shard), offset)
@@ -233,6 +254,8 @@ class SyncerState:
             if ids:
                 p.hdel(f"{self.k}round:{fragment}", *ids)
                 p.hset(self.k + "status", mapping={cid: f"applied:{fragment}:{from_version + 1}" for cid in ids})
+                for cid, (topic, partition, offset) in zip(ids, record.get("where", ())):
+                    p.zadd(self.k + f"finished:{topic}|{partition}", {cid: int(offset)})
             p.hincrby(self.k + "counters", "applied", len(ids))
             p.hincrby(self.k + "counters", "late", late)
             p.hincrby(self.k + "counters", "merges", 1)

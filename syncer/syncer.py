@@ -196,12 +196,14 @@ class Syncer:
         self.status: dict[str, str] = {}
         self.consumed: dict[TP, int] = {}
         self.registry: dict[str, dict] = {}
-        self.assembler = ChunkAssembler(max_bytes=self.cfg.syncer.max_contribution_bytes,
-                                        timeout_s=self.cfg.syncer.incomplete_timeout_s)
+        sc = self.cfg.syncer
+        self.assembler = ChunkAssembler(max_bytes=sc.max_contribution_bytes, timeout_s=sc.incomplete_timeout_s,
+                                        after_bytes=sc.incomplete_after_bytes, max_sets=sc.max_partial_sets,
+                                        max_buffered=sc.max_buffered_bytes, check=self._check_manifest)
         self.sync_time_s = 0.0
         self.coordinator = False
         self._replaying = False
-        self._last_offsets_save = self._last_registry_check = self._last_lease = 0.0
+        self._last_offsets_save = self._last_registry_check = self._last_lease = self._last_prune = 0.0
 
     # --- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -288,10 +290,9 @@ class Syncer:
                     break                         # the partition went with its fragment meanwhile
                 self._guarded(self._fragment_of(key), lambda k=key, r=rec: self._handle(k, r))
         now = self.clock()
-        for d in self.assembler.expire(now):
+        for d in self.assembler.expire(now, caught_up=self._read_to_end):
             self._reject_dropped(d)
-        if self._replaying and self.caught_up():
-            self._give_up_lost_payloads()
+        self._give_up_lost_payloads()
         self.update_registry()
         for p in list(self.fragments):
             self._guarded(p, lambda p=p: self.maybe_close(p))
@@ -547,6 +548,7 @@ class Syncer:
 
     def handle_record(self, raw: bytes, tp: TP, offset: int) -> None:
         self.consumed[tp] = offset + 1
+        self.assembler.read(f"{tp[0]}|{tp[1]}", len(raw))
         try:
             header, payload = messages.parse_frame(raw)
             cid = header.get("id")
@@ -600,8 +602,35 @@ class Syncer:
             base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes)],
             fence={m.fragment: self.epochs[m.fragment]})
 
+    def _check_manifest(self, m: Manifest):
+        """(reason, detail) if the manifest alone rules the contribution out: judged before its chunks
+        are buffered. A replayed contribution was judged on arrival."""
+        return None if self._pending(m.id) is not None else self._check_claims(m, replay=False)
+
     def validate(self, m: Manifest, payload: bytes, *, replay: bool = False):
         """Decoded deltas, or (reason, detail) saying why the contribution cannot enter a merge."""
+        if verdict := self._check_claims(m, replay=replay):
+            return verdict
+        sc = self.cfg.syncer
+        try:
+            messages.verify_payload(m, payload)
+            deltas = fused.encoded_delta(m, payload)  # norms from the codes; nothing decoded yet
+        except WireError as err:
+            return ("checksum" if "checksum" in str(err) else "malformed"), str(err)
+        bad = [n for n, x in deltas.norms.items() if not math.isfinite(x)]
+        if bad:
+            return "non_finite", f"non-finite values in {bad[:8]}"
+        if sc.max_delta_ratio > 0 and not replay:
+            norm = deltas.norm
+            scale = self.fragments[m.fragment].budget_scale()  # the parameters change only at a merge
+            if not norm <= sc.max_delta_ratio * scale:
+                return "norm_budget", (f"delta norm {norm:.4g} > {sc.max_delta_ratio:g} x max(parameter norm, "
+                                       f"sqrt(size)) = {sc.max_delta_ratio * scale:.4g} (syncer.max_delta_ratio)")
+        return deltas
+
+    def _check_claims(self, m: Manifest, *, replay: bool):
+        """(reason, detail) if what the manifest claims (run, learner, fragment, shapes, counts, base
+        version) rules it out, else None."""
         if m.run != self.run_id:
             return "wrong_run", f"run {m.run!r}, this syncer serves {self.run_id!r}"
         if m.learner not in self.learners:
@@ -623,27 +652,14 @@ class Syncer:
         if m.tokens > m.steps * sc.max_tokens_per_step:
             return "bad_metadata", (f"{m.tokens} tokens in {m.steps} steps is more than syncer.max_tokens_per_step="
                                     f"{sc.max_tokens_per_step} per step")
-        current = self.fragments[m.fragment].version
-        if not replay:  # a replayed contribution was judged on arrival; versions moved since
+        st = self.fragments.get(m.fragment)  # None: misrouted, which on_complete says
+        if st is not None and not replay:  # a replayed contribution was judged on arrival; versions moved since
+            current = st.version
             if m.base_version > current:
                 return "future_version", f"base version {m.base_version} > current {current}"
             if m.base_version < current - self.cfg.syncer.max_staleness:
                 return "stale", f"base version {m.base_version} older than {current} - {self.cfg.syncer.max_staleness}"
-        try:
-            messages.verify_payload(m, payload)
-            deltas = fused.encoded_delta(m, payload)  # norms from the codes; nothing decoded yet
-        except WireError as err:
-            return ("checksum" if "checksum" in str(err) else "malformed"), str(err)
-        bad = [n for n, x in deltas.norms.items() if not math.isfinite(x)]
-        if bad:
-            return "non_finite", f"non-finite values in {bad[:8]}"
-        if sc.max_delta_ratio > 0 and not replay:
-            norm = deltas.norm
-            scale = self.fragments[m.fragment].budget_scale()  # the parameters change only at a merge
-            if not norm <= sc.max_delta_ratio * scale:
-                return "norm_budget", (f"delta norm {norm:.4g} > {sc.max_delta_ratio:g} x max(parameter norm, "
-                                       f"sqrt(size)) = {sc.max_delta_ratio * scale:.4g} (syncer.max_delta_ratio)")
-        return deltas
+        return None
 
     # --- rounds --------------------------------------------------------------------------------
     def live_learners(self) -> set[str]:
@@ -790,6 +806,16 @@ class Syncer:
         self.state.save_events_offset(self.shard, self.consumed[self.events_tp])
         for p in list(self.fragments):
             self._guarded(p, lambda p=p: self.state.save_offsets(self.replay_offsets([p]), fence={p: self.epochs[p]}))
+        if now - self._last_prune > 10.0:
+            self._last_prune = now
+            for p in list(self.fragments):
+                self._guarded(p, lambda p=p: self.prune_statuses(p))
+
+    def prune_statuses(self, p: int) -> None:
+        """Forget what finished ids of fragment p replay will never meet again (bounded status)."""
+        for tp, below in self.replay_offsets([p]).items():
+            for cid in self.state.prune_statuses(tp, below, self.cfg.syncer.status_keep, fence={p: self.epochs[p]}):
+                self.status.pop(cid, None)
 
     def _pending(self, cid: str) -> Pending | None:
         status = self.status.get(cid, "")
@@ -798,16 +824,51 @@ class Syncer:
         st = self.fragments.get(int(status.split(":")[1]))
         return st.round.get(cid) if st else None
 
+    def _read_to_end(self, where: str) -> bool:
+        """Whether partition `where` ("topic|partition") was read up to its high watermark."""
+        topic, partition = where.rsplit("|", 1)
+        tp = TopicPartition(topic, int(partition))
+        hw = self.consumer.highwater(tp)
+        return hw is not None and tp in self.consumer.assignment() and self.consumer.position(tp) >= hw
+
     def _give_up_lost_payloads(self) -> None:
-        """After a full replay, pending ids whose records are gone from the log cannot be merged."""
-        self._replaying = False
+        """An accepted contribution whose payload a replay does not bring back cannot be merged.
+
+        Its payload is lost once no partial set holds it and the reader is past its first record or
+        at the end of its partition (a truncated or recreated log): it was not in the log. A set of it
+        that expires is lost too (`_reject_dropped`). Either way it is rejected as lost_payload, logged
+        as an error and announced as a `payload_lost` event: its round waited for it until then.
+        """
+        if not self._replaying:
+            return
+        waiting = False
         for p, st in list(self.fragments.items()):
-            for cid in [cid for cid, c in st.round.items() if c.deltas is None]:
-                self._guarded(p, lambda cid=cid: self._reject(cid, "lost_payload", "records not found in the log on replay"))
+            for cid, c in list(st.round.items()):
+                if c.deltas is not None:
+                    continue
+                where = f"{c.tp[0]}|{c.tp[1]}"
+                tp = TopicPartition(*c.tp)
+                position = self.consumer.position(tp) if tp in self.consumer.assignment() else 0
+                if cid in self.assembler or (position <= c.first_offset and not self._read_to_end(where)):
+                    waiting = True
+                    continue
+                detail = f"records from {where}@{c.first_offset} are not in the log (read to offset {position})"
+                self._guarded(p, lambda cid=cid, c=c, d=detail: self._lose(cid, c, d))
+        self._replaying = waiting
+
+    def _lose(self, cid: str, c: Pending, detail: str) -> None:
+        p = c.tp[1]
+        log.error("accepted contribution lost: its payload is not in the log",
+                  extra={"id": cid, "fragment": p, "detail": detail})
+        self._reject(cid, "lost_payload", detail)
+        self._event("payload_lost", id=cid, fragment=p, learner=c.manifest_meta.get("learner"), detail=detail)
 
     def _reject_dropped(self, d: Dropped) -> None:
         where = tuple(d.where.rsplit("|", 1)) + (d.first_offset,) if d.where else None
         p = int(where[1]) if where else (d.manifest.fragment if d.manifest else -1)
+        if (pending := self._pending(d.id)) is not None:  # accepted before: its replay came back short
+            self._guarded(p, lambda: self._lose(d.id, pending, f"{d.reason} on replay: {d.detail}"))
+            return
         self._guarded(p, lambda: self._reject(d.id, d.reason, d.detail, manifest=d.manifest, where=where))
 
     def _reject(self, cid: str | None, reason: str, detail: str, *, manifest: Manifest | None = None,
@@ -815,8 +876,8 @@ class Syncer:
         fragment = None
         if cid is not None and self.status.get(cid, "").startswith("pending:"):
             fragment = int(self.status[cid].split(":")[1])  # leaves its round, in memory and in Redis
-            if fragment in self.fragments:
-                self.fragments[fragment].round.pop(cid, None)
+            if fragment in self.fragments and (c := self.fragments[fragment].round.pop(cid, None)) is not None:
+                where = where or (*c.tp, c.first_offset)
         # the fragment whose partition the record came from: only its owner may say anything about it
         about = fragment if fragment is not None else (int(where[1]) if where is not None else None)
         fence = {about: self.epochs[about]} if about in self.epochs else None
@@ -827,7 +888,8 @@ class Syncer:
         if where is not None:
             fields["where"] = {"topic": where[0], "partition": int(where[1]), "offset": where[2]}
         self.state.reject(cid, reason, self.replay_offsets([about] if fence else []), fragment=fragment,
-                          outbox=[self._outbox_event("contribution_rejected", **fields)], fence=fence)
+                          outbox=[self._outbox_event("contribution_rejected", **fields)], fence=fence,
+                          where=(where[0], int(where[1]), where[2]) if where is not None else None)
         if cid is not None:
             self.status[cid] = f"rejected:{reason}"
         log.warning("rejected contribution", extra=fields)

@@ -194,3 +194,76 @@ def test_the_fetcher_skips_bad_announcements_and_outlives_a_missing_version(harn
     finally:
         fetcher.stop.set()
         thread.join(timeout=30)
+
+
+# --- bounded buffers and expiry by log progress ---------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_contribution_ruled_out_by_its_manifest_never_has_its_chunks_buffered(harness):
+    h = harness
+    before = h.state.counters().get("duplicate_records", 0)
+    m = h.publish("us-9", 0)                                   # not a learner of this run
+    h.pump(lambda: h.state.counters().get("duplicate_records", 0) == before + m.n_chunks)
+    assert _reason(h, m.id) == "rejected:unknown_learner"      # judged on the manifest: chunks skipped
+    assert h.syncer.assembler.buffered == 0 and len(h.syncer.assembler) == 0
+    _good_round(h)
+
+
+@pytest.mark.integration
+def test_a_syncer_that_stops_reading_rejects_nothing_whose_chunks_are_in_the_log(tiny_config):
+    cfg = tiny_config(syncer={"quorum": 4, "grace_max_s": 0.0, "incomplete_timeout_s": 0.5})
+    h = Harness(cfg, f"hostile-paused-reader-{time.time_ns() % 10**6}")
+    try:
+        done = h.publish("us-0", 0)                            # accepted; its round waits for quorum 4
+        h.pump(lambda: _reason(h, done.id) == "pending:0")
+        m = h.publish("us-1", 0, frames_filter=lambda fs: fs[:2])
+        h.pump(lambda: m.id in h.syncer.assembler)
+        for _ in range(600 // done.n_chunks + 1):              # a backlog of more than one poll (500 records)
+            h.resend(done.id)
+        for f in h.sent[m.id][2][2:]:                          # the rest of the set is in the log...
+            h.producer.send(h.topics.fragments["us"], f, partition=0)
+        h.producer.flush()
+        time.sleep(1.5)                                        # ...while the syncer reads nothing (a long merge)
+        h.pump(lambda: _reason(h, m.id) != "" and m.id not in h.syncer.assembler)
+        assert _reason(h, m.id) == "pending:0"
+    finally:
+        h.producer.close()
+
+
+@pytest.mark.integration
+def test_an_accepted_payload_missing_from_the_log_is_given_up_and_announced_while_traffic_goes_on(harness):
+    h = harness
+    a = h.publish("us-0", 0)
+    h.pump(lambda: _reason(h, a.id) == "pending:0")
+    h.publish("us-1", 1, frames_filter=lambda fs: fs[:2])     # a partial set that keeps the syncer busy
+    tp = (h.topics.fragments["us"], h.topics.partition_of(0))
+    h.pump(lambda: h.syncer.consumed.get(tp, 0) > 0 and len(h.syncer.assembler) == 1)
+    end = h.syncer.consumed[tp]
+    key = f"{h.cfg.state.key_prefix}:{h.run_id}:round:0"      # as if retention had dropped its records
+    h.state.r.hset(key, a.id, json.dumps(json.loads(h.state.r.hget(key, a.id)) | {"offset": end}))
+    h.state.save_offsets({tp: end})
+    h.syncer = h.new_syncer()
+    h.pump(lambda: _reason(h, a.id).startswith("rejected"))
+    assert _reason(h, a.id) == "rejected:lost_payload"
+    (ev,) = [e for e in h.events() if e["kind"] == "payload_lost"]
+    assert ev["id"] == a.id and ev["fragment"] == 0 and f"@{end}" in ev["detail"]
+    _good_round(h)
+
+
+@pytest.mark.integration
+def test_finished_ids_are_forgotten_once_replay_is_past_them_so_the_status_stays_bounded(tiny_config):
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "status_keep": 3})
+    h = Harness(cfg, f"hostile-status-bound-{time.time_ns() % 10**6}")
+    try:
+        for i in range(30):                                    # invented ids, each refused with its id
+            h.raw("us", messages.frame({"kind": "chunk", "id": f"invented-{i}", "index": 5, "count": 2}), partition=0)
+        h.pump(lambda: h.state.counters().get("rejected:malformed", 0) == 30)
+        h.syncer._last_prune = 0.0
+        h.syncer.save_offsets(force=True)
+        kept = {c for c in h.state.statuses() if c.startswith("invented-")}
+        assert kept == {"invented-27", "invented-28", "invented-29"}            # the newest status_keep
+        assert {c for c in h.syncer.status if c.startswith("invented-")} == kept
+        _good_round(h)
+    finally:
+        h.producer.close()

@@ -47,14 +47,103 @@ def test_out_of_order_chunks_and_manifest_last_still_assemble():
     assert isinstance(results[-1], Assembled) and results[-1].manifest == m
 
 
-def test_missing_chunk_expires_as_incomplete():
+def _ticks(asm, start, stop, caught_up=lambda where: True, step=0.5):
+    """expire() called every `step` seconds of [start, stop], as a reading syncer does; what it dropped."""
+    out, t = [], start
+    while t <= stop:
+        out += asm.expire(now=t, caught_up=caught_up)
+        t += step
+    return out
+
+
+def test_missing_chunk_expires_as_incomplete_once_its_partition_was_read_to_the_end():
     _, m, frames = contribution()
     asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
     assert all(r is None for r in feed(asm, frames[:-1], t=0.0))
-    assert asm.expire(now=4.0) == []
-    (d,) = asm.expire(now=6.0)
+    assert _ticks(asm, 0.0, 4.0) == []
+    (d,) = _ticks(asm, 4.5, 6.0)
     assert isinstance(d, Dropped) and d.reason == "incomplete" and d.id == m.id and d.first_offset == 0
-    assert f"{m.n_chunks - 1}/{m.n_chunks} chunks" in d.detail and len(asm) == 0
+    assert f"{m.n_chunks - 1}/{m.n_chunks} chunks" in d.detail and len(asm) == 0 and asm.buffered == 0
+
+
+def test_a_reader_that_stops_or_lags_expires_nothing_whose_chunks_may_still_be_in_the_log():
+    _, m, frames = contribution()
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
+    feed(asm, frames[:-1], t=0.0)
+    assert asm.expire(now=0.0) == [] and asm.expire(now=1000.0) == []   # a pause counts as one tick at most
+    assert _ticks(asm, 1000.0, 2000.0, caught_up=lambda where: False) == []   # behind its partition: no clock
+    h, p = messages.parse_frame(frames[-1])
+    assert isinstance(asm.add(h, p, now=2000.0, offset=len(frames) - 1, where="topic|0"), Assembled)
+
+
+def test_a_set_expires_by_log_progress_past_its_last_chunk_even_if_never_caught_up():
+    _, m, frames = contribution()
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5, after_bytes=10_000)
+    feed(asm, frames[:-1])
+    asm.read("other|0", 50_000)                                          # another partition's progress: none here
+    assert asm.expire(now=0.0, caught_up=lambda where: False) == []
+    asm.read("topic|0", 10_001)
+    (d,) = asm.expire(now=0.0, caught_up=lambda where: False)
+    assert d.reason == "incomplete" and "10000 bytes of its partition" in d.detail
+
+
+def _chunk(cid, index=0, count=4, payload=b"x" * 100):
+    return {"kind": "chunk", "id": cid, "index": index, "count": count}, payload
+
+
+def test_invented_ids_are_bounded_and_sets_with_a_manifest_outlive_them():
+    _, m, frames = contribution()
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5, max_sets=8)
+    feed(asm, frames[:2])                                                # a real set in progress
+    for i in range(100):                                                 # a flood of chunks with no manifest
+        r = asm.add(*_chunk(f"junk-{i}"), now=0.0, where="topic|0")
+        assert r is None or (isinstance(r, Dropped) and r.reason == "buffer_full")
+    evicted = asm.expire(now=0.0)
+    assert len(asm) <= 8 and m.id in asm
+    assert len(evicted) >= 90 and {d.reason for d in evicted} == {"buffer_full"} and m.id not in {d.id for d in evicted}
+    assert isinstance(feed(asm, frames[2:])[-1], Assembled)
+
+
+def test_buffered_bytes_are_bounded_and_counted_exactly():
+    asm = ChunkAssembler(max_bytes=4096, timeout_s=5, max_buffered=4096)
+    assert asm.add(*_chunk("a", 0, 4, b"x" * 1000), now=0.0) is None
+    assert asm.add(*_chunk("a", 0, 4, b"y" * 1000), now=0.0) is None     # a repeat replaces its copy
+    assert asm.buffered == 1000 + messages.CHUNK_OVERHEAD
+    assert asm.add(*_chunk("b", 0, 4, b"x" * 1000), now=0.0) is None
+    assert asm.add(*_chunk("c", 0, 4, b"x" * 1000), now=0.0) is None
+    r = asm.add(*_chunk("d", 0, 4, b"x" * 1000), now=0.0)                # over 4096 with overheads: oldest goes
+    assert r is None and [d.id for d in asm.expire(now=0.0)] == ["a"]
+    assert asm.buffered == 3 * (1000 + messages.CHUNK_OVERHEAD) <= 4096
+    asm.discard("b")
+    assert asm.buffered == 2 * (1000 + messages.CHUNK_OVERHEAD)
+
+
+def test_empty_chunks_and_more_chunks_than_bytes_are_malformed():
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
+    r = asm.add(*_chunk("z", 1, 1 << 30, b""), now=0.0)
+    assert isinstance(r, Dropped) and r.reason == "malformed" and "empty" in r.detail and len(asm) == 0
+    _, m, frames = contribution()
+    h, _ = messages.parse_frame(frames[0])
+    r = asm.add({**h, "n_chunks": h["total_bytes"] + 1}, b"", now=0.0)
+    assert isinstance(r, Dropped) and r.reason == "malformed" and "chunks for" in r.detail
+
+
+def test_a_manifest_refused_by_the_check_drops_its_set_before_chunks_are_held():
+    _, m, frames = contribution()
+    seen = []
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5,
+                         check=lambda man: seen.append(man.id) or ("unknown_learner", f"{man.learner} is not in this run"))
+    (r,) = feed(asm, frames[:1])
+    assert isinstance(r, Dropped) and r.reason == "unknown_learner" and seen == [m.id] and len(asm) == 0
+
+
+def test_chunks_of_one_set_may_not_outgrow_its_manifest():
+    _, m, frames = contribution()
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
+    feed(asm, frames[:1])
+    h, p = messages.parse_frame(frames[1])
+    r = asm.add(h, bytes(p) + b"x" * m.total_bytes, now=0.0)
+    assert isinstance(r, Dropped) and r.reason == "malformed" and "manifest" in r.detail
 
 
 def test_oversized_contribution_is_dropped_on_its_manifest():
