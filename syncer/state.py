@@ -1,6 +1,6 @@
 """Redis adapter for the syncer's durable control state.
 
-Keys, all under `<key_prefix>:<run>:`:
+Keys, all under `<key_prefix>:{<run>}:` (run_prefix builds it; add a key as `self.k + name`):
     version          hash  fragment -> current global version
     round:<p>        hash  contribution id -> JSON meta of a pending contribution (arrival time, offsets...)
     status           hash  contribution id -> "pending:<p>" | "applied:<p>:<v>" | "rejected:<reason>"
@@ -18,6 +18,10 @@ Keys, all under `<key_prefix>:<run>:`:
     stats            hash  sync_time_s and other measured figures
     outbox           list  JSON {topic, partition, value} records to publish (transactional outbox)
     deadletter       list  outbox records the broker refused for good (newest 1000), with why
+
+The braces are a Redis Cluster hash tag: only `<run>` is hashed, so all of a run's keys share one slot,
+as MULTI/EXEC with WATCH, the multi-key scripts below and MGET need on a cluster (`state.cluster`).
+A cluster spreads runs over its nodes; the keys of one run stay on one node.
 
 Every state change that consumed Kafka records writes the replay offsets in the same MULTI/EXEC,
 so a restarted syncer replays exactly the records whose effects are not yet durable. The events and
@@ -38,7 +42,8 @@ import time
 from collections.abc import Mapping
 
 import redis
-from redis.exceptions import AuthenticationError, WatchError
+from redis.cluster import RedisCluster
+from redis.exceptions import AuthenticationError, RedisClusterException, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -89,29 +94,39 @@ return 0
 """
 
 
-def connect(cfg: StateConfig, timeout_s: float = 20.0) -> redis.Redis:
-    """A Redis client for the config's URL and ACL credentials, once the server answers."""
-    r = redis.Redis.from_url(cfg.redis_url, username=cfg.username,
-                             password=resolve_secret(cfg.password_env, "state.password_env"),
-                             socket_timeout=10, socket_connect_timeout=5, decode_responses=True)
-    wait_until_up(r, cfg.redis_url, timeout_s)
-    return r
+def connect(cfg: StateConfig, timeout_s: float = 20.0) -> redis.Redis | RedisCluster:
+    """A client for the config's URL and ACL credentials, once the server answers. With state.cluster
+    it is a cluster client: the URL names any one node and the client finds the others."""
+    kind = RedisCluster if cfg.cluster else redis.Redis
+    password = resolve_secret(cfg.password_env, "state.password_env")
+
+    def attempt():
+        r = kind.from_url(cfg.redis_url, username=cfg.username, password=password,
+                          socket_timeout=10, socket_connect_timeout=5, decode_responses=True)
+        r.ping()
+        return r
+    return wait_until_up(attempt, cfg, timeout_s)
 
 
-def wait_until_up(r: redis.Redis, url: str, timeout_s: float) -> None:
+def wait_until_up(attempt, cfg: StateConfig, timeout_s: float):
+    """attempt() (a ping, say) once Redis answers it, retried with backoff for up to timeout_s."""
+    url = cfg.redis_url
     deadline = time.time() + timeout_s
     delay = 0.2
     while True:
         try:
-            r.ping()
-            return
-        except AuthenticationError:  # redis-py says the same for a missing and for a wrong password
-            if r.connection_pool.connection_kwargs.get("password") is None:
-                raise StateError(f"Redis at {url} requires a password: set state.password_env") from None
-            raise StateError(f"Redis at {url} refused the credentials (state.username / state.password_env)") from None
-        except (RedisConnectionError, RedisTimeoutError) as err:
+            return attempt()
+        except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as err:
+            # the cluster client raises its own exception, caused by what the nodes it tried said
+            why = err.__cause__ if isinstance(err, RedisClusterException) else err
+            if isinstance(why, AuthenticationError):  # redis-py says the same for a missing and for a wrong password
+                if cfg.password_env is None:
+                    raise StateError(f"Redis at {url} requires a password: set state.password_env") from None
+                raise StateError(f"Redis at {url} refused the credentials (state.username / state.password_env)") from None
+            if not isinstance(why, (RedisConnectionError, RedisTimeoutError)):
+                raise StateError(f"state.redis_url {url} (state.cluster: {cfg.cluster}): {err}") from None
             if time.time() > deadline:
-                raise StateError(f"Redis not reachable at {url} ({err.__class__.__name__}); "
+                raise StateError(f"Redis not reachable at {url} ({why.__class__.__name__}); "
                                  "start the local stack with `diloco infra up` or set state.redis_url") from None
             log.warning("redis not reachable, retrying", extra={"url": url, "retry_in_s": delay})
             time.sleep(delay)
@@ -125,10 +140,15 @@ def _offset_key(tp: tuple[str, int]) -> str:
     return f"{tp[0]}|{tp[1]}"
 
 
+def run_prefix(key_prefix: str, run_id: str) -> str:
+    """What every key of the run starts with: `<key_prefix>:{<run>}:`, the run as the hash tag."""
+    return f"{key_prefix}:{{{run_id}}}:"
+
+
 class SyncerState:
-    def __init__(self, r: redis.Redis, key_prefix: str, run_id: str):
+    def __init__(self, r: redis.Redis | RedisCluster, key_prefix: str, run_id: str):
         self.r = r
-        self.k = f"{key_prefix}:{run_id}:"
+        self.k = run_prefix(key_prefix, run_id)
 
     # --- reads -------------------------------------------------------------------------------
     def version(self, fragment: int) -> int:

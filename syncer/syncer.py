@@ -275,7 +275,7 @@ class Syncer:
         """
         log.warning("redis connection lost; waiting for it, then resuming from durable state",
                     extra={"error": f"{type(err).__name__}: {err}"})
-        wait_until_up(self.state.r, self.cfg.state.redis_url, timeout_s=self.cfg.run.timeout_s)
+        wait_until_up(self.state.r.ping, self.cfg.state, timeout_s=self.cfg.run.timeout_s)
         log.warning("redis is back; reloading state and replaying from the stored offsets")
         self._reset()
         self.start()

@@ -2,7 +2,7 @@
 
 A Tansu broker and a Redis server are started on free ports under a temporary directory (or the
 ones named by DILOCO_TEST_KAFKA=host:port / DILOCO_TEST_REDIS=redis://... are used instead). The GCS
-emulator starts only for the tests that ask for it.
+emulator and a Redis Cluster start only for the tests that ask for them.
 """
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ def kafka_bootstrap(service_dir) -> str:
 @pytest.fixture(scope="session")
 def redis_url(service_dir) -> str:
     yield from _service("DILOCO_TEST_REDIS", "redis", services.start_redis, "redis://127.0.0.1:{port}/0", service_dir)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(service_dir) -> str:
+    """A Redis Cluster of three masters, started for the tests that ask for it; the URL names one node."""
+    ports = [services.free_port() for _ in range(3)]
+    services.start_redis_cluster(service_dir, ports)
+    yield f"redis://127.0.0.1:{ports[0]}/0"
+    services.stop_redis_cluster(service_dir)
 
 
 @pytest.fixture(scope="session")

@@ -42,8 +42,8 @@ def _train_in_background(cfg) -> tuple[threading.Thread, dict]:
 
 
 def _wait_for_merges(cfg, n: int) -> None:
-    r = state_mod.connect(cfg.state)  # this run's merges: the session's Redis holds other runs' too
-    _wait(lambda: r.llen(f"{cfg.state.key_prefix}:{cfg.run.id}:merges") >= n, 300, "this run's merges")
+    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, cfg.run.id)
+    _wait(lambda: state.r.llen(state.k + "merges") >= n, 300, "this run's merges")  # the session's Redis holds other runs' too
 
 
 @pytest.mark.parametrize("point, nth", [

@@ -217,7 +217,7 @@ def test_manifest_over_the_size_limit_is_rejected_before_its_chunks_arrive(tiny_
 def test_a_rebuild_without_its_contributions_keeps_exact_parameters_and_says_so(harness):
     h = harness
     _rounds(h, 2)
-    key = f"{h.cfg.state.key_prefix}:{h.run_id}:merges"
+    key = h.state.k + "merges"
     records = [__import__("json").loads(r) for r in h.state.r.lrange(key, 0, -1)]
     for i, rec in enumerate(records):          # as if the log had dropped them (retention)
         if rec["fragment"] == 0 and rec["version"] == 2:
