@@ -4,8 +4,7 @@ Keys, all under `<key_prefix>:{<run>}:` (run_prefix builds it; add a key as `sel
     version          hash  fragment -> current global version
     round:<p>        hash  contribution id -> JSON meta of a pending contribution (arrival time, offsets...)
     status           hash  contribution id -> "pending:<p>" | "applied:<p>:<v>" | "rejected:<reason>"
-    finished:<t>|<n> zset  ids finished (applied or rejected) from partition n of topic t, scored by the
-                           offset of their first record: what `prune_statuses` forgets from `status`
+    finished:<t>|<n> zset  finished ids from partition n of topic t by first offset (see prune_statuses)
     offsets          hash  "<topic>|<partition>" -> next offset to read on restart (fragment partitions)
     events_offset    hash  shard -> next offset of the events topic that shard reads
     lease:<p>        string "<shard>:<incarnation>" of the fragment's owner, with a TTL the owner renews

@@ -240,7 +240,7 @@ def test_an_accepted_payload_missing_from_the_log_is_given_up_and_announced_whil
     tp = (h.topics.fragments["us"], h.topics.partition_of(0))
     h.pump(lambda: h.syncer.consumed.get(tp, 0) > 0 and len(h.syncer.assembler) == 1)
     end = h.syncer.consumed[tp]
-    key = f"{h.cfg.state.key_prefix}:{h.run_id}:round:0"      # as if retention had dropped its records
+    key = h.state.k + "round:0"                               # as if retention had dropped its records
     h.state.r.hset(key, a.id, json.dumps(json.loads(h.state.r.hget(key, a.id)) | {"offset": end}))
     h.state.save_offsets({tp: end})
     h.syncer = h.new_syncer()

@@ -41,7 +41,7 @@ def _exercise(st: SyncerState) -> None:
         st.commit_merge(0, from_version=0, ids=["c1"], late=0, record={}, offsets={}, sync_time_s=0.0, fence={0: old})
     with pytest.raises(StaleVersion, match="at version 0, merge was built on 1"):
         st.commit_merge(0, from_version=1, ids=["c1"], late=0, record={}, offsets={}, sync_time_s=0.0, fence={0: new})
-    record = {"fragment": 0, "version": 1, "ids": ["c1"]}
+    record = {"fragment": 0, "version": 1, "ids": ["c1"], "where": [["frag", 0, 5]]}
     st.commit_merge(0, from_version=0, ids=["c1"], late=0, record=record, offsets={("frag", 0): 6}, sync_time_s=0.25,
                     outbox=[{"topic": "outer", "partition": 0, "value": "merged"}], fence={0: new})
     assert st.versions() == {0: 1, 1: 0} and st.statuses() == {"c1": "applied:0:1"} and st.round(0) == {}
@@ -52,7 +52,8 @@ def _exercise(st: SyncerState) -> None:
     assert st.lease_holder(0) is None
     mine, _ = st.claim(1, shard=1, member="1:b", ttl_s=5)
     st.accept(1, "c2", {"id": "c2"}, {("frag", 1): 1}, fence={1: mine})      # stays pending
-    st.reject("c3", "stale", {("frag", 1): 2}, fragment=1, fence={1: mine})
+    st.reject("c3", "stale", {("frag", 1): 2}, fragment=1, fence={1: mine}, where=("frag", 1, 1))
+    assert st.prune_statuses(("frag", 1), below=2, keep=1, fence={1: mine}) == []        # the newest is kept
     assert st.round(1) == {"c2": {"id": "c2"}} and st.status_counts() == {"applied": 1, "pending": 1, "rejected": 1}
     assert st.counters() == {"accepted": 2, "applied": 1, "late": 0, "merges": 1, "rejected": 1, "rejected:stale": 1}
     st.join(0, "0:a", 5)
