@@ -169,6 +169,8 @@ class SyncerConfig(_Section):
     poll_ms: int = Field(100, ge=1)
     shards: int = Field(1, ge=1, description="syncer instances; each owns the fragments it holds Redis leases on")
     lease_ttl_s: float = Field(3.0, gt=0, description="a shard silent this long loses its fragments to the others")
+    stuck_after_s: float = Field(300.0, gt=0, description="a shard whose main loop shows no progress this long stops "
+                                 "renewing its leases (renewal runs on its own thread, so long merges keep them)")
 
 
 class TransportConfig(_Section):

@@ -81,6 +81,14 @@ _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+# A shard's membership: taken if free or already this process's, so two live processes of one shard
+# do not take fragments from each other (the second stands by); returns the holder when refused.
+_JOIN = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return cur end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return ''
+"""
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -330,9 +338,11 @@ class SyncerState:
     def lease_holder(self, fragment: int) -> str | None:
         return self.r.get(self.k + f"lease:{fragment}")
 
-    def join(self, shard: int, member: str, ttl_s: float) -> None:
-        """Say this shard is live for another ttl_s seconds."""
-        self.r.set(self.k + f"member:{shard}", member, px=int(ttl_s * 1000))
+    def join(self, shard: int, member: str, ttl_s: float) -> str | None:
+        """Say this shard is live for another ttl_s seconds: None, or the other live process that
+        already is this shard (then nothing changes)."""
+        holder = self.r.eval(_JOIN, 1, self.k + f"member:{shard}", member, int(ttl_s * 1000))
+        return holder or None
 
     def leave(self, shard: int, member: str) -> None:
         self.r.eval(_RELEASE, 1, self.k + f"member:{shard}", member)

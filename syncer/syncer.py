@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -63,6 +64,51 @@ class Pending:
     tp: TP
     first_offset: int
     deltas: fused.EncodedDelta | None = None
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews a shard's membership and the leases of its fragments every third of the TTL, on a thread
+    of its own, so that a long step (a big merge, a slow store write, a replay) does not lose them.
+
+    It stops renewing once the main loop has shown no progress for `stuck_after_s`, so a wedged process
+    still hands its fragments over; a paused process pauses this thread too. What it could not renew
+    is in `lost`, which the main loop drops; `displaced` says another live process is this shard now.
+    """
+
+    def __init__(self, syncer: Syncer, stuck_after_s: float):
+        super().__init__(daemon=True, name=f"lease-keeper-{syncer.shard}")
+        self.syncer, self.stuck_after_s = syncer, stuck_after_s
+        self.lost: set[int] = set()
+        self.displaced = False
+        self.alive_at = time.monotonic()   # the main loop's last sign of progress
+        self._halt = threading.Event()
+        self._stuck = False
+
+    def run(self) -> None:
+        while not self._halt.wait(self.syncer.ttl_s / 3):
+            self.renew()
+
+    def renew(self) -> None:
+        s = self.syncer
+        stuck = time.monotonic() - self.alive_at > self.stuck_after_s
+        if stuck != self._stuck:
+            (log.error if stuck else log.warning)(
+                "main loop stuck; leases left to expire" if stuck else "main loop moving again",
+                extra={"shard": s.shard, "stuck_after_s": self.stuck_after_s})
+        self._stuck = stuck
+        if stuck:
+            return
+        try:
+            if s.state.join(s.shard, s.member, s.ttl_s) is not None:
+                self.displaced = True
+            for p in list(s.epochs):
+                if not s.state.renew(p, s.member, s.ttl_s):
+                    self.lost.add(p)
+        except (RedisError, RuntimeError) as err:  # an outage (the main loop recovers) or epochs changed mid-copy
+            log.debug("lease renewal skipped: %s", type(err).__name__)
+
+    def halt(self) -> None:
+        self._halt.set()
 
 
 class RebuildError(RuntimeError):
@@ -187,6 +233,7 @@ class Syncer:
         self.stopping = False
         self._broker_down = False
         self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
+        self.keeper = LeaseKeeper(self, cfg.syncer.stuck_after_s)
         self._reset()
 
     def _reset(self) -> None:
@@ -210,6 +257,9 @@ class Syncer:
         if not self.broker.is_alive():
             self.broker.start()
         fused.warm_up()  # the merge kernels compile (or load from cache) now, not during the first rounds
+        self.stand_by()
+        if not self.keeper.is_alive():
+            self.keeper.start()
         versions = self.state.versions()
         if len(versions) != len(self.plan):
             raise RuntimeError(f"run {self.run_id} is not provisioned in Redis (versions: {versions}); "
@@ -232,6 +282,24 @@ class Syncer:
                     pending=sum(len(f.round) for f in self.fragments.values()))
         log.info("syncer started", extra={"run": self.run_id, "shard": self.shard, "fragments": sorted(self.fragments),
                                           "replay_from": {f"{t}|{p}": o for (t, p), o in self.consumed.items()}})
+
+    def stand_by(self) -> None:
+        """Wait while another live process is this shard (two would take fragments from each other)."""
+        said = False
+        while (holder := self.state.join(self.shard, self.member, self.ttl_s)) is not None:
+            if not said:
+                log.warning("shard %d already runs as %s; standing by until it stops", self.shard, holder,
+                            extra={"shard": self.shard, "holder": holder})
+                said = True
+            if self.stopping:
+                raise SystemExit(0)
+            time.sleep(self.ttl_s / 3)
+        self.keeper.displaced = False
+
+    def close(self) -> None:
+        """Stop renewing and leave the membership (leases lapse or go to this shard's next process)."""
+        self.keeper.halt()
+        self.state.leave(self.shard, self.member)
 
     def run(self, *, drain_timeout_s: float = 30.0) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
@@ -260,10 +328,12 @@ class Syncer:
             self.save_offsets(force=True)
             self._event("syncer_stopped", shard=self.shard,
                         versions={p: f.version for p, f in self.fragments.items()})
+            self.keeper.halt()
             for p in list(self.fragments):  # hand over at once rather than after the lease times out
                 self.state.release(p, self.member)
             self.state.leave(self.shard, self.member)
         finally:
+            self.keeper.halt()
             self.producer.flush()
             self.consumer.close()
 
@@ -282,6 +352,7 @@ class Syncer:
 
     def step(self) -> None:
         """One poll: handle records, expire partial chunk sets, close the rounds that are due."""
+        self.keeper.alive_at = time.monotonic()
         batch = self.consumer.poll(timeout_ms=self.cfg.syncer.poll_ms, max_records=500)
         for tp, records in batch.items():
             key = (tp.topic, tp.partition)
@@ -321,9 +392,16 @@ class Syncer:
         if not force and now - self._last_lease < self.ttl_s / 3:
             return
         self._last_lease = now
-        self.state.join(self.shard, self.member, self.ttl_s)
+        self.keeper.alive_at = time.monotonic()
+        self.keeper.renew()                # the keeper's thread does the same between steps
+        if self.keeper.displaced:  # this process stalled past its TTL and another one is this shard now
+            log.error("another process took over shard %d; handing everything back and standing by", self.shard)
+            self._reset()
+            self.start()
+            return
         changed = False
-        for p in [p for p in self.fragments if not self.state.renew(p, self.member, self.ttl_s)]:
+        lost, self.keeper.lost = self.keeper.lost, set()
+        for p in sorted(lost & set(self.fragments)):
             self.drop(p, "lease lost (this shard stalled past the lease TTL)")
             changed = True
         live = self.state.live_shards(self.cfg.syncer.shards) | {self.shard}

@@ -75,6 +75,9 @@ class Harness:
         self.syncer = self.new_syncer() if in_process else None
 
     def new_syncer(self, shard=0):
+        """A syncer started in this process; one that was running here stops first, as if it crashed."""
+        if getattr(self, "syncer", None) is not None and self.syncer.shard == shard:
+            self.syncer.close()
         s = Syncer(self.cfg, self.run_id, state=self.state, store=self.store, producer=self.producer,
                    consumer=kafka_io.consumer(self.cfg.transport), shard=shard)
         s.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -91,7 +92,7 @@ def test_a_stale_owner_cannot_replace_a_newer_version_in_tensorstore(where, tmp_
 
 
 def test_a_stalled_shard_loses_its_fragments_and_its_late_merge_is_refused(tiny_config):
-    cfg = tiny_config(syncer={"shards": 2, "lease_ttl_s": 1.0, "quorum": 3, "grace_max_s": 0.0})
+    cfg = tiny_config(syncer={"shards": 2, "lease_ttl_s": 1.0, "quorum": 3, "grace_max_s": 0.0, "stuck_after_s": 1.0})
     h = Harness(cfg, f"stall-{time.time_ns() % 10**6}", in_process=False)
     a, b = h.new_syncer(shard=0), h.new_syncer(shard=1)
     assert set(a.fragments) == {0, 2} and set(b.fragments) == {1, 3}         # homes: p % 2
@@ -118,6 +119,35 @@ def test_a_stalled_shard_loses_its_fragments_and_its_late_merge_is_refused(tiny_
         assert time.time() < deadline, (set(a.fragments), set(b.fragments))
         a.step()
         b.step()
+
+
+def test_a_long_step_keeps_its_leases_and_a_second_process_of_a_shard_stands_by(tiny_config):
+    cfg = tiny_config(syncer={"shards": 2, "lease_ttl_s": 1.0, "quorum": 3, "grace_max_s": 0.0})
+    h = Harness(cfg, f"busy-{time.time_ns() % 10**6}", in_process=False)
+    a, b = h.new_syncer(shard=0), h.new_syncer(shard=1)
+    deadline = time.time() + 4.0                   # a is busy for four lease TTLs (a long merge, say)
+    while time.time() < deadline:
+        b.step()
+    a.step()
+    assert set(a.fragments) == {0, 2} and set(b.fragments) == {1, 3}
+    started = []
+    second = threading.Thread(target=lambda: started.append(h.new_syncer(shard=0)), daemon=True)
+    second.start()                                 # another process of shard 0, while a is live
+    deadline = time.time() + 3.0
+    while time.time() < deadline:
+        a.step()
+        b.step()
+    assert second.is_alive() and not started and set(a.fragments) == {0, 2}
+    a.close()                                      # a goes: the one standing by takes its place
+    second.join(timeout=15)
+    assert started, "the standby never took over"
+    deadline = time.time() + 10
+    while set(started[0].fragments) != {0, 2}:
+        assert time.time() < deadline, set(started[0].fragments)
+        started[0].step()
+        b.step()
+    started[0].close()
+    b.close()
 
 
 # --- shard processes ---------------------------------------------------------------------------
