@@ -767,7 +767,10 @@ class Syncer:
     def merge(self, p: int, *, reason: str) -> None:
         t0 = time.perf_counter()
         st = self.fragments[p]
-        contribs = sorted(st.round.values(), key=lambda c: c.arrival)
+        # in a canonical order (learner, base): the sum's float rounding then depends on what a round
+        # holds, not on the order it arrived in, so a restarted syncer computes the very same bits
+        contribs = sorted(st.round.values(), key=lambda c: (c.manifest_meta["learner"], c.manifest_meta["base_version"],
+                                                            c.manifest_meta["id"]))
         contribs = self._drop_norm_outliers(p, contribs)
         if not contribs:
             return

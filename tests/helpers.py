@@ -54,6 +54,8 @@ def assert_exact_accounting(cfg, run_id):
     for p, v in state.versions().items():
         assert v == counts[p]
         assert store.versions(p) == list(range(v + 1))
+    for m in state.merges():                                       # and merged the same contributions
+        assert store.read_meta(m["fragment"], m["version"])["ids"] == m["ids"], (m["fragment"], m["version"])
     return state, published, status
 
 

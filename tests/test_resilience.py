@@ -9,6 +9,7 @@ import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 from helpers import Harness, assert_exact_accounting, published_manifests, run_events
 from rich.console import Console
@@ -61,7 +62,7 @@ def test_syncer_sigkill_at_each_commit_step_loses_and_repeats_nothing(tiny_confi
         cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": h.run_id})})))
     jobs = LocalJobs(tmp_path / "logs", _child_env(cfg))
 
-    def wave(base):  # every learner contributes to every fragment: four rounds that close at once
+    def wave(base, h=h):  # every learner contributes to every fragment: four rounds that close at once
         for p in range(4):
             for i, lid in enumerate(cfg.learner_ids()):
                 h.publish(lid, p, base_version=base, deltas=h.deltas(p, seed=10 * base + i))
@@ -81,6 +82,22 @@ def test_syncer_sigkill_at_each_commit_step_loses_and_repeats_nothing(tiny_confi
     state, published, status = assert_exact_accounting(cfg, h.run_id)
     assert len(published) == 32 and Counter(s.split(":")[0] for s in status.values()) == {"applied": 32}
     assert [m["version"] for m in state.merges() if m["fragment"] == 0] == [1, 2]   # monotonic, no gaps
+
+    ref = Harness(cfg, f"{h.run_id}-ref")       # the same contributions, a syncer that never crashes
+    try:
+        wave(0, ref)
+        ref.pump(lambda: set(ref.state.versions().values()) == {1}, timeout=60)
+        wave(1, ref)
+        ref.pump(lambda: set(ref.state.versions().values()) == {2}, timeout=60)
+    finally:
+        ref.syncer.close()
+        ref.producer.close()
+    for p in range(4):                           # bit for bit, at every version
+        for v in (1, 2):
+            got, want = h.store.read_params(p, v)[0], ref.store.read_params(p, v)[0]
+            assert got.keys() == want.keys()
+            for n in want:
+                np.testing.assert_array_equal(got[n], want[n], err_msg=f"fragment {p} v{v} {n}")
 
 
 def test_learner_that_stops_is_not_waited_for_and_is_dropped(tiny_config):
