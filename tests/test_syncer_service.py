@@ -51,10 +51,10 @@ def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
     assert {n: len(b) for n, b in update.items()} == {n: len(b) for n, b in wire.items()}
     for n, held in quantize.apply_update(v0.params, update, scheme).items():
         np.testing.assert_array_equal(held, got.params[n])
-    assert got.meta["ids"] == [a.id, b.id] and got.meta["tokens"] == 1500 and got.meta["share"] == 0.5
+    assert got.meta["ids"] == [b.id, a.id] and got.meta["tokens"] == 1500 and got.meta["share"] == 0.5  # by learner
     assert h.store.versions(0) == [0, 1]
     merges = [e for e in h.events() if e["kind"] == "merge"]
-    assert [(e["fragment"], e["version"], e["ids"]) for e in merges] == [(0, 1, [a.id, b.id])]
+    assert [(e["fragment"], e["version"], e["ids"]) for e in merges] == [(0, 1, [b.id, a.id])]
     announced = kafka_io.read_to_end(h.cfg.transport, kafka_io.partitions_of(h.topics.outer, 1))
     assert {"fragment": 0, "version": 1} in [{k: messages.parse_event(r.value)[k] for k in ("fragment", "version")}
                                               for r in announced]
