@@ -31,6 +31,7 @@ MAX_HEADER_BYTES = 1 << 20
 
 MAX_EVENT_BYTES = 1 << 20
 MAX_COUNT = 1 << 53          # tokens, steps, versions: beyond this a float64 stops counting exactly
+MAX_DIMS = 32                # of a tensor's shape (numpy's own limit in 1.x)
 DETAIL_CHARS = 300           # error texts quote input at most this long
 
 
@@ -86,25 +87,40 @@ class Manifest:
                 raise WireError(f"manifest field {key!r} must be {getattr(typ, '__name__', typ)}, got {short(v)}")
             return v
 
+        def number(key):  # NaN, Infinity or a JSON integer too large for a float is no time
+            try:
+                v = float(need(key, (int, float)))
+            except OverflowError:
+                v = math.inf
+            if not math.isfinite(v):
+                raise WireError(f"manifest field {key!r} must be a finite number, got {short(h[key])}")
+            return v
+
         raw_tensors = need("tensors", list)
-        tensors = []
+        tensors, names = [], set()
         for i, t in enumerate(raw_tensors):
             if not isinstance(t, dict):
                 raise WireError(f"manifest tensors[{i}] must be an object")
             shape = t.get("shape")
             if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
                 raise WireError(f"manifest tensors[{i}].shape must be a list of non-negative ints, got {short(shape)}")
+            # numpy refuses these even when a dim is 0: more than 32 dims, or too many elements in the others
+            if len(shape) > MAX_DIMS or math.prod(max(s, 1) for s in shape) >= MAX_COUNT:
+                raise WireError(f"manifest tensors[{i}].shape is no array's shape: {short(shape)}")
             if t.get("scheme") not in quantize.SCHEMES:
                 raise WireError(f"manifest tensors[{i}].scheme must be one of {quantize.SCHEMES}, got {short(t.get('scheme'))}")
             if not isinstance(t.get("name"), str) or not isinstance(t.get("nbytes"), int):
                 raise WireError(f"manifest tensors[{i}] needs a string name and an int nbytes")
+            if t["name"] in names:  # two payload slices for one name: which one would merge?
+                raise WireError(f"manifest tensors[{i}].name {short(t['name'])} is repeated")
+            names.add(t["name"])
             tensors.append(TensorSpec(t["name"], tuple(shape), t["scheme"], t["nbytes"]))
         m = Manifest(
             id=need("id", str), run=need("run", str), learner=need("learner", str), region=need("region", str),
             fragment=need("fragment", int), base_version=need("base_version", int), tokens=need("tokens", int),
-            steps=need("steps", int), step_time=float(need("step_time", (int, float))), tensors=tuple(tensors),
+            steps=need("steps", int), step_time=number("step_time"), tensors=tuple(tensors),
             total_bytes=need("total_bytes", int), n_chunks=need("n_chunks", int), sha256=need("sha256", str),
-            created=float(need("created", (int, float))),
+            created=number("created"),
         )
         if m.n_chunks < 1 or m.total_bytes < 0:
             raise WireError(f"manifest n_chunks={m.n_chunks} total_bytes={m.total_bytes} are not possible")
@@ -130,7 +146,7 @@ def parse_frame(raw: bytes) -> tuple[dict, memoryview]:
         raise WireError(f"header length {hlen} runs past the {len(raw)}-byte frame")
     try:
         header = json.loads(bytes(raw[_PREFIX.size:_PREFIX.size + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except ValueError as err:  # not UTF-8, not JSON, or an integer of more than 4300 digits
         raise WireError(f"header is not JSON: {bounded(str(err), 120)}") from None
     except RecursionError:
         raise WireError("header JSON nests too deeply") from None
@@ -408,25 +424,35 @@ def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNT
 
 
+def _real(v) -> bool:
+    """A number a float holds: not a bool, NaN, infinite, or an integer past the float range."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _seconds(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e9
+    return _real(v) and 0 <= v < 1e9
 
 
 def _epoch(v) -> bool:
     """A wall-clock time in seconds since 1970 (up to the year 5138)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e11
+    return _real(v) and 0 <= v < 1e11
 
 
 _HEARTBEAT = {  # field -> check; unknown fields are dropped, a bad known one refuses the beat
     "step": _count, "start_step": _count, "tokens": _count, "published": _count, "bytes_sent": _count,
     "bytes_fetched": _count, "versions_applied": _count,
     "step_time": _seconds, "compute_s": _seconds, "at": _epoch,
-    "loss": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    "loss": lambda v: v is None or _real(v),
     "state": lambda v: v in ("running", "finished"),
     "incarnation": lambda v: isinstance(v, str) and len(v) <= 64,
     "region": lambda v: isinstance(v, str) and len(v) <= 64,
     "versions": lambda v: isinstance(v, dict) and len(v) <= 4096 and all(
-        isinstance(k, str) and k.isdigit() and _count(x) for k, x in v.items()),
+        isinstance(k, str) and k.isascii() and k.isdigit() and _count(x) for k, x in v.items()),
 }
 
 

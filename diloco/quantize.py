@@ -52,7 +52,7 @@ def encode(x: np.ndarray, scheme: str) -> bytes:
         levels = LEVELS[scheme]
         rows, cols = _rows(x.shape)
         m = x.reshape(rows, cols)
-        scale = np.max(np.abs(m), axis=1) / levels
+        scale = np.max(np.abs(m), axis=1, initial=0.0) / levels  # initial: a row may be empty
         scale = np.where(scale > 0, scale, 1.0).astype("<f4")
         q = np.clip(np.rint(m / scale[:, None]), -levels, levels).astype(np.int8)
         if scheme == "int4":
@@ -74,7 +74,7 @@ def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.n
     rows, cols = _rows(shape)
     scale = np.frombuffer(buf, dtype="<f4", count=rows)
     if scheme == "int4":
-        packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, -1)
+        packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, (cols + 1) // 2)
         q = np.empty((rows, 2 * packed.shape[1]), np.int8)
         q[:, 0::2] = (packed & 0x0F).astype(np.int8) - 8
         q[:, 1::2] = (packed >> 4).astype(np.int8) - 8

@@ -581,7 +581,7 @@ class Syncer:
     # --- records -------------------------------------------------------------------------------
     def handle_event(self, raw: bytes) -> None:
         ev = messages.parse_event(raw)
-        if not (ev and ev["kind"] == "heartbeat" and ev.get("learner") in self.learners):
+        if not (ev and ev["kind"] == "heartbeat" and isinstance(ev.get("learner"), str) and ev["learner"] in self.learners):
             return
         try:
             ev = messages.clean_heartbeat(ev)
