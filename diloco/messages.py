@@ -123,7 +123,7 @@ class Manifest:
             created=number("created"),
         )
         if m.n_chunks < 1 or m.total_bytes < 0:
-            raise WireError(f"manifest n_chunks={m.n_chunks} total_bytes={m.total_bytes} are not possible")
+            raise WireError(f"manifest n_chunks={short(m.n_chunks, 40)} total_bytes={short(m.total_bytes, 40)} are not possible")
         if sum(t.nbytes for t in m.tensors) != m.total_bytes:
             raise WireError("manifest total_bytes is not the sum of its tensors' nbytes")
         return m
