@@ -11,7 +11,9 @@ Commit protocol for one fragment round (what makes a SIGKILL at any point safe):
      round and moves the replay offsets: the merge is now durable, exactly once;
   5. the announcement and the merge event were written to the Redis outbox in that same transaction;
      the relay publishes them and trims the outbox once Kafka acknowledged them. A crash repeats
-     them at most (learners ignore versions they already have; event readers drop repeated eids).
+     them at most (learners ignore versions they already have; event readers drop repeated eids);
+  6. the store's commit marker moves to the new version: readers (evals, ckpt) count only committed
+     versions. A crash before it leaves the marker one behind until the next merge or claim.
 Acceptances and rejections go the same way: state, replay offsets and their event in one MULTI/EXEC.
 On restart the syncer reads Redis, reloads each fragment at its Redis version from TensorStore, and
 replays Kafka from the stored offsets: ids already applied or rejected are dropped, pending ids get
@@ -146,6 +148,7 @@ def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentSt
                     {"tokens": 0, "contributors": [], "ids": [], "time": time.time(), "reason": "init"})
     state.init_versions(plan.fragments)
     for p in range(plan.fragments):
+        store.mark_committed(p, 0)
         announce(producer, topics, cfg, run_id, p, 0)
     producer.flush()
     return True
@@ -360,6 +363,7 @@ class Syncer:
             self.consumed[tp] = offsets.get(tp, 0)
         self.fragments[p], self.epochs[p] = st, epoch
         self._replaying |= bool(st.round)  # their payloads come back from the log
+        self.store.mark_committed(p, v)   # Redis's version is committed: after a crash the marker may lag
         announce(self.producer, self.topics, self.cfg, self.run_id, p, v)  # at least once: learners dedupe
         self._event("fragment_claimed", fragment=p, shard=self.shard, epoch=epoch, version=v,
                     pending=len(st.round), previous=previous)
@@ -731,6 +735,7 @@ class Syncer:
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = f"applied:{p}:{st.version}"
+        self.store.mark_committed(p, st.version)
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": st.version, "contributions": len(ids), "late": late,
                                   "reason": reason, "seconds": round(sync_time, 4)})
 
