@@ -136,6 +136,9 @@ def _safe(name: str) -> str:
     return name
 
 
+_WRITE_FIELDS = ("epoch", "data", "params", "opt", "residual", "snapshot", "snapshot_at", "update")  # see write()
+
+
 class FragmentStore:
     def __init__(self, url: str, run_id: str):
         self.url = url.rstrip("/") + f"/{run_id}"
@@ -198,6 +201,12 @@ class FragmentStore:
             body["update"] = {"from": version - 1, "scheme": update_scheme, "tensors": sorted(update)}
         self._commit_meta(fragment, version, epoch, json.dumps(body, sort_keys=True).encode())
 
+    @staticmethod
+    def record_of(meta: dict) -> dict:
+        """The `meta` a version was written with (the syncer's merge record): its meta.json less what
+        write() adds about the stored arrays."""
+        return {k: v for k, v in meta.items() if k not in _WRITE_FIELDS}
+
     def _commit_meta(self, fragment: int, version: int, epoch: int, body: bytes) -> None:
         key = self._dir(fragment, version) + "meta.json"
         while True:
@@ -214,6 +223,10 @@ class FragmentStore:
         if r.state != "value":
             raise StoreError(f"{self.url}: fragment {fragment} version {version} not found")
         return json.loads(r.value)
+
+    def has(self, fragment: int, version: int) -> bool:
+        """Whether the version is complete (its meta.json exists)."""
+        return self._kv.read(self._dir(fragment, version) + "meta.json").result().state == "value"
 
     def read(self, fragment: int, version: int, *, with_opt: bool = True) -> FragmentVersion:
         """A version's arrays. At a version that is not a snapshot only its parameters exist (the

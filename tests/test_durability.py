@@ -1,20 +1,23 @@
-"""Only committed versions count: the syncer in-process and the CLI against the real broker, Redis and
-TensorStore."""
+"""Only committed versions count, and a Redis that lost acknowledged writes is refused, then repaired
+from the store: the syncer in-process and the CLI against the real broker, Redis and TensorStore."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
-from helpers import Harness
+from helpers import Harness, assert_exact_accounting
 from typer.testing import CliRunner
 
 from diloco.checkpoint import latest_versions
 from diloco.cli import app
 from diloco.config import dump_config
 from diloco.flows.evals import read_versions
+from diloco.syncer.durability import EXIT_STATE_LOST, StateLost
+from diloco.syncer.syncer import provision
 
 pytestmark = pytest.mark.integration
 cli = CliRunner()
@@ -90,3 +93,77 @@ def test_an_orphan_version_is_never_taken_as_committed(run, monkeypatch):
     h.syncer = h.new_syncer()
     h.pump(lambda: h.state.versions()[0] == 3)
     assert h.store.read_committed(0) == 3 and latest_versions(h.store, h.run_plan)[0] == 3
+
+
+def test_a_redis_that_lost_writes_is_refused_and_repaired_from_the_store(run):
+    h, conf = run
+    merged = h.rounds(3) + h.rounds(1, fragment=1)
+    pending = h.publish("us-0", 2)                                # accepted into fragment 2's round
+    h.pump(lambda: h.state.statuses().get(pending.id) == "pending:2")
+    h.syncer.save_offsets(force=True)
+    h.syncer.consumer.close()                                     # stopped (as if SIGKILLed)
+    before = h.state.merges()
+    k = h.state.k
+
+    # the merge record of the version Redis holds names other ids than the store: refused
+    record = json.loads(h.state.r.lindex(k + "merges", 2))
+    h.state.r.lset(k + "merges", 2, json.dumps(record | {"ids": ["someone-else"]}))
+    with pytest.raises(StateLost, match=f"run {h.run_id}: fragment 0 version 3: the store merged ids"):
+        h.new_syncer()
+    h.state.r.lset(k + "merges", 2, json.dumps(record))
+
+    # Redis lost the last two commits of fragment 0 (appendfsync everysec): the syncer refuses, and
+    # `diloco syncer` exits with the message instead of going on
+    h.state.r.hset(k + "version", "0", 1)
+    with pytest.raises(StateLost, match="fragment 0 is at version 1 in Redis, but the store's commit marker says "
+                                        "version 3 was committed"):
+        h.new_syncer()
+    marker = Path(h.store.url.removeprefix("file://")) / "fragments/000/committed.json"
+    kept = marker.read_bytes()
+    marker.unlink()                                               # no marker: the stored versions still tell
+    with pytest.raises(StateLost, match="fragment 0 is at version 1 in Redis, but the store holds version 3"):
+        h.new_syncer()
+    marker.write_bytes(kept)
+    res = invoke("syncer", "--config", conf, code=EXIT_STATE_LOST)
+    assert f"run {h.run_id}: fragment 0 is at version 1 in Redis" in res.output
+    assert f"diloco state repair --config CONFIG --run {h.run_id}" in " ".join(res.output.split())
+    assert "Traceback" not in res.output
+
+    # then Redis lost the run altogether: the syncer refuses, and so does provisioning again, which
+    # would overwrite version 0
+    for key in h.state.r.scan_iter(k + "*"):
+        h.state.r.delete(key)
+    with pytest.raises(StateLost, match="the store committed"):
+        h.new_syncer()
+    v0 = h.store.read_meta(0, 0)
+    with pytest.raises(StateLost, match="provisioning again would overwrite version 0"):
+        provision(h.cfg, h.run_id, state=h.state, store=h.store, producer=h.producer, plan=h.run_plan,
+                  initial=h.params)
+    assert h.store.read_meta(0, 0) == v0 and h.state.versions() == {}
+
+    # the repair: refused while a shard is live, shown with --dry-run, then done
+    h.state.join(0, "0:still-running", ttl_s=30)
+    assert "are live; stop every shard" in invoke("state", "repair", "--config", conf, code=1).output
+    h.state.leave(0, "0:still-running")
+    plan = json.loads(invoke("state", "repair", "--config", conf, "--dry-run", "--json").stdout)
+    assert h.state.versions() == {}                               # --dry-run changes nothing
+    assert [(f["fragment"], f["redis_version"], f["version"], f["applied"]) for f in plan["fragments"]] == \
+        [(0, None, 3, 6), (1, None, 1, 2), (2, None, 0, 0), (3, None, 0, 0)]
+    assert "repaired the Redis state" in invoke("state", "repair", "--config", conf).stdout
+    assert h.state.versions() == {0: 3, 1: 1, 2: 0, 3: 0}
+    assert h.state.statuses() == {cid: f"applied:{m['fragment']}:{m['version']}" for m in before for cid in m["ids"]}
+    assert sorted(h.state.merges(), key=lambda m: (m["fragment"], m["version"])) == \
+        sorted(before, key=lambda m: (m["fragment"], m["version"]))
+
+    # the syncer starts, re-reads the topics from their start: what was applied is dropped as a
+    # duplicate, the pending contribution is judged again, and merging goes on with nothing applied twice
+    h.syncer = h.new_syncer()
+    h.pump(lambda: h.state.statuses().get(pending.id) == "pending:2" and
+           h.state.counters().get("duplicate_records", 0) >= len(merged))
+    h.publish("eu-1", 2)
+    h.pump(lambda: h.state.versions()[2] == 1)
+    h.rounds(1)
+    assert h.state.versions() == {0: 4, 1: 1, 2: 1, 3: 0}
+    h.syncer.relay()
+    _, published, status = assert_exact_accounting(h.cfg, h.run_id)
+    assert set(status.values()) <= {f"applied:{p}:{v}" for p in range(4) for v in range(1, 5)}

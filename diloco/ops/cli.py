@@ -338,3 +338,48 @@ def ckpt_export(output: Annotated[Path, typer.Option("--output", "-o", help="FIL
               f"{_bytes(rep['bytes'])}; versions " + " ".join(f"p{p}:v{v}" for p, v in rep["versions"].items()),
               highlight=False)
 
+
+# --- state ------------------------------------------------------------------------------------------
+
+state_app = typer.Typer(help="Repair a run's Redis state (docs/operations.md, 'Redis lost writes').", no_args_is_help=True)
+
+
+@state_app.command("repair")
+def state_repair(config: ConfigOpt = None, set_: SetOpt = None, run: RunOpt = None,
+                 dry_run: Annotated[bool, typer.Option("--dry-run", help="only show what the repair would do")] = False,
+                 json_: JsonOpt = False):
+    """Rebuild the run's Redis state from TensorStore, after Redis lost acknowledged writes (the syncer
+    refuses to start on it and names this command). Stop every syncer shard of the run first.
+
+    Each fragment goes back to its newest committed version in the store; every id merged into a
+    committed version is marked applied, merge records and counters come from the stored versions,
+    open rounds, replay offsets and the outbox are dropped: the syncer then re-reads the fragment
+    topics from their start, drops what was applied as duplicates and judges the rest again.
+    """
+    from diloco.infra.store import FragmentStore, StoreError
+    from diloco.ops import OpsError
+    from diloco.ops.repair import repair
+    from diloco.syncer import state as state_mod
+
+    cfg, run_id = _run_config(config, set_, run)
+    try:
+        state = state_mod.SyncerState(state_mod.connect(cfg.state, timeout_s=5), cfg.state.key_prefix, run_id)
+        rep = repair(state, FragmentStore(cfg.store.url, run_id), run_id, shards=cfg.syncer.shards, dry_run=dry_run)
+    except (OpsError, StoreError, state_mod.StateError) as err:
+        _fail(str(err))
+    if json_:
+        return _dump(rep)
+    t = Table(title=f"{'would repair' if dry_run else 'repaired'} the Redis state of run {rep['run']} from {rep['store']}",
+              title_justify="left")
+    for col in ("fragment", "Redis had", "version", "ids applied", "orphans", "epoch"):
+        t.add_column(col, justify="right")
+    for f in rep["fragments"]:
+        t.add_row(str(f["fragment"]), _num(f["redis_version"]), str(f["version"]), _num(f["applied"]),
+                  " ".join(map(str, f["orphans"])) or "-", str(f["epoch"]))
+    s = rep["statuses"]
+    t.caption = (f"{rep['merge_records']} merge records; statuses: {s['applied']} applied, {s['rejected_kept']} "
+                 "rejections kept, dropped " + (", ".join(f"{n} {k}" for k, n in s["dropped"].items()) or "none")
+                 + "; open rounds, replay offsets, leases and the outbox "
+                 + ("would be cleared (nothing changed: --dry-run)" if dry_run else
+                    "cleared: the syncer re-reads the fragment topics from their start"))
+    out.print(t)
