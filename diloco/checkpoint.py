@@ -18,13 +18,13 @@ from diloco.plan import Plan, check_tree, place, unflatten
 
 
 def latest_versions(store: FragmentStore, plan: Plan) -> dict[int, int]:
-    """The newest complete version of every fragment."""
+    """The newest committed version of every fragment (never an orphan a crashed or fenced syncer left)."""
     out = {}
     for p in range(plan.fragments):
-        vs = store.versions(p)
-        if not vs:
-            raise StoreError(f"{store.url}: fragment {p} has no complete version")
-        out[p] = vs[-1]
+        v = store.committed(p)
+        if v is None:
+            raise StoreError(f"{store.url}: fragment {p} has no committed version")
+        out[p] = v
     return out
 
 

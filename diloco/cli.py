@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from diloco.config import Config, ConfigError, load_config
-from diloco.ops.cli import ckpt_app
+from diloco.ops.cli import ckpt_app, state_app
 from diloco.ops.cli import topics as topics_cmd
 from diloco.pipelines.cli import PASS_THROUGH, data_app
 from diloco.pipelines.cli import report as report_cmd
@@ -28,6 +28,7 @@ app.add_typer(infra, name="infra")
 app.add_typer(simulate_app, name="simulate", help="Simulate goodput of training schemes at datacenter scale.")
 app.add_typer(data_app, name="data", help="Prepare token shards with the Beam corpus pipeline.")
 app.add_typer(ckpt_app, name="ckpt", help="Inspect, compare and export the checkpoints a run wrote to TensorStore.")
+app.add_typer(state_app, name="state", help="Repair a run's Redis state from TensorStore after Redis lost writes.")
 app.command("topics")(topics_cmd)
 app.command("report", context_settings=PASS_THROUGH)(report_cmd)
 console = Console(stderr=True)
@@ -169,7 +170,10 @@ def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run'
     on, homes first (fragment p belongs to shard p % N); a shard that stops renewing loses its
     fragments to the live ones after syncer.lease_ttl_s, and gets them back when it returns.
     """
+    from rich.markup import escape
+
     from diloco import logs
+    from diloco.syncer.durability import EXIT_STATE_LOST, StateLost
     from diloco.syncer.syncer import main as syncer_main
 
     overrides = [*(set_ or []), *([f"syncer.shards={shards}"] if shards else [])]
@@ -184,7 +188,11 @@ def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run'
         console.print(f"[red]error:[/] --shard {shard} is not in 0..{cfg.syncer.shards - 1} (syncer.shards)")
         raise typer.Exit(2)
     logs.setup("syncer" if cfg.syncer.shards == 1 else f"syncer-{shard}")
-    syncer_main(cfg, cfg.run.id, shard)
+    try:
+        syncer_main(cfg, cfg.run.id, shard)
+    except StateLost as err:  # restarting cannot help: say what happened and how to repair it
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
+        raise typer.Exit(EXIT_STATE_LOST) from None
 
 
 def _run_shards(config: Path, overrides: list[str], n: int) -> int:

@@ -52,7 +52,7 @@ def report_eval(run_id: str, figures: dict) -> None:
 @flow(name="diloco-eval")
 def evaluate_checkpoint(config: str, versions: list[int] | None = None) -> dict:
     """Evaluate a run's checkpoint: `config` is the run's own config.yaml (it names the run); `versions`
-    one per fragment, default the latest complete version of each."""
+    one per fragment, default the latest committed version of each."""
     cfg = load_config(config)
     figures = measure(cfg, versions if versions is not None else read_versions(cfg))
     report_eval(cfg.run.id, figures)

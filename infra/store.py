@@ -14,6 +14,17 @@ Layout under `<store.url>/<run>/`:
                                              quantize.encode_update): what learners fetch
     fragments/<ppp>/v<vvvvvvvv>/meta.json    written last, names its e<eeeeee> folder: a version
                                              without it is incomplete
+    fragments/<ppp>/committed.json           {"version": v}: the newest version the syncer knows is
+                                             committed in Redis (written after each commit and claim,
+                                             never moved back)
+
+Committed versions: a version with meta.json is complete, not necessarily committed. The syncer
+writes it, then commits it in Redis; a crash or a fenced owner in between leaves an orphan (never
+announced, overwritten by the next merge). Readers (evals, `restore`, `diloco ckpt`) take the newest
+committed version (`committed`): the marker, or a version whose successor is stored (nobody writes
+v+1 before v is committed); a crash between the commit and the marker only makes them one version
+conservative until the next merge or claim. A fragment without a marker was written before markers
+existed (or by hand): its newest complete version counts, as it always did.
 
 Snapshots: params, opt and residual are written only at snapshot versions (version 0 and every
 `store.snapshot_every`-th one); a version between two snapshots stores its update alone, the only
@@ -82,6 +93,19 @@ def is_snapshot(meta: dict) -> bool:
     return meta.get("snapshot", True)
 
 
+def marker_version(raw: bytes) -> int:
+    """The version a commit marker (fragments/<p>/committed.json) holds."""
+    return int(json.loads(raw)["version"])
+
+
+def committed_of(marker: int | None, complete: list[int]) -> int | None:
+    """The newest committed version, from the commit marker and the complete versions (ascending)."""
+    if marker is None:  # written before commit markers existed, or by hand
+        return complete[-1] if complete else None
+    held = set(complete)
+    return max([marker, *(v for v in complete if v + 1 in held)])
+
+
 class StoreFenced(StoreError):
     """A newer owner of the fragment already wrote this version."""
 
@@ -110,6 +134,9 @@ def _safe(name: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]']+", name):
         raise StoreError(f"tensor name {name!r} is not storable")
     return name
+
+
+_WRITE_FIELDS = ("epoch", "data", "params", "opt", "residual", "snapshot", "snapshot_at", "update")  # see write()
 
 
 class FragmentStore:
@@ -174,6 +201,12 @@ class FragmentStore:
             body["update"] = {"from": version - 1, "scheme": update_scheme, "tensors": sorted(update)}
         self._commit_meta(fragment, version, epoch, json.dumps(body, sort_keys=True).encode())
 
+    @staticmethod
+    def record_of(meta: dict) -> dict:
+        """The `meta` a version was written with (the syncer's merge record): its meta.json less what
+        write() adds about the stored arrays."""
+        return {k: v for k, v in meta.items() if k not in _WRITE_FIELDS}
+
     def _commit_meta(self, fragment: int, version: int, epoch: int, body: bytes) -> None:
         key = self._dir(fragment, version) + "meta.json"
         while True:
@@ -190,6 +223,10 @@ class FragmentStore:
         if r.state != "value":
             raise StoreError(f"{self.url}: fragment {fragment} version {version} not found")
         return json.loads(r.value)
+
+    def has(self, fragment: int, version: int) -> bool:
+        """Whether the version is complete (its meta.json exists)."""
+        return self._kv.read(self._dir(fragment, version) + "meta.json").result().state == "value"
 
     def read(self, fragment: int, version: int, *, with_opt: bool = True) -> FragmentVersion:
         """A version's arrays. At a version that is not a snapshot only its parameters exist (the
@@ -292,6 +329,30 @@ class FragmentStore:
             return Plan.from_json(r.value)
         except PlanError as err:
             raise StoreError(f"{self.url}/plan.json: {err}") from None
+
+    def _marker(self, fragment: int) -> str:
+        return f"fragments/{fragment:03d}/committed.json"
+
+    def read_committed(self, fragment: int) -> int | None:
+        """The fragment's commit marker: the newest version known committed in Redis (None: no marker)."""
+        r = self._kv.read(self._marker(fragment)).result()
+        return marker_version(r.value) if r.state == "value" else None
+
+    def mark_committed(self, fragment: int, version: int) -> None:
+        """Move the commit marker to `version` (the syncer calls this only once Redis committed it);
+        never back: a compare-and-swap, so a slower writer of an older version leaves it alone."""
+        key = self._marker(fragment)
+        while True:
+            cur = self._kv.read(key).result()
+            if cur.state == "value" and marker_version(cur.value) >= version:
+                return
+            body = json.dumps({"version": version}).encode()
+            if self._kv.write(key, body, if_equal=cur.stamp.generation).result().generation:
+                return
+
+    def committed(self, fragment: int) -> int | None:
+        """The fragment's newest committed version (None if it has none); see the module docstring."""
+        return committed_of(self.read_committed(fragment), self.versions(fragment))
 
     def versions(self, fragment: int) -> list[int]:
         """Complete versions of a fragment (those with meta.json), ascending."""

@@ -382,3 +382,37 @@ class SyncerState:
     def _offsets(self, p, offsets: dict[tuple[str, int], int]) -> None:
         if offsets:
             p.hset(self.k + "offsets", mapping={_offset_key(tp): off for tp, off in offsets.items()})
+
+    # --- lost writes (syncer/durability.py, `diloco state repair`) ------------------------------
+    def merge_record(self, fragment: int, version: int, page: int = 64) -> dict | None:
+        """The merge record of one version, searched from the newest (where a fragment's current
+        version is), a page at a time."""
+        n = self.r.llen(self.k + "merges")
+        for end in range(n - 1, -1, -page):
+            for raw in reversed(self.r.lrange(self.k + "merges", max(end - page + 1, 0), end)):
+                rec = json.loads(raw)
+                if rec["fragment"] == fragment and rec["version"] == version:
+                    return rec
+        return None
+
+    def epoch(self, fragment: int) -> int:
+        return int(self.r.get(self.k + f"epoch:{fragment}") or 0)
+
+    def restore(self, *, versions: dict[int, int], statuses: dict[str, str], merges: list[dict],
+                epochs: dict[int, int], counters: dict[str, int]) -> None:
+        """Replace the run's committed state in one MULTI/EXEC: versions, statuses and merge records as
+        given, fencing epochs and counters set, every open round, replay offset, lease and outbox record
+        dropped (the syncer then replays the fragment topics from their start)."""
+        p = self.r.pipeline(transaction=True)
+        frags = list(versions)
+        p.delete(self.k + "version", self.k + "status", self.k + "merges", self.k + "offsets", self.k + "outbox",
+                 *(f"{self.k}round:{f}" for f in frags), *(f"{self.k}lease:{f}" for f in frags))
+        p.hset(self.k + "version", mapping={str(f): v for f, v in versions.items()})
+        if statuses:
+            p.hset(self.k + "status", mapping=statuses)
+        if merges:
+            p.rpush(self.k + "merges", *(json.dumps(m) for m in merges))
+        for f, e in epochs.items():
+            p.set(self.k + f"epoch:{f}", e)
+        p.hset(self.k + "counters", mapping=counters)
+        p.execute()

@@ -11,9 +11,12 @@ Commit protocol for one fragment round (what makes a SIGKILL at any point safe):
      round and moves the replay offsets: the merge is now durable, exactly once;
   5. the announcement and the merge event were written to the Redis outbox in that same transaction;
      the relay publishes them and trims the outbox once Kafka acknowledged them. A crash repeats
-     them at most (learners ignore versions they already have; event readers drop repeated eids).
+     them at most (learners ignore versions they already have; event readers drop repeated eids);
+  6. the store's commit marker moves to the new version: readers (evals, ckpt) count only committed
+     versions. A crash before it leaves the marker one behind until the next merge or claim.
 Acceptances and rejections go the same way: state, replay offsets and their event in one MULTI/EXEC.
-On restart the syncer reads Redis, reloads each fragment at its Redis version from TensorStore, and
+On restart the syncer reads Redis, checks each fragment's Redis version against the store (a Redis
+that lost acknowledged writes is refused: syncer/durability.py), reloads it from TensorStore, and
 replays Kafka from the stored offsets: ids already applied or rejected are dropped, pending ids get
 their payloads back, and new ids are handled as usual.
 """
@@ -43,7 +46,7 @@ from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError, StoreFenced, is_snapshot
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
 from diloco.plan import Plan
-from diloco.syncer import fused
+from diloco.syncer import durability, fused
 from diloco.syncer import merge as merge_math
 from diloco.syncer import shards as shards_mod
 from diloco.syncer.policy import QuorumPolicy, decide
@@ -184,6 +187,9 @@ def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentSt
         raise ValueError(f"the plan has {plan.fragments} fragments, fragments.count is {cfg.fragments.count}")
     if state.versions():
         return False
+    if held := durability.committed_in_store(store, plan.fragments):
+        raise durability.lost(run_id, f"Redis holds nothing of the run, but the store holds its committed versions "
+                                      f"{held}; provisioning again would overwrite version 0")
     store.write_plan(plan)
     opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
     for p, names in enumerate(plan.fragment_names):
@@ -192,6 +198,7 @@ def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentSt
                     {"tokens": 0, "contributors": [], "ids": [], "time": time.time(), "reason": "init"})
     state.init_versions(plan.fragments)
     for p in range(plan.fragments):
+        store.mark_committed(p, 0)
         announce(producer, topics, cfg, run_id, p, 0)
     producer.flush()
     return True
@@ -262,6 +269,8 @@ class Syncer:
             self.keeper.start()
         versions = self.state.versions()
         if len(versions) != len(self.plan):
+            if held := durability.committed_in_store(self.store, len(self.plan)):
+                raise durability.lost(self.run_id, f"Redis holds versions {versions}, the store committed {held}")
             raise RuntimeError(f"run {self.run_id} is not provisioned in Redis (versions: {versions}); "
                                "`diloco train` provisions it")
         self.sync_time_s = self.state.stats().get("sync_time_s", 0.0)
@@ -431,6 +440,7 @@ class Syncer:
 
     def _load(self, p: int, epoch: int, previous: str | None, offsets: dict[TP, int]) -> None:
         v = self.state.version(p)
+        durability.check_fragment(self.state, self.store, self.run_id, p, v)
         st = self._rebuild(p, v)
         self.status.update(self.state.statuses())
         for cid, meta in self.state.round(p).items():
@@ -439,6 +449,7 @@ class Syncer:
             self.consumed[tp] = offsets.get(tp, 0)
         self.fragments[p], self.epochs[p] = st, epoch
         self._replaying |= bool(st.round)  # their payloads come back from the log
+        self.store.mark_committed(p, v)   # Redis's version is committed: after a crash the marker may lag
         announce(self.producer, self.topics, self.cfg, self.run_id, p, v)  # at least once: learners dedupe
         self._event("fragment_claimed", fragment=p, shard=self.shard, epoch=epoch, version=v,
                     pending=len(st.round), previous=previous)
@@ -828,6 +839,7 @@ class Syncer:
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = f"applied:{p}:{st.version}"
+        self.store.mark_committed(p, st.version)
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": st.version, "contributions": len(ids), "late": late,
                                   "reason": reason, "seconds": round(sync_time, 4)})
 

@@ -53,7 +53,7 @@ def assert_exact_accounting(cfg, run_id):
     counts = Counter(m["fragment"] for m in state.merges())
     for p, v in state.versions().items():
         assert v == counts[p]
-        assert store.versions(p) == list(range(v + 1))
+        assert store.versions(p) == list(range(v + 1)) and store.read_committed(p) == v
     for m in state.merges():                                       # and merged the same contributions
         assert store.read_meta(m["fragment"], m["version"])["ids"] == m["ids"], (m["fragment"], m["version"])
     return state, published, status
@@ -124,6 +124,17 @@ class Harness:
         while not until():
             assert time.time() < deadline, "syncer did not get there in time"
             self.syncer.step()
+
+    def rounds(self, n: int, fragment: int = 0) -> list[str]:
+        """n merges of `fragment` from its current version, each of two learners' deltas on the version
+        before; the ids merged."""
+        ids = []
+        for _ in range(n):
+            v = self.state.versions()[fragment]
+            for learner, seed in (("us-0", v), ("eu-0", 10 + v)):
+                ids.append(self.publish(learner, fragment, base_version=v, deltas=self.deltas(fragment, seed=seed)).id)
+            self.pump(lambda v=v: self.state.versions()[fragment] == v + 1)
+        return ids
 
     def events(self):
         self.producer.flush()

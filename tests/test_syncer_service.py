@@ -100,17 +100,9 @@ def test_stale_and_late_contributions(harness):
     h.pump(lambda: h.state.counters().get("rejected:stale") == 1)
 
 
-def _rounds(h, n: int) -> None:
-    """n merges of fragment 0, each of two learners' deltas on the version before."""
-    for v in range(n):
-        h.publish("us-0", 0, base_version=v, deltas=h.deltas(0, seed=v))
-        h.publish("eu-0", 0, base_version=v, deltas=h.deltas(0, seed=10 + v))
-        h.pump(lambda v=v: h.state.versions()[0] == v + 1)
-
-
 def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
     h = harness
-    _rounds(h, 3)
+    h.rounds(3)
     fetcher = Fetcher(h.cfg, h.run_id, None, h.store, h.topics, Counters(), h.run_plan)
     whole = {n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()}
     fetcher.want(whole)
@@ -216,7 +208,7 @@ def test_manifest_over_the_size_limit_is_rejected_before_its_chunks_arrive(tiny_
 
 def test_a_rebuild_without_its_contributions_keeps_exact_parameters_and_says_so(harness):
     h = harness
-    _rounds(h, 2)
+    h.rounds(2)
     key = h.state.k + "merges"
     records = [__import__("json").loads(r) for r in h.state.r.lrange(key, 0, -1)]
     for i, rec in enumerate(records):          # as if the log had dropped them (retention)

@@ -22,12 +22,14 @@ from urllib.parse import urlparse
 import numpy as np
 import tensorstore as ts
 
-from diloco.infra.store import FragmentStore, FragmentVersion, StoreError, is_snapshot, kvstore_spec
+from diloco.infra.store import (FragmentStore, FragmentVersion, StoreError, committed_of, is_snapshot, kvstore_spec,
+                                 marker_version)
 from diloco.ops import OpsError
 from diloco.plan import Plan, PlanError
 
 _KEY = re.compile(r"fragments/(\d+)/v(\d+)/(.+)")
 _RUN_KEY = re.compile(r"([^/]+)/(?:plan\.json|fragments/(\d+)/v(\d+)/(.+))")  # keys of a store root
+_MARKER_KEY = re.compile(r"([^/]+)/fragments/(\d+)/committed\.json")  # a run's commit markers, in a store root
 EXPORT_FORMATS = ("safetensors", "npz", "orbax")
 
 
@@ -53,6 +55,8 @@ class Checkpoint:
     store: FragmentStore
     kv: ts.KvStore                                            # the run's root, for listing and zarr.json
     versions: dict[int, list[int]]                            # complete versions (with meta.json)
+    committed: dict[int, int]                                 # newest committed version (infra/store.py); a
+                                                              # complete version above it is an orphan
     incomplete: dict[int, list[int]]                          # written without meta.json: a crash
     keys: frozenset[str]
 
@@ -99,7 +103,7 @@ def open_url(url: str) -> Checkpoint | StoreRoot:
 
 def runs(root: StoreRoot) -> dict:
     """One row per run of a store root: fragments, tensors, parameters and dtypes from its plan.json, and
-    each fragment's newest complete version. A run without a readable plan.json gets a note instead."""
+    each fragment's newest committed version. A run without a readable plan.json gets a note instead."""
     frags: dict[str, dict[int, set[int]]] = {}
     planned = set()
     for k in root.keys:
@@ -113,6 +117,15 @@ def runs(root: StoreRoot) -> dict:
                 if rest == "meta.json":
                     complete.add(int(v))
     reads = {run: root.kv.read(f"{run}/plan.json") for run in sorted(planned)}  # all in flight at once
+    marks = {(m.group(1), int(m.group(2))): root.kv.read(k) for k in root.keys if (m := _MARKER_KEY.fullmatch(k))}
+
+    def marker(run: str, p: int) -> int | None:
+        if (read := marks.get((run, p))) is None:
+            return None
+        try:
+            return marker_version(read.result().value)
+        except (ValueError, KeyError) as err:
+            raise OpsError(f"{root.url}/{run}/fragments/{p:03d}/committed.json is unreadable: {err}") from None
     rows = []
     for run in sorted(frags):
         plan, note = None, None
@@ -131,7 +144,7 @@ def runs(root: StoreRoot) -> dict:
                      "tensors": len(plan.tensors) if plan else None,
                      "parameters": plan.num_params if plan else None,
                      "dtypes": sorted({t.dtype for t in plan.tensors}) if plan else [],
-                     "latest": {p: max(found[p]) if found.get(p) else None for p in fragments},
+                     "latest": {p: committed_of(marker(run, p), sorted(found.get(p, ()))) for p in fragments},
                      "note": note})
     return {"url": root.url, "runs": rows}
 
@@ -158,7 +171,12 @@ def open_checkpoint(url: str) -> Checkpoint:
     missing = sorted(set(dirs) - set(complete))
     if missing:
         raise OpsError(f"{url}: fragment(s) {missing} have no complete version")
-    return Checkpoint(url, run, store, kv, {p: sorted(vs) for p, vs in sorted(complete.items())},
+    versions = {p: sorted(vs) for p, vs in sorted(complete.items())}
+    try:
+        committed = {p: committed_of(store.read_committed(p), vs) for p, vs in versions.items()}
+    except (ValueError, KeyError) as err:
+        raise OpsError(f"{url}: a commit marker (fragments/<p>/committed.json) is unreadable: {err}") from None
+    return Checkpoint(url, run, store, kv, versions, committed,
                       {p: sorted(dirs[p] - complete[p]) for p in sorted(dirs) if dirs[p] - complete[p]}, keys)
 
 
@@ -174,27 +192,29 @@ def span(versions: list[int]) -> str:
 
 
 def pick_versions(ck: Checkpoint, want: int | None, fragment: int | None = None) -> dict[int, int]:
-    """Fragment -> version to read. None = each fragment's newest. With `fragment`, V must exist exactly;
-    across all fragments, each gets its newest version <= V (fragments advance at different paces)."""
+    """Fragment -> version to read. None = each fragment's newest committed one. With `fragment`, V must
+    exist exactly, committed or not (an orphan can be looked at; `show` and `diff` say it is one);
+    across all fragments, each gets its newest committed version <= V (fragments advance at different paces)."""
     if fragment is not None:
         if fragment not in ck.versions:
             raise OpsError(f"{ck.url}: no fragment {fragment} (the run has fragments {sorted(ck.versions)})")
         vs = ck.versions[fragment]
         if want is not None and want not in vs:
             raise OpsError(f"{ck.url}: fragment {fragment} has no version {want} (complete versions: {span(vs)})")
-        return {fragment: vs[-1] if want is None else want}
+        return {fragment: ck.committed[fragment] if want is None else want}
     if want is None:
-        return {p: vs[-1] for p, vs in ck.versions.items()}
-    newest = " ".join(f"p{p}:v{vs[-1]}" for p, vs in ck.versions.items())
-    if want < 0 or want > max(vs[-1] for vs in ck.versions.values()):
-        raise OpsError(f"{ck.url}: no fragment has version {want} (newest: {newest})")
+        return dict(ck.committed)
+    newest = " ".join(f"p{p}:v{v}" for p, v in ck.committed.items())
+    if want < 0 or want > max(ck.committed.values()):
+        raise OpsError(f"{ck.url}: no fragment has version {want} committed (newest committed: {newest})")
     out = {}
     for p, vs in ck.versions.items():
-        below = [v for v in vs if v <= want]
+        below = [v for v in vs if v <= min(want, ck.committed[p])]
         if not below:
-            raise OpsError(f"{ck.url}: fragment {p} has no version <= {want} (complete versions: {span(vs)})")
+            raise OpsError(f"{ck.url}: fragment {p} has no committed version <= {want} (complete versions: {span(vs)})")
         out[p] = below[-1]
     return out
+
 
 
 def _check_chunks(ck: Checkpoint, fragment: int, version: int, meta: dict, groups: tuple[str, ...]) -> None:
@@ -248,8 +268,8 @@ def ls(ck: Checkpoint) -> dict:
     for p, vs in ck.versions.items():
         rows = [{"version": v, "time": metas[p, v].get("time"), "tokens": metas[p, v].get("tokens", 0),
                  "contributors": _contributors(metas[p, v]), "reason": metas[p, v].get("reason"),
-                 "late": metas[p, v].get("late", 0)} for v in vs]
-        frags.append({"fragment": p, "latest": vs[-1], "versions": rows, "incomplete": ck.incomplete.get(p, [])})
+                 "late": metas[p, v].get("late", 0), "committed": v <= ck.committed[p]} for v in vs]
+        frags.append({"fragment": p, "latest": ck.committed[p], "versions": rows, "incomplete": ck.incomplete.get(p, [])})
     return {"url": ck.url, "run": ck.run, "fragments": frags}
 
 
@@ -267,7 +287,7 @@ def show(ck: Checkpoint, version: int | None = None, fragment: int | None = None
     frags = []
     for p, v in pick_versions(ck, version, fragment).items():
         fv = read_version(ck, p, v)
-        frags.append({"fragment": p, "version": v, "tokens": fv.meta.get("tokens", 0),
+        frags.append({"fragment": p, "version": v, "committed": v <= ck.committed[p], "tokens": fv.meta.get("tokens", 0),
                       "contributors": _contributors(fv.meta), "reason": fv.meta.get("reason"),
                       "time": fv.meta.get("time"),
                       "params": {n: tensor_stats(a) for n, a in sorted(fv.params.items())},
@@ -309,6 +329,7 @@ def diff(ck: Checkpoint, v1: int, v2: int, fragment: int | None = None) -> dict:
         base = math.sqrt(sum(s["base_norm"] ** 2 for s in params))
         change = math.sqrt(sum(s["change_norm"] ** 2 for s in params))
         frags.append({"fragment": p, "from": first[p], "to": second[p], "tensors": tensors,
+                      "committed": {"from": first[p] <= ck.committed[p], "to": second[p] <= ck.committed[p]},
                       "params_change_norm": change, "params_relative": change / base if base else None})
     return {"url": ck.url, "run": ck.run, "fragments": frags}
 

@@ -33,6 +33,7 @@ UrlArg = Annotated[Optional[str], typer.Argument(help="STORE_URL/RUN_ID, e.g. fi
 LsUrlArg = Annotated[Optional[str], typer.Argument(help="STORE_URL/RUN_ID for one run's versions, or STORE_URL (a store "
                                                         "root, the config's store.url) to list its runs; omitted = "
                                                         "the config's store.url + run")]
+NOT_COMMITTED = "not committed: an orphan a crashed or fenced syncer wrote, never announced; the next merge overwrites it"
 FragmentOpt = Annotated[Optional[int], typer.Option("--fragment", "-p", min=0, help="only this fragment")]
 
 
@@ -229,11 +230,15 @@ def ckpt_ls(url: LsUrlArg = None, config: ConfigOpt = None, set_: SetOpt = None,
         t.add_column(col, justify="right" if col in ("fragment", "version", "tokens") else "left")
     for f in rep["fragments"]:
         for i, v in enumerate(f["versions"]):
-            t.add_row(str(f["fragment"]) if i == 0 else "", str(v["version"]), _when(v["time"]), _num(v["tokens"]),
+            t.add_row(str(f["fragment"]) if i == 0 else "", str(v["version"]) + ("" if v["committed"] else " *"),
+                      _when(v["time"]), _num(v["tokens"]),
                       " ".join(v["contributors"]) or "-", v["reason"] or "-",
                       end_section=i == len(f["versions"]) - 1)
-    t.caption = " ".join(f"p{f['fragment']}:v{f['latest']}" for f in rep["fragments"]) + "".join(
+    t.caption = "committed " + " ".join(f"p{f['fragment']}:v{f['latest']}" for f in rep["fragments"]) + "".join(
         f" | p{f['fragment']} incomplete (no meta.json): {f['incomplete']}" for f in rep["fragments"] if f["incomplete"])
+    if any(not v["committed"] for f in rep["fragments"] for v in f["versions"]):
+        t.caption += f" | * {NOT_COMMITTED}"
+
     out.print(t)
 
 
@@ -267,7 +272,8 @@ def ckpt_show(url: UrlArg = None,
                 f"{' '.join(f['contributors']) or 'nobody'} ({f['reason']}, {_when(f['time'])})"
                 + (f"; learners fetch it as a {f['update']} update" if f.get("update") else "")
                 + ("" if f.get("snapshot", True) else f"; not a snapshot: parameters from v{f['snapshot_at']} "
-                                                      "plus the updates since, no outer state stored"))
+                                                      "plus the updates since, no outer state stored")
+                + ("" if f["committed"] else f"; [red]{NOT_COMMITTED}[/]"))
         out.print(_stats_table(head, {**{f"params/{n}": s for n, s in f["params"].items()},
                                       **{f"opt/{n}": s for n, s in f["opt"].items()},
                                       **{f"residual/{n}": s for n, s in f.get("residual", {}).items()}}))
@@ -288,8 +294,10 @@ def ckpt_diff(args: Annotated[list[str], typer.Argument(metavar="[URL] V1 V2", h
     if json_:
         return _dump(rep)
     for f in rep["fragments"]:
+        orphans = [f[end] for end in ("from", "to") if not f["committed"][end]]
         t = Table(title=f"fragment {f['fragment']} v{f['from']} -> v{f['to']}: parameters moved "
-                        f"{_num(f['params_change_norm'], '.4g')} ({_num(f['params_relative'], '.2%')})",
+                        f"{_num(f['params_change_norm'], '.4g')} ({_num(f['params_relative'], '.2%')})"
+                        + (f"; v{' and v'.join(map(str, orphans))}: [red]{NOT_COMMITTED}[/]" if orphans else ""),
                   title_justify="left")
         t.add_column("tensor", no_wrap=True, min_width=min(40, max(map(len, f["tensors"]), default=6)))
         for col in ("shape", "norm before", "change norm", "relative", "max |change|"):
@@ -329,3 +337,49 @@ def ckpt_export(output: Annotated[Path, typer.Option("--output", "-o", help="FIL
     out.print(f"wrote {rep['output']} ({rep['format']}): {rep['tensors']} tensors, {rep['parameters']:,} parameters, "
               f"{_bytes(rep['bytes'])}; versions " + " ".join(f"p{p}:v{v}" for p, v in rep["versions"].items()),
               highlight=False)
+
+
+# --- state ------------------------------------------------------------------------------------------
+
+state_app = typer.Typer(help="Repair a run's Redis state (docs/operations.md, 'Redis lost writes').", no_args_is_help=True)
+
+
+@state_app.command("repair")
+def state_repair(config: ConfigOpt = None, set_: SetOpt = None, run: RunOpt = None,
+                 dry_run: Annotated[bool, typer.Option("--dry-run", help="only show what the repair would do")] = False,
+                 json_: JsonOpt = False):
+    """Rebuild the run's Redis state from TensorStore, after Redis lost acknowledged writes (the syncer
+    refuses to start on it and names this command). Stop every syncer shard of the run first.
+
+    Each fragment goes back to its newest committed version in the store; every id merged into a
+    committed version is marked applied, merge records and counters come from the stored versions,
+    open rounds, replay offsets and the outbox are dropped: the syncer then re-reads the fragment
+    topics from their start, drops what was applied as duplicates and judges the rest again.
+    """
+    from diloco.infra.store import FragmentStore, StoreError
+    from diloco.ops import OpsError
+    from diloco.ops.repair import repair
+    from diloco.syncer import state as state_mod
+
+    cfg, run_id = _run_config(config, set_, run)
+    try:
+        state = state_mod.SyncerState(state_mod.connect(cfg.state, timeout_s=5), cfg.state.key_prefix, run_id)
+        rep = repair(state, FragmentStore(cfg.store.url, run_id), run_id, shards=cfg.syncer.shards, dry_run=dry_run)
+    except (OpsError, StoreError, state_mod.StateError) as err:
+        _fail(str(err))
+    if json_:
+        return _dump(rep)
+    t = Table(title=f"{'would repair' if dry_run else 'repaired'} the Redis state of run {rep['run']} from {rep['store']}",
+              title_justify="left")
+    for col in ("fragment", "Redis had", "version", "ids applied", "orphans", "epoch"):
+        t.add_column(col, justify="right")
+    for f in rep["fragments"]:
+        t.add_row(str(f["fragment"]), _num(f["redis_version"]), str(f["version"]), _num(f["applied"]),
+                  " ".join(map(str, f["orphans"])) or "-", str(f["epoch"]))
+    s = rep["statuses"]
+    t.caption = (f"{rep['merge_records']} merge records; statuses: {s['applied']} applied, {s['rejected_kept']} "
+                 "rejections kept, dropped " + (", ".join(f"{n} {k}" for k, n in s["dropped"].items()) or "none")
+                 + "; open rounds, replay offsets, leases and the outbox "
+                 + ("would be cleared (nothing changed: --dry-run)" if dry_run else
+                    "cleared: the syncer re-reads the fragment topics from their start"))
+    out.print(t)
