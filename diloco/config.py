@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 _ID = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"  # safe in topic names, Redis keys and paths
+_ENV = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable's name (also a key of the GKE Secret)
 
 
 class ConfigError(ValueError):
@@ -168,7 +169,7 @@ class TransportConfig(_Section):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: str | None = None
     sasl_username: str | None = None
-    sasl_password_env: str | None = Field(None, description="name of the env var holding the SASL password")
+    sasl_password_env: str | None = Field(None, pattern=_ENV, description="name of the env var holding the SASL password")
     ssl_cafile: str | None = None
     max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     wan_bandwidth_mbps: float | None = Field(None, gt=0, description="emulated WAN link per region, shared by its learners")
@@ -185,7 +186,7 @@ class StateConfig(_Section):
                            description="no credentials here: use username / password_env")
     key_prefix: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]+$")
     username: str | None = Field(None, description="Redis ACL user")
-    password_env: str | None = Field(None, description="name of the env var holding the Redis password")
+    password_env: str | None = Field(None, pattern=_ENV, description="name of the env var holding the Redis password")
 
 
 class StoreConfig(_Section):
@@ -242,6 +243,10 @@ class BackendConfig(_Section):
     namespace: str = Field("default", pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
     config_dir: str = Field("/etc/diloco", description="where a job finds the run's config.yaml")
     corpus_dir: str = Field("/data/corpus", description="where a job finds the prepared corpus (e.g. a GCS FUSE mount)")
+    secret_name: str = Field("diloco-secrets", pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$",
+                             description="Kubernetes Secret in the namespace that holds the passwords: each of "
+                                         "state.password_env and transport.sasl_password_env is a key of it, and a "
+                                         "job's env var of that name is set from it (the value never enters a manifest)")
     slices: dict[str, SliceConfig] = Field(default_factory=dict, description="per region name; others get the defaults")
 
     def slice_of(self, region: str) -> SliceConfig:
