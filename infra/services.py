@@ -112,8 +112,10 @@ def start_redis(state: Path, port: int, password: str | None = None) -> int:
             "--appendfsync", "always", "--dir", str(data), "--daemonize", "no"]
     if password:  # from an env var, never on the command line: `ps` would show it
         conf = data / "auth.conf"
-        conf.write_text(f"requirepass {password}\n")
-        conf.chmod(0o600)
+        conf.unlink(missing_ok=True)  # created afresh below, so it is owner-only from its first byte
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"requirepass {password}\n")
         argv.insert(1, str(conf))
     return _spawn("redis", argv, state, port)
 
