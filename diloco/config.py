@@ -172,8 +172,22 @@ class TransportConfig(_Section):
     sasl_password_env: str | None = Field(None, pattern=_ENV, description="name of the env var holding the SASL password")
     ssl_cafile: str | None = None
     max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    replication_factor: int = Field(1, ge=1, description="copies of each partition of the topics the run creates; "
+                                                         "1 fits the one-node local broker, production: 3")
+    min_insync_replicas: int | None = Field(None, ge=1, description="topic config min.insync.replicas: copies that "
+                                            "must hold a write before acks=all confirms it; None = the broker's "
+                                            "default, production: 2")
+    acks: Literal["all", 0, 1] = Field("all", description="producer acks: all = every in-sync copy has the delta "
+                                                          "(accepted, unmerged deltas live only in Kafka)")
     wan_bandwidth_mbps: float | None = Field(None, gt=0, description="emulated WAN link per region, shared by its learners")
     wan_latency_ms: float = Field(0.0, ge=0, description="emulated one-way WAN latency per contribution")
+
+    @model_validator(mode="after")
+    def _replicas_fit(self) -> TransportConfig:
+        if (self.min_insync_replicas or 0) > self.replication_factor:
+            raise ValueError(f"transport.min_insync_replicas ({self.min_insync_replicas}) exceeds "
+                             f"transport.replication_factor ({self.replication_factor}): no acks=all write could succeed")
+        return self
 
     def wan_delay_s(self, nbytes: int, sharers: int = 1) -> float:
         """Seconds a contribution of `nbytes` takes on the region's link when `sharers` learners use it."""

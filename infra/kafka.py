@@ -94,11 +94,14 @@ def _answers(host: str, port: int) -> bool:
 
 
 def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float = 30.0) -> None:
-    """Create topics with their final partition counts (the local broker cannot add partitions)."""
+    """Create topics with their final partition counts (the local broker cannot add partitions), replicated as
+    transport.replication_factor / min_insync_replicas say; topics that exist are left as they are."""
     admin = _retry(lambda: KafkaAdminClient(**_common(t), request_timeout_ms=10_000), t, timeout_s)
     try:
         existing = set(admin.list_topics())
-        new = [NewTopic(name, num_partitions=n, replication_factor=1) for name, n in topics.items() if name not in existing]
+        configs = {} if t.min_insync_replicas is None else {"min.insync.replicas": str(t.min_insync_replicas)}
+        new = [NewTopic(name, num_partitions=n, replication_factor=t.replication_factor, topic_configs=configs)
+               for name, n in topics.items() if name not in existing]
         if new:
             try:
                 admin.create_topics(new)
@@ -116,7 +119,7 @@ def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float =
 def producer(t: TransportConfig) -> KafkaProducer:
     # Idempotence off: the local broker loses producer ids on restart; the syncer drops replays by id.
     return _retry(lambda: KafkaProducer(
-        **_common(t), acks="all", linger_ms=5, enable_idempotence=False, retries=5, max_block_ms=10_000,
+        **_common(t), acks=t.acks, linger_ms=5, enable_idempotence=False, retries=5, max_block_ms=10_000,
         max_request_size=t.max_message_bytes + 65536,
         compression_type=None if t.compression == "none" else t.compression,
     ), t)
