@@ -40,7 +40,7 @@ from redis.exceptions import AuthenticationError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from diloco.config import StateConfig, resolve_secret
+from diloco.config import StateConfig, redact_url, resolve_secret
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ def connect(cfg: StateConfig, timeout_s: float = 20.0) -> redis.Redis:
 
 
 def wait_until_up(r: redis.Redis, url: str, timeout_s: float) -> None:
+    url = redact_url(url)  # only for the messages: `r` is connected already
     deadline = time.time() + timeout_s
     delay = 0.2
     while True:
