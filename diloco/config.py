@@ -10,11 +10,13 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _ID = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"  # safe in topic names, Redis keys and paths
+_ENV = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable's name (also a key of the GKE Secret)
 
 
 class ConfigError(ValueError):
@@ -174,17 +176,32 @@ class SyncerConfig(_Section):
 
 
 class TransportConfig(_Section):
-    bootstrap_servers: str = "127.0.0.1:9092"
+    bootstrap_servers: str = Field("127.0.0.1:9092", pattern=r"^[^\s,@/?#]+:\d+(,[^\s,@/?#]+:\d+)*$",
+                                   description="host:port[,host:port...]; credentials go in sasl_* instead")
     topic_prefix: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]+$")
     compression: Literal["none", "lz4", "zstd"] = "none"
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: str | None = None
     sasl_username: str | None = None
-    sasl_password_env: str | None = Field(None, description="name of the env var holding the SASL password")
+    sasl_password_env: str | None = Field(None, pattern=_ENV, description="name of the env var holding the SASL password")
     ssl_cafile: str | None = None
     max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    replication_factor: int = Field(1, ge=1, description="copies of each partition of the topics the run creates; "
+                                                         "1 fits the one-node local broker, production: 3")
+    min_insync_replicas: int | None = Field(None, ge=1, description="topic config min.insync.replicas: copies that "
+                                            "must hold a write before acks=all confirms it; None = the broker's "
+                                            "default, production: 2")
+    acks: Literal["all", 0, 1] = Field("all", description="producer acks: all = every in-sync copy has the delta "
+                                                          "(accepted, unmerged deltas live only in Kafka)")
     wan_bandwidth_mbps: float | None = Field(None, gt=0, description="emulated WAN link per region, shared by its learners")
     wan_latency_ms: float = Field(0.0, ge=0, description="emulated one-way WAN latency per contribution")
+
+    @model_validator(mode="after")
+    def _replicas_fit(self) -> TransportConfig:
+        if (self.min_insync_replicas or 0) > self.replication_factor:
+            raise ValueError(f"transport.min_insync_replicas ({self.min_insync_replicas}) exceeds "
+                             f"transport.replication_factor ({self.replication_factor}): no acks=all write could succeed")
+        return self
 
     def wan_delay_s(self, nbytes: int, sharers: int = 1) -> float:
         """Seconds a contribution of `nbytes` takes on the region's link when `sharers` learners use it."""
@@ -193,19 +210,30 @@ class TransportConfig(_Section):
 
 
 class StateConfig(_Section):
-    redis_url: str = Field("redis://127.0.0.1:6379/0", pattern=r"^rediss?://[^@]+$",
+    redis_url: str = Field("redis://127.0.0.1:6379/0", pattern=r"^rediss?://.+",
                            description="no credentials here: use username / password_env")
     key_prefix: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]+$")
     username: str | None = Field(None, description="Redis ACL user")
-    password_env: str | None = Field(None, description="name of the env var holding the Redis password")
+    password_env: str | None = Field(None, pattern=_ENV, description="name of the env var holding the Redis password")
     cluster: bool = Field(False, description="redis_url names a node of a Redis Cluster: use the cluster client "
                                              "(a run's keys share one hash slot, `{<run>}`)")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _no_credentials(cls, url: str) -> str:
+        return _without_credentials(url, "set state.username, and state.password_env to the name of the env var "
+                                         "that holds the password")
 
 
 class StoreConfig(_Section):
     url: str = Field("file://.diloco/store", pattern=r"^(file|gs)://.+")
     snapshot_every: int = Field(8, ge=1, description="a full snapshot (parameters, outer state, residual) every this "
                                                      "many versions; the versions between store only their update")
+
+    @field_validator("url")
+    @classmethod
+    def _no_credentials(cls, url: str) -> str:
+        return _without_credentials(url, "gs:// uses the machine's Google credentials")
 
 
 class RunConfig(_Section):
@@ -256,6 +284,10 @@ class BackendConfig(_Section):
     namespace: str = Field("default", pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
     config_dir: str = Field("/etc/diloco", description="where a job finds the run's config.yaml")
     corpus_dir: str = Field("/data/corpus", description="where a job finds the prepared corpus (e.g. a GCS FUSE mount)")
+    secret_name: str = Field("diloco-secrets", pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$",
+                             description="Kubernetes Secret in the namespace that holds the passwords: each of "
+                                         "state.password_env and transport.sasl_password_env is a key of it, and a "
+                                         "job's env var of that name is set from it (the value never enters a manifest)")
     slices: dict[str, SliceConfig] = Field(default_factory=dict, description="per region name; others get the defaults")
 
     def slice_of(self, region: str) -> SliceConfig:
@@ -324,6 +356,32 @@ class Config(_Section):
             if learner_id.startswith(region.name + "-") and learner_id in self.learner_ids():
                 return region
         raise ConfigError(f"unknown learner {learner_id!r}; this run has {self.learner_ids()}")
+
+
+# query parameters whose values are secrets: password, pwd, token, secret, signature, credential, api/access keys
+_SECRET_PARAM = re.compile(r"(^|&)([^&=]*(?:pass|pwd|token|secret|sig|credential|api_?key|access_?key)[^&=]*)=[^&]*",
+                           re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """`url` as logs and errors may show it: the password of its user info (or a user info with no
+    password, which may be a token) and the values of secret-like query parameters become ***.
+    A URL with none of these comes back unchanged, character for character."""
+    parts = urlsplit(url)
+    netloc, query = parts.netloc, _SECRET_PARAM.sub(r"\1\2=***", parts.query)
+    if "@" in netloc:
+        user, host = netloc.rsplit("@", 1)
+        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
+def _without_credentials(url: str, instead: str) -> str:
+    if redact_url(url) != url:
+        raise ValueError(f"carries a credential (user info or a password/token parameter); no secret goes in a "
+                         f"config: {instead}")
+    return url
 
 
 def resolve_secret(env_var: str | None, key: str) -> str | None:
@@ -431,6 +489,7 @@ def _explain(err: ValidationError) -> str:
             lines.append(msg)
             continue
         inp = e.get("input")
-        shown = "" if isinstance(inp, (dict, list, tuple)) or "password" in where else f" (got {inp!r})"
+        secret = "password" in where or "@" in str(inp)  # a user info, URL or not: not echoed
+        shown = "" if isinstance(inp, (dict, list, tuple)) or secret else f" (got {redact_url(inp) if isinstance(inp, str) else inp!r})"
         lines.append(f"config key {where}: {msg}{shown}")
     return "invalid config:\n  " + "\n  ".join(lines)

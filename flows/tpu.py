@@ -70,6 +70,11 @@ def jobset(cfg: Config, name: str, argv: list[str]) -> dict:
                  "volumeMounts": [{"name": "config", "mountPath": b.config_dir, "readOnly": True}]}
     pod = {"restartPolicy": "Never", "containers": [container],
            "volumes": [{"name": "config", "configMap": {"name": job_name(cfg, "config")}}]}
+    # passwords come from the Secret by reference: the broker's for every job, Redis's for the syncer (learners
+    # never talk to Redis); the key is the env var's name
+    wanted = [cfg.transport.sasl_password_env, None if learner else cfg.state.password_env]
+    env = [{"name": var, "valueFrom": {"secretKeyRef": {"name": b.secret_name, "key": var}}}
+           for var in dict.fromkeys(v for v in wanted if v)]
     hosts = 1
     if learner:
         s = b.slice_of(cfg.region_of(name).name)
@@ -81,12 +86,14 @@ def jobset(cfg: Config, name: str, argv: list[str]) -> dict:
             pod["nodeSelector"]["cloud.google.com/gke-spot"] = "true"
         container["resources"] = {"limits": {"google.com/tpu": shape.chips_per_host}}
         if hosts > 1:  # one JAX program over the slice: pod 0 coordinates, each pod knows its index
-            container["env"] = [
+            env += [
                 {"name": "JAX_COORDINATOR_ADDRESS",
                  "value": f"{job_name(cfg, name)}-slice-0-0.{job_name(cfg, name)}:{COORDINATOR_PORT}"},
                 {"name": "JAX_NUM_PROCESSES", "value": str(hosts)},
                 {"name": "JAX_PROCESS_ID", "valueFrom": {"fieldRef": {
                     "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+    if env:
+        container["env"] = env
     labels = {"diloco/run": cfg.run.id, "diloco/job": name}
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",

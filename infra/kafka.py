@@ -71,34 +71,40 @@ class BrokerWatch(threading.Thread):
 
     def __init__(self, t: TransportConfig, who: str, period_s: float = 0.5):
         super().__init__(daemon=True, name="broker-watch")
-        self.addrs = [a.rsplit(":", 1) for a in t.bootstrap_servers.split(",")]
-        self.who, self.period_s = who, period_s
+        self.t, self.who, self.period_s = t, who, period_s
         self.up = True
 
     def run(self) -> None:
         while True:
-            up = any(_answers(host, int(port)) for host, port in self.addrs)
+            up = _answers(self.t)
             if up != self.up:
                 log.warning("broker reachable again" if up else "broker unavailable; clients reconnect with backoff",
-                            extra={"who": self.who, "bootstrap": [":".join(a) for a in self.addrs]})
+                            extra={"who": self.who, "bootstrap": self.t.bootstrap_servers.split(",")})
             self.up = up
             time.sleep(self.period_s)
 
 
-def _answers(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+def _answers(t: TransportConfig) -> bool:
+    """Whether any bootstrap broker accepts a TCP connection (says nothing of its security handshake)."""
+    for addr in t.bootstrap_servers.split(","):
+        host, port = addr.rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float = 30.0) -> None:
-    """Create topics with their final partition counts (the local broker cannot add partitions)."""
+    """Create topics with their final partition counts (the local broker cannot add partitions), replicated as
+    transport.replication_factor / min_insync_replicas say; topics that exist are left as they are."""
     admin = _retry(lambda: KafkaAdminClient(**_common(t), request_timeout_ms=10_000), t, timeout_s)
     try:
         existing = set(admin.list_topics())
-        new = [NewTopic(name, num_partitions=n, replication_factor=1) for name, n in topics.items() if name not in existing]
+        configs = {} if t.min_insync_replicas is None else {"min.insync.replicas": str(t.min_insync_replicas)}
+        new = [NewTopic(name, num_partitions=n, replication_factor=t.replication_factor, topic_configs=configs)
+               for name, n in topics.items() if name not in existing]
         if new:
             try:
                 admin.create_topics(new)
@@ -116,7 +122,7 @@ def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float =
 def producer(t: TransportConfig) -> KafkaProducer:
     # Idempotence off: the local broker loses producer ids on restart; the syncer drops replays by id.
     return _retry(lambda: KafkaProducer(
-        **_common(t), acks="all", linger_ms=5, enable_idempotence=False, retries=5, max_block_ms=10_000,
+        **_common(t), acks=t.acks, linger_ms=5, enable_idempotence=False, retries=5, max_block_ms=10_000,
         max_request_size=t.max_message_bytes + 65536,
         compression_type=None if t.compression == "none" else t.compression,
     ), t)
@@ -151,6 +157,12 @@ def _retry(make, t: TransportConfig, timeout_s: float = 20.0):
             return make()
         except KafkaError as err:
             if time.time() > deadline:
+                if t.security_protocol != "PLAINTEXT" and _answers(t):  # e.g. SASL refused: kafka-python says timeout
+                    raise TransportError(
+                        f"Kafka broker at {t.bootstrap_servers} answers but the {t.security_protocol} connection "
+                        f"failed ({type(err).__name__}): check transport.security_protocol, sasl_mechanism, "
+                        "sasl_username, the password in the env var transport.sasl_password_env names, and ssl_cafile"
+                    ) from None
                 raise TransportError(
                     f"Kafka broker not reachable at {t.bootstrap_servers} ({type(err).__name__}); "
                     "start the local stack with `diloco infra up` or set transport.bootstrap_servers") from None

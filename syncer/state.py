@@ -46,7 +46,7 @@ from redis.exceptions import AuthenticationError, RedisClusterException, WatchEr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from diloco.config import StateConfig, resolve_secret
+from diloco.config import StateConfig, redact_url, resolve_secret
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def connect(cfg: StateConfig, timeout_s: float = 20.0) -> redis.Redis | RedisClu
 
 def wait_until_up(attempt, cfg: StateConfig, timeout_s: float):
     """attempt() (a ping, say) once Redis answers it, retried with backoff for up to timeout_s."""
-    url = cfg.redis_url
+    url = redact_url(cfg.redis_url)  # only for the messages
     deadline = time.time() + timeout_s
     delay = 0.2
     while True:

@@ -266,7 +266,16 @@ class Syncer:
         fused.warm_up()  # the merge kernels compile (or load from cache) now, not during the first rounds
         self.stand_by()
         if not self.keeper.is_alive():
+            self.keeper = LeaseKeeper(self, self.cfg.syncer.stuck_after_s)
             self.keeper.start()
+        try:
+            self._resume()
+        except BaseException:  # a refused start must not leave its membership renewed behind it
+            self.close()
+            raise
+
+    def _resume(self) -> None:
+        """Reload what Redis holds, claim this shard's fragments and say the syncer started."""
         versions = self.state.versions()
         if len(versions) != len(self.plan):
             if held := durability.committed_in_store(self.store, len(self.plan)):
@@ -308,7 +317,10 @@ class Syncer:
     def close(self) -> None:
         """Stop renewing and leave the membership (leases lapse or go to this shard's next process)."""
         self.keeper.halt()
-        self.state.leave(self.shard, self.member)
+        try:
+            self.state.leave(self.shard, self.member)
+        except RedisError:  # Redis is away: the membership lapses after its TTL instead
+            pass
 
     def run(self, *, drain_timeout_s: float = 30.0) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))

@@ -20,6 +20,8 @@ def test_overrides_are_typed_and_reach_lists():
     ("syncer.quorum=9", "syncer.quorum", "exceeds the number of learners"),
     ("inner.steps=-1", "inner.steps", "greater than or equal to 1"),
     ("store.url=s3://x", "store.url", "should match pattern"),
+    ("transport.min_insync_replicas=2", "transport.min_insync_replicas (2)", "exceeds transport.replication_factor (1)"),
+    ("transport.acks=2", "transport.acks", "must be one of"),
     ("model.options.n_heads=3", "n_heads", "divisible"),
     ("model.options.d_modle=64", "d_modle", "Extra inputs are not permitted"),
     ("model.entry=not-a-module", "model.entry", "should match pattern"),

@@ -27,7 +27,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 from prefect.states import Cancelling
 from rich.console import Console
 
-from diloco.config import build_config, dump_config, load_config
+from diloco.config import ConfigError, build_config, dump_config, load_config
 from diloco.flows import reports, tpu
 from diloco.flows.evals import evaluate_checkpoint
 from diloco.flows.training import decoupled_diloco
@@ -265,6 +265,33 @@ def test_gke_jobsets_carry_every_config_field(tmp_path):
                 "metadata.annotations['batch.kubernetes.io/job-completion-index']"
         else:
             assert "JAX_NUM_PROCESSES" not in env
+
+
+def test_gke_jobs_read_the_passwords_from_the_secret_never_from_the_manifest(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDIS_PW", "redis-secret-value")
+    monkeypatch.setenv("KAFKA_PW", "kafka-secret-value")
+    tree = tpu_config().model_dump(mode="json")
+    cfg = build_config({**tree, "backend": {**tree["backend"], "secret_name": "acme-diloco"},
+                        "state": {"username": "diloco", "password_env": "REDIS_PW"},
+                        "transport": {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+                                      "sasl_username": "diloco", "sasl_password_env": "KAFKA_PW"}})
+    text = (tpu.write_plan(cfg, dump_config(cfg), tmp_path)[0]).read_text()
+    assert "secret-value" not in text and not any(d["kind"] == "Secret" for d in yaml.safe_load_all(text))
+
+    def secret_env(doc):
+        (c,) = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+
+    jobs = {d["metadata"]["labels"]["diloco/job"]: d for d in yaml.safe_load_all(text) if d["kind"] == "JobSet"}
+    kafka = {"KAFKA_PW": {"name": "acme-diloco", "key": "KAFKA_PW"}}
+    assert secret_env(jobs["syncer"]) == {**kafka, "REDIS_PW": {"name": "acme-diloco", "key": "REDIS_PW"}}
+    for learner in ("us-0", "us-1", "eu-0"):  # learners never talk to Redis: they get the broker's password only
+        assert secret_env(jobs[learner]) == kafka
+    assert build_config({}).backend.secret_name == "diloco-secrets"
+    docs = yaml.safe_load_all(tpu.write_plan(tpu_config(), "", tmp_path / "plain")[0].read_text())
+    assert all(secret_env(d) == {} for d in docs if d["kind"] == "JobSet")  # no password configured: no reference
+    with pytest.raises(ConfigError, match="state.password_env"):
+        build_config({"state": {"password_env": "REDIS PW"}})  # not an env var name, so not a Secret key either
 
 
 def test_gke_plan_starts_one_jobset_per_syncer_shard(tmp_path):

@@ -3,8 +3,10 @@ learner kills, slow learners, Redis and broker restarts, access control, a seede
 
 from __future__ import annotations
 
+import io
 import os
 import signal
+import stat
 import threading
 import time
 from collections import Counter
@@ -285,6 +287,38 @@ def test_redis_auth_refuses_clients_without_the_password(tmp_path, monkeypatch):
         monkeypatch.delenv("DILOCO_TEST_REDIS_PW")
         with pytest.raises(ConfigError, match=r"\$DILOCO_TEST_REDIS_PW"):
             state_mod.connect(cfg.state, timeout_s=3)
+    finally:
+        services.stop("redis", tmp_path)
+
+
+def test_redis_auth_conf_is_owner_only_from_the_moment_it_exists(tmp_path, monkeypatch):
+    """Not just in the end: a file created world-readable and chmod-ed afterwards can be opened by
+    anyone in between. Every open that touches auth.conf must find it 0600 already, even over a stale
+    world-readable copy and under a permissive umask."""
+    modes = []
+
+    def spy(real):
+        def opened(file, *args, **kw):
+            out = real(file, *args, **kw)
+            if str(file).endswith("auth.conf"):
+                modes.append(stat.S_IMODE(os.stat(file).st_mode))
+            return out
+        return opened
+
+    stale = tmp_path / "redis" / "auth.conf"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("requirepass old\n")
+    stale.chmod(0o644)
+    monkeypatch.setattr(io, "open", spy(io.open))
+    monkeypatch.setattr(os, "open", spy(os.open))
+    port, old_umask = services.free_port(), os.umask(0o022)
+    try:
+        services.start_redis(tmp_path, port, password="s3cr3t-pw")
+    finally:
+        os.umask(old_umask)
+    try:
+        assert modes and set(modes) == {0o600}, [oct(m) for m in modes]
+        assert stat.S_IMODE(stale.stat().st_mode) == 0o600 and stale.read_text() == "requirepass s3cr3t-pw\n"
     finally:
         services.stop("redis", tmp_path)
 

@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 import numpy as np
 import tensorstore as ts
 
+from diloco.config import redact_url
 from diloco.infra.store import (FragmentStore, FragmentVersion, StoreError, committed_of, is_snapshot, kvstore_spec,
                                  marker_version)
 from diloco.ops import OpsError
@@ -40,10 +41,11 @@ def split_url(url: str) -> tuple[str, str]:
         url = "file://" + str(Path(url).resolve())
         u = urlparse(url)
     if u.scheme not in ("file", "gs"):
-        raise OpsError(f"{url!r} is not a checkpoint URL: use file:///PATH/<run id> or gs://BUCKET/PATH/<run id>")
+        raise OpsError(f"{redact_url(url)!r} is not a checkpoint URL: use file:///PATH/<run id> or gs://BUCKET/PATH/<run id>")
     parts = (u.netloc + u.path).strip("/").split("/") if u.scheme == "file" else u.path.strip("/").split("/")
     if not parts[-1] or (u.scheme == "file" and len(parts) < 2):
-        raise OpsError(f"{url!r} names no run: the run id is the last path element, e.g. {url.rstrip('/')}/<run id>")
+        shown = redact_url(url)
+        raise OpsError(f"{shown!r} names no run: the run id is the last path element, e.g. {shown.rstrip('/')}/<run id>")
     run = parts[-1]
     return url.rstrip("/")[: -len(run)].rstrip("/"), run
 
@@ -73,7 +75,7 @@ def _normalize(url: str) -> str:
     if not u.scheme:  # a plain local path
         return "file://" + str(Path(url).resolve())
     if u.scheme not in ("file", "gs"):
-        raise OpsError(f"{url!r} is not a checkpoint URL: use file:///PATH or gs://BUCKET/PATH (a store root), "
+        raise OpsError(f"{redact_url(url)!r} is not a checkpoint URL: use file:///PATH or gs://BUCKET/PATH (a store root), "
                        f"or either with /<run id> after it")
     return url.rstrip("/")
 
@@ -92,7 +94,7 @@ def open_url(url: str) -> Checkpoint | StoreRoot:
             return open_checkpoint(url)
         keys = frozenset(k.decode() if isinstance(k, bytes) else k for k in kv.list().result())
     except (ValueError, StoreError) as err:
-        raise OpsError(f"{url}: cannot list the store: {err}") from None
+        raise OpsError(f"{redact_url(url)}: cannot list the store: {err}") from None
     if any(k.startswith("fragments/") for k in keys):
         return open_checkpoint(url)
     if any(_RUN_KEY.fullmatch(k) for k in keys):
@@ -156,7 +158,7 @@ def open_checkpoint(url: str) -> Checkpoint:
         kv = ts.KvStore.open(kvstore_spec(store.url)).result()
         raw = kv.list(ts.KvStore.KeyRange("fragments/", "fragments/\xff")).result()
     except (ValueError, StoreError) as err:
-        raise OpsError(f"{url}: cannot list the store: {err}") from None
+        raise OpsError(f"{redact_url(url)}: cannot list the store: {err}") from None
     keys = frozenset(k.decode() if isinstance(k, bytes) else k for k in raw)
     dirs: dict[int, set[int]] = {}
     complete: dict[int, set[int]] = {}
