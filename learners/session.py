@@ -166,6 +166,7 @@ class Fetcher(threading.Thread):
         self.wanted = threading.Event()
         self.held: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}  # newest fetched (whole: its exact global)
         self.ready: dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]] = {}
+        self.markers: dict[int, int] = {}  # fragment -> its commit marker, as last read
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -186,7 +187,8 @@ class Fetcher(threading.Thread):
                 for records in self.consumer.poll(timeout_ms=100).values():
                     for rec in records:
                         p, v = self._announced(rec.value)
-                        if p is not None and v > max(self.held.get(p, (-1,))[0], due.get(p, [-1])[0]):
+                        if (p is not None and v > max(self.held.get(p, (-1,))[0], due.get(p, [-1])[0])
+                                and self._may_be_committed(p, v)):
                             due[p] = [v, 0, 0.0]
                 now = time.monotonic()
                 for p, entry in sorted(due.items()) if self.wanted.is_set() else ():
@@ -232,6 +234,26 @@ class Fetcher(threading.Thread):
             log.warning("announcement ignored: fragment %s version %s", messages.short(p, 40), messages.short(v, 40))
             return None, -1
         return p, v
+
+    def _may_be_committed(self, p: int, v: int) -> bool:
+        """Whether v can be a committed version of fragment p: at most one past the store's commit
+        marker (the owner moves it right after Redis commits; the announcement may be relayed first).
+        One beyond that (a forged or stray record) is ignored: waiting for it would hold back every
+        real version of the fragment. The marker is read only when an announcement outruns it."""
+        if v <= self.markers.get(p, -1) + 1:
+            return True
+        try:
+            marker = self.store.read_committed(p)
+        except (StoreError, OSError, ValueError):
+            return True                        # cannot tell now: the fetch decides
+        if marker is None:
+            return True                        # a store written before commit markers
+        self.markers[p] = marker
+        if v <= marker + 1:
+            return True
+        log.warning("announcement ignored: fragment %d v%d is not committed (the store's commit marker says v%d)",
+                    p, v, marker)
+        return False
 
     def fetch(self, p: int, v: int) -> tuple[dict[str, dict[Region, np.ndarray]], dict[str, np.ndarray] | None, int]:
         """(this host's blocks of version v of fragment p, the whole arrays when that is what it holds,
