@@ -5,6 +5,7 @@ events topic, stop cleanly, evaluate, and summarise.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -26,10 +27,13 @@ from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import Corpus, corpus_for
+from diloco.messages import WireError
 from diloco.plan import Plan, flatten, unflatten
 from diloco.spec import ModelSpec, evaluate, initial_plan, load_spec
 from diloco.syncer import state as state_mod
 from diloco.syncer.syncer import provision
+
+log = logging.getLogger(__name__)
 
 
 class RunError(RuntimeError):
@@ -100,8 +104,9 @@ def progress_table(cfg: Config, prog: Progress, run_id: str, elapsed: float) -> 
         if hb is None:
             t.add_row(lid, "-", "-", "-", "-", "-", "starting")
             continue
-        t.add_row(lid, f"{hb['step']}/{cfg.learner_steps(lid)}", f"{hb['tokens']:,}", _loss(hb),
-                  f"{1000 * hb['step_time']:.0f}", f"{hb['published']} ({hb['bytes_sent'] / 1e6:.2f} MB)", hb["state"])
+        t.add_row(lid, f"{hb.get('step', 0)}/{cfg.learner_steps(lid)}", f"{hb.get('tokens', 0):,}", _loss(hb),
+                  f"{1000 * hb.get('step_time', 0.0):.0f}",
+                  f"{hb.get('published', 0)} ({hb.get('bytes_sent', 0) / 1e6:.2f} MB)", str(hb.get("state", "?")))
     versions = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
     rej = ", ".join(f"{k} {v}" for k, v in sorted(prog.rejections.items())) or "none"
     t.caption = f"syncer: {versions} | merges {prog.merges} | accepted {prog.accepted} | rejected {prog.rejected} ({rej})"
@@ -238,6 +243,8 @@ class LocalRun:
         self.compute: dict[tuple[str, str], dict] = {}   # (learner, incarnation) -> last heartbeat figures
         self.tails_s: dict[str, float] = {}     # compute after a killed incarnation's last heartbeat
         self.syncers = cfg.syncer_ids()
+        self.learner_ids = set(cfg.learner_ids())
+        self.bad_events = 0  # events skipped as malformed (the topic is writable by every learner)
         self.syncers_up: set[str] = set()       # shards that said syncer_started since their last start
         self.takeovers: list[dict] = []        # fragments claimed by a shard from another one
         self.first_beat: float | None = None
@@ -295,19 +302,36 @@ class LocalRun:
                 ev = messages.parse_event(rec.value)
                 if not ev or ev.get("eid") in self.prog.eids:
                     continue
-                self.prog.apply(ev)
-                if ev["kind"] == "heartbeat":
-                    self.first_beat = self.first_beat or time.time()
-                    self.compute[(ev["learner"], ev.get("incarnation"))] = {"compute_s": ev.get("compute_s", 0.0),
-                                                                             "at": ev.get("at", ev["time"])}
-                    self._close_outage(ev["learner"])
-                elif ev["kind"] == "syncer_started":
-                    name = self.syncers[ev.get("shard", 0)]
-                    self.syncers_up.add(name)
-                    self._close_outage(name)
-                elif ev["kind"] == "fragment_claimed" and ev.get("previous") \
-                        and not ev["previous"].startswith(f"{ev['shard']}:"):
-                    self.takeovers.append(ev)
+                try:
+                    self._apply_event(ev)
+                except (WireError, KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+                    # the events topic is writable by every learner: a bad record is skipped, never fatal
+                    self.bad_events += 1
+                    log.warning("event ignored", extra={"kind": messages.short(ev.get("kind"), 40),
+                                                        "error": messages.bounded(f"{type(err).__name__}: {err}", 200)})
+
+    def _apply_event(self, ev: dict) -> None:
+        if ev["kind"] == "heartbeat":
+            if ev.get("learner") not in self.learner_ids:
+                raise KeyError(f"learner {messages.short(ev.get('learner'), 40)} is not in this run")
+            ev = messages.clean_heartbeat(ev)
+        self.prog.apply(ev)
+        if ev["kind"] == "heartbeat":
+            self.first_beat = self.first_beat or time.time()
+            self.compute[(ev["learner"], ev.get("incarnation"))] = {"compute_s": ev.get("compute_s", 0.0),
+                                                                     "at": ev.get("at", ev["time"])}
+            self._close_outage(ev["learner"])
+        elif ev["kind"] == "syncer_started":
+            shard = ev.get("shard", 0)
+            if not isinstance(shard, int) or not 0 <= shard < len(self.syncers):
+                raise IndexError(f"shard {messages.short(shard, 40)} is not one of this run's {len(self.syncers)}")
+            name = self.syncers[shard]
+            self.syncers_up.add(name)
+            self._close_outage(name)
+        elif ev["kind"] == "fragment_claimed" and ev.get("previous") \
+                and not ev["previous"].startswith(f"{ev['shard']}:"):
+            self.takeovers.append(ev)
+
 
     def _close_outage(self, name: str) -> None:
         for o in self.outages:
@@ -431,7 +455,7 @@ def _loss(hb: dict) -> str:
 
 
 def progress_line(prog: Progress, elapsed: float) -> str:
-    lrn = " ".join(f"{k} step {v['step']} loss {_loss(v)};" for k, v in sorted(prog.learners.items()))
+    lrn = " ".join(f"{k} step {v.get('step', 0)} loss {_loss(v)};" for k, v in sorted(prog.learners.items()))
     vers = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
     return (f"[{elapsed:4.0f}s] {lrn or 'learners starting;'} syncer {vers} merges {prog.merges} "
             f"accepted {prog.accepted} rejected {prog.rejected}")

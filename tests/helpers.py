@@ -22,23 +22,29 @@ def published_manifests(cfg, run_id) -> list[messages.Manifest]:
     tps = [tp for t in topics.fragments.values() for tp in kafka_io.partitions_of(t, topics.partitions)]
     out = []
     for rec in kafka_io.read_to_end(cfg.transport, tps):
-        header, _ = messages.parse_frame(rec.value)
-        if header["kind"] == "manifest":
-            out.append(messages.Manifest.from_header(header))
+        try:
+            header, _ = messages.parse_frame(rec.value)
+            if header.get("kind") == "manifest":
+                out.append(messages.Manifest.from_header(header))
+        except messages.WireError:   # a hostile record: it names no contribution the syncer could count
+            continue
     return out
 
 
 def run_events(cfg, run_id) -> list[dict]:
     topics = kafka_io.Topics.for_run(cfg, run_id)
-    return [messages.parse_event(r.value) for r in kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topics.events, 1))]
+    events = (messages.parse_event(r.value) for r in kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topics.events, 1)))
+    return [e for e in events if e is not None]   # a hostile record is not an event
 
 
 def assert_exact_accounting(cfg, run_id):
-    """Every published contribution is applied once, or rejected once, or still pending; nothing else."""
+    """Every published contribution is applied once, or rejected once, or still pending; nothing else
+    (an id that came with no valid manifest, if any, can only have been rejected)."""
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
-    published = {m.id for m in published_manifests(cfg, run_id)}
+    published = {m.id for m in published_manifests(cfg, run_id) if len(m.id) <= 64}
     status = state.statuses()
-    assert set(status) == published
+    assert published <= set(status), sorted(published - set(status))[:5]
+    assert all(s.startswith("rejected:") for cid, s in status.items() if cid not in published)
     merged = [cid for m in state.merges() for cid in m["ids"]]
     assert len(merged) == len(set(merged)), "a contribution entered two merges"
     applied = {cid for cid, s in status.items() if s.startswith("applied")}
