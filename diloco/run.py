@@ -31,6 +31,7 @@ from diloco.messages import WireError
 from diloco.plan import Plan, flatten, unflatten
 from diloco.spec import ModelSpec, evaluate, initial_plan, load_spec
 from diloco.syncer import state as state_mod
+from diloco.syncer.durability import EXIT_STATE_LOST
 from diloco.syncer.syncer import provision
 
 log = logging.getLogger(__name__)
@@ -378,7 +379,7 @@ class LocalRun:
                         self.finished.add(name)
                         continue
                     n = self.restarts.get(name, 0)
-                    if n >= cfg.run.max_restarts:
+                    if n >= cfg.run.max_restarts or (name in self.syncers and rc == EXIT_STATE_LOST):  # no retry helps
                         raise RunError(f"{name} failed {n + 1} times (last exit {rc}); log {self.jobs.jobs[name].log}:\n"
                                        + self.jobs.tail(name))
                     self._down(name, now, cfg.run.restart_backoff_s * 2 ** n, f"exited with {rc}")

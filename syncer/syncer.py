@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from kafka import TopicPartition
 from kafka.errors import KafkaError
+from redis.exceptions import ClusterDownError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -331,7 +332,8 @@ class Syncer:
             while True:
                 try:
                     self.step()
-                except (RedisConnectionError, RedisTimeoutError) as err:
+                except (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError) as err:
+                    # (a cluster mid-failover says CLUSTERDOWN / TRYAGAIN: the same wait, then a reload)
                     self.recover_from_redis_outage(err)
                 if self.stopping:
                     # Caught up by the high watermark of a fetch that may predate the last records

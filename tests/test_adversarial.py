@@ -18,6 +18,7 @@ from rich.console import Console
 from diloco import messages
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore
+from diloco.ops.topics import TopicMonitor
 from diloco.run import train
 from diloco.syncer import state as state_mod
 
@@ -139,3 +140,10 @@ def test_a_live_run_under_attack_finishes_clean(tiny_config, tmp_path):
     for p in range(cfg.fragments.count):                              # the global stayed finite
         params, _ = FragmentStore(cfg.store.url, run_id).read_params(p, state.versions()[p])
         assert all(np.all(np.isfinite(a)) for a in params.values())
+    monitor = TopicMonitor(cfg, run_id)                               # `diloco topics` reads the same log
+    try:
+        totals = monitor.sample()["partitions"]
+    finally:
+        monitor.close()
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    assert totals[f"{topics.fragments['us']}|0"]["malformed"] >= 3 and totals[f"{topics.outer}|0"]["malformed"] >= 2

@@ -84,18 +84,26 @@ class TopicMonitor:
             except messages.WireError:
                 t["malformed"] += 1
                 return
+            cid = header.get("id")
+            if not isinstance(cid, str) or not 0 < len(cid) <= 64:
+                t["malformed"] += 1
+                return
             if header.get("kind") == "manifest":
-                learner = self._owner[header["id"]] = str(header.get("learner"))
+                learner = self._owner[cid] = str(header.get("learner"))[:64]
+                while len(self._owner) > 10_000:  # manifests whose last chunk never came: forget the oldest
+                    self._owner.pop(next(iter(self._owner)))
             else:
-                learner = self._owner.get(header.get("id"), "unknown")
-                if header.get("index") == header.get("count", 0) - 1:  # a contribution's chunks come in order
-                    self._owner.pop(header.get("id"), None)
+                learner = self._owner.get(cid, "unknown")
+                index, count = header.get("index"), header.get("count")
+                if isinstance(index, int) and isinstance(count, int) and index == count - 1:  # chunks come in order
+                    self._owner.pop(cid, None)
             row = self.learners[tp.topic].setdefault(learner, _new_learner())
             row["frames"] += 1
             row["bytes"] += size
             if header.get("kind") == "manifest":
                 row["contributions"] += 1
-                row["payload_bytes"] += int(header.get("total_bytes", 0))
+                size_claim = header.get("total_bytes", 0)
+                row["payload_bytes"] += size_claim if isinstance(size_claim, int) and size_claim >= 0 else 0
                 frag = str(header.get("fragment"))
                 row["fragments"][frag] = row["fragments"].get(frag, 0) + 1
             return
@@ -105,9 +113,13 @@ class TopicMonitor:
             return
         kinds = self.kinds[tp.topic]
         kinds[ev["kind"]] = kinds.get(ev["kind"], 0) + 1
+        version = ev.get("version")
         if tp.topic == self.topics.outer and ev["kind"] == "version":
-            p = str(ev.get("fragment"))
-            self.announced[p] = max(self.announced.get(p, -1), int(ev.get("version", -1)))
+            if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < messages.MAX_COUNT:
+                t["malformed"] += 1      # a forged or broken announcement: counted, not believed
+                return
+            p = str(ev.get("fragment"))[:20]
+            self.announced[p] = max(self.announced.get(p, -1), version)
 
 
 def _rate(cur: float, prev: float | None, dt: float) -> float | None:
