@@ -315,7 +315,7 @@ class LocalRun:
         if ev["kind"] == "heartbeat":
             if ev.get("learner") not in self.learner_ids:
                 raise KeyError(f"learner {messages.short(ev.get('learner'), 40)} is not in this run")
-            ev = messages.clean_heartbeat(ev)
+            messages.clean_heartbeat(ev)  # raises on a field of the wrong type or range; the beat is kept whole
         self.prog.apply(ev)
         if ev["kind"] == "heartbeat":
             self.first_beat = self.first_beat or time.time()
