@@ -183,7 +183,11 @@ def test_chaos_run_heals_and_applies_every_contribution_once(tiny_config, tmp_pa
     assert c["published"] == c["applied"] + c["rejected"]
     assert set(s["rejections"]) <= {"incomplete"}        # only deltas cut off by a kill mid-send
     assert s["eval_loss_end"] < 0.9 * s["eval_loss_start"]
-    assert 0.5 < s["goodput"] <= 1.02 and 0 <= s["goodput_sync_equivalent"] < s["goodput"]
+    # productive time is counted from the merged manifests (steps x their mean step time), compute from the
+    # heartbeats' measured compute plus the estimated tail of each killed incarnation: two measurements of
+    # the same work that differ by a few percent on a loaded machine (1.020 seen in CI), never by a whole
+    # contribution (applied_twice above is the check for counting one twice)
+    assert 0.5 < s["goodput"] <= 1.05 and 0 <= s["goodput_sync_equivalent"] < s["goodput"]
     assert_exact_accounting(cfg, s["run_id"])
     incarnations = Counter()  # each came back under a new incarnation and registered with the syncer
     for lid, inc in {(e["learner"], e["incarnation"]) for e in run_events(cfg, s["run_id"]) if e["kind"] == "heartbeat"}:
