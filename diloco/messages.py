@@ -209,7 +209,6 @@ class _Partial:
     nbytes: int = 0                 # payload bytes held (kept as chunks arrive: no re-summing)
     idle_s: float = 0.0             # reading time without progress (see ChunkAssembler.expire)
     mark: int = 0                   # bytes of its partition read when it last progressed
-    seq: int = 0                    # order of last progress, for eviction
     first_offset: int | None = None
     where: str = ""
 
@@ -260,10 +259,9 @@ class ChunkAssembler:
         self.after_bytes = after_bytes if after_bytes is not None else 4 * max_bytes
         self.max_sets, self.max_buffered = max_sets, max_buffered
         self.check = check                       # manifest -> (reason, detail) or None
-        self._partial: dict[str, _Partial] = {}
+        self._partial: dict[str, _Partial] = {}  # least recently progressed first: eviction takes from the front
         self._read: dict[str, int] = {}          # where -> bytes read from it
         self._buffered = 0
-        self._seq = 0
         self._evicted: list[Dropped] = []
         self.tick_s = tick_s
         self._last_check: float | None = None
@@ -290,11 +288,11 @@ class ChunkAssembler:
         cid = header.get("id")
         if not isinstance(cid, str) or not cid:
             raise WireError("frame header has no contribution id")
-        part = self._partial.get(cid)
+        part = self._partial.pop(cid, None)
         if part is None:
-            part = self._partial[cid] = _Partial(where=where)
-        self._seq += 1
-        part.idle_s, part.mark, part.seq = 0.0, self._read.get(where, 0), self._seq
+            part = _Partial(where=where)
+        self._partial[cid] = part                # to the back: it progressed last
+        part.idle_s, part.mark = 0.0, self._read.get(where, 0)
         if offset is not None and (part.first_offset is None or offset < part.first_offset):
             part.first_offset = offset
         if header["kind"] == "manifest":
@@ -351,7 +349,7 @@ class ChunkAssembler:
     def _make_room(self, cid: str) -> Dropped | None:
         """Evict sets until the bounds hold; the newcomer's own set may be the one to go."""
         while len(self._partial) > self.max_sets or self._buffered > self.max_buffered:
-            victim = min(self._partial, key=lambda c: (self._partial[c].manifest is not None, self._partial[c].seq))
+            victim = next((c for c, p in self._partial.items() if p.manifest is None), next(iter(self._partial)))
             detail = (f"buffer full ({len(self._partial)} partial sets, {self._buffered} bytes; limits "
                       f"{self.max_sets} sets, {self.max_buffered} bytes)")
             d = self._drop(victim, "buffer_full", detail)
@@ -390,7 +388,7 @@ class ChunkAssembler:
         p = self._partial.pop(cid, None)
         if p is None:
             return _Partial()
-        self._buffered -= sum(len(c) + CHUNK_OVERHEAD for c in p.chunks.values())
+        self._buffered -= p.nbytes + CHUNK_OVERHEAD * len(p.chunks)
         return p
 
     def _drop(self, cid: str, reason: str, detail: str, manifest: Manifest | None = None) -> Dropped:

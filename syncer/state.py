@@ -231,7 +231,7 @@ class SyncerState:
             if cid is not None:
                 p.hset(self.k + "status", cid, f"rejected:{reason}")
                 if where is not None and where[2] is not None:
-                    p.zadd(self.k + f"finished:{where[0]}|{where[1]}", {cid: int(where[2])})
+                    p.zadd(self._finished(where[:2]), {cid: int(where[2])})
                 if fragment is not None:
                     p.hdel(f"{self.k}round:{fragment}", cid)
             p.hincrby(self.k + "counters", "rejected" if cid is not None else "rejected_records", 1)
@@ -250,7 +250,7 @@ class SyncerState:
     def prune_statuses(self, tp: tuple[str, int], below: int, keep: int, *, fence: Fence = None) -> list[str]:
         """Forget the statuses of ids finished from partition `tp` whose records all lie before offset
         `below` (the replay offset: never read again), keeping the newest `keep`. Returns the ids."""
-        key = self.k + f"finished:{_offset_key(tp)}"
+        key = self._finished(tp)
         extra = self.r.zcard(key) - keep
         if extra <= 0:
             return []
@@ -282,7 +282,7 @@ class SyncerState:
                 p.hdel(f"{self.k}round:{fragment}", *ids)
                 p.hset(self.k + "status", mapping={cid: f"applied:{fragment}:{from_version + 1}" for cid in ids})
                 for cid, (topic, partition, offset) in zip(ids, record.get("where", ())):
-                    p.zadd(self.k + f"finished:{topic}|{partition}", {cid: int(offset)})
+                    p.zadd(self._finished((topic, partition)), {cid: int(offset)})
             p.hincrby(self.k + "counters", "applied", len(ids))
             p.hincrby(self.k + "counters", "late", late)
             p.hincrby(self.k + "counters", "merges", 1)
@@ -378,6 +378,9 @@ class SyncerState:
     def _outbox(self, p, records: list[dict]) -> None:
         if records:
             p.rpush(self.k + "outbox", *(json.dumps(r) for r in records))
+
+    def _finished(self, tp: tuple[str, int]) -> str:
+        return self.k + f"finished:{_offset_key(tp)}"
 
     def _offsets(self, p, offsets: dict[tuple[str, int], int]) -> None:
         if offsets:

@@ -456,7 +456,6 @@ class Syncer:
         v = self.state.version(p)
         durability.check_fragment(self.state, self.store, self.run_id, p, v)
         st = self._rebuild(p, v)
-        self.status.update(self.state.statuses())
         for cid, meta in self.state.round(p).items():
             st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
         for tp in self._tps(p):
@@ -964,7 +963,7 @@ class Syncer:
         self._replaying = waiting
 
     def _lose(self, cid: str, c: Pending, detail: str) -> None:
-        p = c.tp[1]
+        p = self._fragment_of(c.tp)
         log.error("accepted contribution lost: its payload is not in the log",
                   extra={"id": cid, "fragment": p, "detail": detail})
         self._reject(cid, "lost_payload", detail)
