@@ -96,6 +96,7 @@ def _attack(cfg, run_id: str, shapes: dict[int, dict[str, tuple]]) -> dict[str, 
     kp.send(topics.events, messages.event("heartbeat", run=run_id, learner=["us-0"], step=1), partition=0)
     # announcements: wrong types, nested, a version far ahead of what was committed
     for value in (messages.event("version", run=run_id, fragment=0, version="7"),
+                  messages.event("version", run=run_id, fragment=0, version="seven"),
                   messages.event("version", run=run_id, fragment=2, version=10 ** 6),
                   messages.event("version", run=run_id, fragment=-1, version=1), NESTED):
         kp.send(topics.outer, value, partition=0)
