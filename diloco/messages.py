@@ -3,13 +3,12 @@
 A frame is `MAGIC | u16 wire version | u32 header length | JSON header | binary payload`.
 A contribution (one learner's outer delta for one fragment) travels as one `manifest` frame followed
 by `n_chunks` `chunk` frames, all keyed to the fragment's partition so they stay in order. It counts
-only when the manifest and every chunk arrived and the payload's SHA-256 matches the manifest.
+only when the manifest and every chunk arrived and the payload's CRC-32C matches the manifest.
 Announcements and events are plain JSON (readable with kcat) carrying a `schema` number.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
@@ -18,12 +17,13 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
+import crc32c as _crc32c
 import numpy as np
 
 from diloco import quantize
 
 MAGIC = b"DLCO"
-WIRE_VERSION = 1
+WIRE_VERSION = 2            # 2: the payload checksum is CRC-32C (`crc32c`), where 1 carried a SHA-256
 EVENT_SCHEMA = 1
 _PREFIX = struct.Struct("<4sHI")
 MAX_HEADER_BYTES = 1 << 20
@@ -71,7 +71,7 @@ class Manifest:
     tensors: tuple[TensorSpec, ...]
     total_bytes: int
     n_chunks: int
-    sha256: str
+    crc32c: int              # CRC-32C (Castagnoli) of the whole payload, as Kafka and GCS use it
     created: float
 
     def to_header(self) -> dict:
@@ -119,9 +119,11 @@ class Manifest:
             id=need("id", str), run=need("run", str), learner=need("learner", str), region=need("region", str),
             fragment=need("fragment", int), base_version=need("base_version", int), tokens=need("tokens", int),
             steps=need("steps", int), step_time=number("step_time"), tensors=tuple(tensors),
-            total_bytes=need("total_bytes", int), n_chunks=need("n_chunks", int), sha256=need("sha256", str),
+            total_bytes=need("total_bytes", int), n_chunks=need("n_chunks", int), crc32c=need("crc32c", int),
             created=number("created"),
         )
+        if not 0 <= m.crc32c < 1 << 32:
+            raise WireError(f"manifest crc32c must be a 32-bit unsigned integer, got {short(m.crc32c, 40)}")
         if m.n_chunks < 1 or m.total_bytes < 0:
             raise WireError(f"manifest n_chunks={short(m.n_chunks, 40)} total_bytes={short(m.total_bytes, 40)} are not possible")
         if sum(t.nbytes for t in m.tensors) != m.total_bytes:
@@ -173,7 +175,7 @@ def encode_contribution(
     manifest = Manifest(
         id=uuid.uuid4().hex, run=run, learner=learner, region=region, fragment=fragment,
         base_version=base_version, tokens=tokens, steps=steps, step_time=step_time, tensors=tuple(specs),
-        total_bytes=len(payload), n_chunks=n_chunks, sha256=hashlib.sha256(payload).hexdigest(), created=time.time(),
+        total_bytes=len(payload), n_chunks=n_chunks, crc32c=checksum(payload), created=time.time(),
     )
     frames = [frame(manifest.to_header())]
     for i in range(n_chunks):
@@ -182,12 +184,19 @@ def encode_contribution(
     return manifest, frames
 
 
+def checksum(payload) -> int:
+    """The payload's CRC-32C: it catches corruption and mis-assembled chunks at about 14 GB/s here
+    (hardware CRC instructions), where SHA-256 ran at 1.8 GB/s and was a third of the merge path.
+    It is no signature: who may write the topic is the broker's ACLs' business."""
+    return _crc32c.crc32c(payload)
+
+
 def verify_payload(manifest: Manifest, payload: bytes) -> None:
-    """Raise WireError unless the payload has the manifest's size and SHA-256."""
+    """Raise WireError unless the payload has the manifest's size and CRC-32C."""
     if len(payload) != manifest.total_bytes:
         raise WireError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
-    if hashlib.sha256(payload).hexdigest() != manifest.sha256:
-        raise WireError("checksum mismatch: payload SHA-256 differs from the manifest")
+    if checksum(payload) != manifest.crc32c:
+        raise WireError("checksum mismatch: payload CRC-32C differs from the manifest")
 
 
 def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import math
 
@@ -144,7 +143,7 @@ def assert_self_consistent(assembled: Assembled, decoded: dict, sent: Sent):
     """Decoded tensors are exactly the manifest's claims over the payload's bytes, and a tensor
     whose claims and bytes were not touched decodes to what the encoder sent."""
     m, payload = assembled.manifest, assembled.payload
-    assert hashlib.sha256(payload).hexdigest() == m.sha256 and len(payload) == m.total_bytes
+    assert messages.checksum(payload) == m.crc32c and len(payload) == m.total_bytes
     assert list(decoded) == [t.name for t in m.tensors]
     before = offsets(sent.manifest)
     for name, (t, pos) in offsets(m).items():
@@ -215,7 +214,7 @@ def field_mutations(draw, header: dict):
 
 
 WORDS = {  # besides the field's own name, what a refusal may call it
-    "kind": ("kind",), "id": ("id",), "sha256": ("checksum",), "n_chunks": ("n_chunks", "chunk"),
+    "kind": ("kind",), "id": ("id",), "crc32c": ("checksum", "crc32c"), "n_chunks": ("n_chunks", "chunk"),
     "total_bytes": ("total_bytes", "payload has"),
     "tensors": ("tensor", "total_bytes", "nbytes", "payload has"),  # a tensor's claim may only show in the sum
 }
@@ -270,7 +269,7 @@ def test_what_the_manifest_fuzz_found_is_refused_naming_the_field(change, words)
 def test_a_shape_no_array_can_have_is_refused_naming_it(shape, payload):
     m, _, h = _header_of()
     h["tensors"][0] |= {"shape": shape, "nbytes": len(payload)}
-    h |= {"total_bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    h |= {"total_bytes": len(payload), "crc32c": messages.checksum(payload)}
     got = assemble([wire(h), *_chunks(h["id"], payload, 64)])
     assert isinstance(got, WireError), got
     bounded_error(got, "shape")
@@ -282,7 +281,7 @@ def test_a_tensor_named_twice_is_refused_not_merged_from_one_of_its_slices():
     m, frames, h = _header_of()
     payload = bytes(messages.parse_frame(frames[1])[1])
     h["tensors"] = [h["tensors"][0], dict(h["tensors"][0])]
-    h |= {"total_bytes": 2 * len(payload), "sha256": hashlib.sha256(payload * 2).hexdigest()}
+    h |= {"total_bytes": 2 * len(payload), "crc32c": messages.checksum(payload * 2)}
     got = assemble([wire(h), wire({"kind": "chunk", "id": h["id"], "index": 0, "count": 1}, payload * 2)])
     assert isinstance(got, WireError) and "repeated" in str(got)
 
@@ -293,7 +292,7 @@ def _chunks(cid: str, payload: bytes, chunk_bytes: int) -> list[bytes]:
                            payload[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n)]
 
 
-STRUCTURAL = ("shape", "scheme", "unknown_scheme", "nbytes", "total_bytes", "n_chunks", "sha256", "truncate",
+STRUCTURAL = ("shape", "scheme", "unknown_scheme", "nbytes", "total_bytes", "n_chunks", "crc32c", "truncate",
               "extend", "flip", "drop_chunk", "repeat_chunk", "chunk_index", "chunk_count", "chunk_id")
 
 
@@ -302,7 +301,7 @@ STRUCTURAL = ("shape", "scheme", "unknown_scheme", "nbytes", "total_bytes", "n_c
 def test_claims_that_contradict_the_payload_are_refused_or_consistent(sent, what, resign, data):
     """Shape and codec claims against the payload, chunk counts, indexes and totals against the
     manifest, the payload truncated, extended or flipped, the checksum wrong. With `resign` the
-    attacker also fixes up total_bytes, sha256 and the chunk set, so the deeper checks are reached."""
+    attacker also fixes up total_bytes, crc32c and the chunk set, so the deeper checks are reached."""
     h = copy.deepcopy(messages.parse_frame(sent.frames[0])[0])
     payload, chunk_bytes = sent.payload, sent.chunk_bytes
     t = h["tensors"][data.draw(st.integers(0, len(h["tensors"]) - 1))]
@@ -316,8 +315,8 @@ def test_claims_that_contradict_the_payload_are_refused_or_consistent(sent, what
     elif what in ("nbytes", "total_bytes", "n_chunks"):
         target = t if what == "nbytes" else h
         target[what] += data.draw(st.sampled_from([-3, -2, -1, 1, 2, 3]))
-    elif what == "sha256":
-        h["sha256"] = ("0" if h["sha256"][0] != "0" else "1") + h["sha256"][1:]
+    elif what == "crc32c":
+        h["crc32c"] ^= 1 << data.draw(st.integers(0, 31))
     elif what == "truncate":
         payload = payload[:data.draw(st.integers(0, max(0, len(payload) - 1)))]
     elif what == "extend":
@@ -326,7 +325,7 @@ def test_claims_that_contradict_the_payload_are_refused_or_consistent(sent, what
         i = data.draw(st.integers(0, len(payload) - 1))
         payload = payload[:i] + bytes([payload[i] ^ (1 << data.draw(st.integers(0, 7)))]) + payload[i + 1:]
     if resign:
-        h |= {"total_bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        h |= {"total_bytes": len(payload), "crc32c": messages.checksum(payload)}
         if what in ("shape", "scheme", "unknown_scheme", "nbytes"):  # claims in bytes that add up again
             t["nbytes"] += len(payload) - sum(x["nbytes"] for x in h["tensors"])
         h["n_chunks"] = max(1, math.ceil(len(payload) / chunk_bytes))

@@ -175,8 +175,9 @@ def test_checksum_mismatch_is_detected_on_decode():
     (b"", "truncated"),
     (b"XXXX" + b"\0" * 10, "not a diloco frame"),
     (struct.pack("<4sHI", b"DLCO", 9, 2) + b"{}", "wire version 9"),
-    (struct.pack("<4sHI", b"DLCO", 1, 500) + b"{}", "runs past"),
-    (struct.pack("<4sHI", b"DLCO", 1, 3) + b"{x}", "not JSON"),
+    (struct.pack("<4sHI", b"DLCO", 1, 2) + b"{}", "wire version 1 is not supported"),  # SHA-256 manifests
+    (struct.pack("<4sHI", b"DLCO", messages.WIRE_VERSION, 500) + b"{}", "runs past"),
+    (struct.pack("<4sHI", b"DLCO", messages.WIRE_VERSION, 3) + b"{x}", "not JSON"),
     (messages.frame({"kind": "pickle"}), "kind must be"),
 ])
 def test_malformed_frames_say_what_is_wrong(raw, words):
