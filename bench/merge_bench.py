@@ -37,14 +37,14 @@ def contributions(params: dict[str, np.ndarray], k: int, scheme: str, seed: int 
     return out
 
 
-PHASES = ("validate", "merge", "outer_step", "encode_update", "store_write")
+PHASES = ("validate", "merge", "outer_step_and_update", "store_write")
 
 
 def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_state, store: FragmentStore,
                version: int, broadcast: str = "int8", threads: int = 1, times: dict | None = None,
                snapshot_every: int = 8) -> int:
     """The syncer's merge path (syncer/fused.py, as Syncer.validate and Syncer._merged run it):
-    checksum and norms from the codes, fused RDA, outer step, fused update encoding, store write."""
+    checksum and norms from the codes, fused RDA, the outer step fused with the update encoding, store write."""
     times = {} if times is None else times
     clock = [time.perf_counter()]
 
@@ -64,10 +64,9 @@ def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_st
     weights = merge_math.token_weights([m.tokens for m, _ in contribs], [m.steps for m, _ in contribs])
     delta = fused.merge(deltas, weights, ("tok_embed", "pos_embed"), threads=threads)
     lap("merge")
-    new, state = fused.outer_sgd(params, opt_state, delta, lr=0.7, momentum=0.9, nesterov=True, threads=threads)
-    lap("outer_step")
-    update, new, residual = fused.encode_update(params, new, {}, broadcast, threads=threads)
-    lap("encode_update")
+    update, new, residual, state = fused.outer_update(params, opt_state, delta, {}, lr=0.7, momentum=0.9, nesterov=True,
+                                                      scheme=broadcast, threads=threads)
+    lap("outer_step_and_update")
     store.write(0, version, new, merge_math.flatten_state(state), {"time": time.time()}, residual=residual,
                 update=update, update_scheme=broadcast, snapshot_at=None if version % snapshot_every == 0 else 0)
     lap("store_write")

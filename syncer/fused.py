@@ -208,6 +208,70 @@ def encode_update(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], 
             {n: r[2] for n, r in zip(names, results)})
 
 
+def _threaded(one, names: list[str], threads: int) -> list:
+    if threads <= 1:
+        return [one(n) for n in names]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, names))
+
+
+def _finite(a: np.ndarray) -> bool:
+    return bool(np.all(np.isfinite(np.asarray(a, np.float32))))
+
+
+NOT_FINITE = ((1, "merged values"), (2, "published values or broadcast residual"))
+
+
+def outer_update(old: Mapping[str, np.ndarray], state, delta: Mapping[str, np.ndarray],
+                 residual: Mapping[str, np.ndarray], *, lr: float, momentum: float, nesterov: bool, scheme: str,
+                 scales: Mapping[str, float] | None = None, threads: int = 1):
+    """`outer_sgd` then `encode_update` (the delta of tensor n times `scales[n]`, default 1): (encoded
+    update, published values, residual, outer state), bit for bit as those two would give. For int8
+    / int4 float32 tensors both are one pass per row (`kernels.step_update_q`): the stepped values are
+    never stored. Raises FloatingPointError naming the tensors whose stepped values, published
+    values or residual are not finite (int8 codes would launder a NaN), so none is ever written."""
+    trace_state = state[0] if momentum > 0 else None
+    scales = scales or {}
+
+    def one(n: str):
+        o, d = np.asarray(old[n]), np.ascontiguousarray(delta[n], np.float32)
+        k = float(scales.get(n, 1.0))
+        if scheme not in quantize.LEVELS or o.dtype != np.float32:  # bf16 parameters, fp32 / bf16 updates
+            if k != 1.0:
+                d = np.float32(k) * d
+            sub = (trace_state._replace(trace={n: trace_state.trace[n]}), *state[1:]) if trace_state else state
+            new, sub = outer_sgd({n: o}, sub, {n: d}, lr=lr, momentum=momentum, nesterov=nesterov)
+            wire, pub, car = encode_update({n: o}, new, {n: residual[n]} if n in residual else {}, scheme)
+            flags = (0 if _finite(new[n]) else 1) | (0 if _finite(pub[n]) and _finite(car[n]) else 2)
+            return wire[n], pub[n], car[n], sub[0].trace[n] if trace_state else None, flags
+        rows, cols = quantize._rows(o.shape)
+        res = residual.get(n)
+        res = np.zeros((rows, cols), np.float32) if res is None else np.asarray(res, np.float32).reshape(rows, cols)
+        trace_in = np.asarray(trace_state.trace[n], np.float32).reshape(rows, cols) if trace_state else res
+        trace_out = np.empty((rows, cols), np.float32) if trace_state else res  # not written without momentum
+        q, scale = np.empty((rows, cols), np.int8), np.empty(rows, "<f4")
+        published, carried = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
+        flags = kernels.step_update_q(o.reshape(rows, cols), d.reshape(rows, cols), k, trace_in, trace_out, lr,
+                                      momentum, nesterov and momentum > 0, res, quantize.LEVELS[scheme], q, scale,
+                                      published, carried)
+        if scheme == "int4":
+            q = np.pad(q, ((0, 0), (0, cols % 2))) + 8
+            q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+        return (scale.tobytes() + q.tobytes(), published.reshape(o.shape), carried.reshape(o.shape),
+                trace_out.reshape(o.shape) if trace_state else None, flags)
+
+    names = list(delta)
+    results = dict(zip(names, _threaded(one, names, threads)))
+    for bit, what in NOT_FINITE:
+        bad = [n for n in names if results[n][4] & bit]
+        if bad:
+            raise FloatingPointError(f"{what} of {bad[:8]} are not finite")
+    if trace_state is not None:
+        state = (trace_state._replace(trace={**trace_state.trace, **{n: r[3] for n, r in results.items()}}), *state[1:])
+    return ({n: r[0] for n, r in results.items()}, {n: r[1] for n, r in results.items()},
+            {n: r[2] for n, r in results.items()}, state)
+
+
 def warm_up() -> None:
     """Run every kernel once on tiny inputs of each wire scheme, so that compiling (or loading them
     from numba's cache) happens when the syncer starts, not during its first merges."""
@@ -231,3 +295,7 @@ def warm_up() -> None:
         for old in (params, frozen):
             encode_update(old, new, {}, scheme)
             encode_update(old, new, {n: np.zeros_like(a) for n, a in params.items()}, scheme)
+        for momentum in (0.0, 0.9):
+            opt = merge_math.outer_optimizer(0.5, momentum, True)
+            outer_update(frozen, opt.init(params), merged, {}, lr=0.5, momentum=momentum, nesterov=True, scheme=scheme,
+                         scales={"m": 0.5})

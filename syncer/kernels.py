@@ -7,8 +7,9 @@ into one float32 accumulator per tensor:
 - `sumsq_*`: the squared norm of an encoded delta (and whether it is finite) from its codes and
   row scales, without decoding it;
 - `axpy_*`: acc += coef * decode(encoded), the step of a weighted sum;
-- `update_int8` / `update_int4`: the syncer's broadcast encoding of new - old + residual, the
-  published global and the residual left, in one pass per row.
+- `update_q`: the syncer's broadcast encoding of new - old + residual, the published global and
+  the residual left, in one pass per row; `step_update_q` the same with the outer SGD step that
+  makes `new` in that pass too.
 
 `nogil=True`, so tensors merge in parallel threads; `cache=True`, so a restarted syncer does not
 compile again. Each kernel has a NumPy twin in `syncer/merge.py` and `diloco/quantize.py`; the
@@ -136,11 +137,19 @@ def scale_into(out, acc, k):
 
 @nb.njit(**_JIT)
 def sumsq(x):
+    """sum(x^2) in float64 of a flat float32 array, in 8 interleaved partial sums: one running sum
+    is a chain of dependent adds (about 1.3 ns per value here), 8 of them vectorize."""
+    lanes = np.zeros(8, np.float64)
+    n = x.shape[0] - x.shape[0] % 8
+    for i in range(0, n, 8):
+        for j in range(8):
+            v = np.float64(x[i + j])
+            lanes[j] += v * v
     total = 0.0
-    for i in range(x.shape[0]):
+    for i in range(n, x.shape[0]):
         v = np.float64(x[i])
         total += v * v
-    return total
+    return total + lanes.sum()
 
 
 # --- the broadcast update, fused ---------------------------------------------------------------------
@@ -175,6 +184,69 @@ def update_q(new, old, residual, levels, q, scale, published, carried):
             p = old[r, c] + np.float32(v) * s
             published[r, c] = p
             carried[r, c] = want[c] - (p - old[r, c])
+
+
+_EXP = np.uint32(0x7F800000)     # float32 exponent bits: all ones for inf and nan
+_ABS = np.uint32(0x7FFFFFFF)
+
+
+@nb.njit(**_JIT)
+def step_update_q(old, delta, k, trace_in, trace_out, lr, momentum, nesterov, residual, levels, q, scale, published,
+                  carried):
+    """`sgd_step` on the gradient k * delta, then `update_q` of its result, in one pass per row with
+    the same float32 arithmetic (bit for bit): the stepped parameters are never stored, only what
+    the syncer keeps (published values, residual, new momentum trace) and the broadcast codes.
+    Returns bit flags: 1 if a stepped value, 2 a published value or residual, is not finite.
+
+    Every inner loop is branch-free so that LLVM vectorizes it: a row's max |want| is the integer
+    max of the float bits less the sign (the same order for non-negative floats), which is at least
+    the exponent mask exactly when some value is inf or nan."""
+    rows, cols = old.shape
+    want = np.empty(cols, np.float32)
+    wbits = want.view(np.uint32)
+    pbits, cbits = published.view(np.uint32), carried.view(np.uint32)
+    top_f = np.empty(1, np.float32)
+    top_u = top_f.view(np.uint32)
+    kk, m, step = np.float32(k), np.float32(momentum), np.float32(-lr)
+    flags = 0
+    for r in range(rows):
+        o, d, res = old[r], delta[r], residual[r]
+        if momentum > 0:
+            t_in, t_out = trace_in[r], trace_out[r]
+            for c in range(cols):
+                g = kk * d[c]
+                t = g + m * t_in[c]
+                t_out[c] = t
+                u = (g + m * t) if nesterov else t
+                want[c] = ((o[c] + step * u) - o[c]) + res[c]
+        else:
+            for c in range(cols):
+                want[c] = ((o[c] + step * (kk * d[c])) - o[c]) + res[c]
+        top = np.uint32(0)
+        for c in range(cols):
+            top = max(top, wbits[c] & _ABS)
+        if top >= _EXP:
+            flags |= 1
+            continue
+        top_u[0] = top
+        s = top_f[0] / np.float32(levels)
+        if not s > 0:
+            s = np.float32(1.0)
+        scale[r] = s
+        qr, pr, cr = q[r], published[r], carried[r]
+        for c in range(cols):
+            v = min(max(np.rint(want[c] / s), np.float32(-levels)), np.float32(levels))
+            qr[c] = np.int8(v)
+            p = o[c] + v * s
+            pr[c] = p
+            cr[c] = want[c] - (p - o[c])
+        bad = np.uint32(0)
+        for c in range(cols):
+            bad |= (pbits[r, c] & _EXP) == _EXP
+            bad |= (cbits[r, c] & _EXP) == _EXP
+        if bad:
+            flags |= 2
+    return flags
 
 
 # --- the outer step ---------------------------------------------------------------------------------

@@ -172,12 +172,6 @@ class FragmentState:
         return self._scale
 
 
-def _check_finite(what: str, arrays: dict[str, np.ndarray]) -> None:
-    bad = [n for n, a in arrays.items() if not np.all(np.isfinite(np.asarray(a, np.float32)))]
-    if bad:
-        raise FloatingPointError(f"{what} of {bad[:8]} are not finite")
-
-
 def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentStore, producer, plan: Plan,
               initial: dict[str, np.ndarray]) -> bool:
     """Create topics and, for a new run, store its plan and version 0 of every fragment (from the
@@ -866,12 +860,10 @@ class Syncer:
                             share=share, threads=sc.merge_threads)
         old = {n: st.params[n] for n in self.plan[p]}
         o = self.cfg.outer
-        params, opt_state = fused.outer_sgd(old, st.opt_state, delta, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
-                                            threads=sc.merge_threads)
-        _check_finite("merged values", params)  # before the encoding: int8 codes would launder a NaN
-        update, params, residual = fused.encode_update(old, params, st.residual, sc.broadcast, threads=sc.merge_threads)
-        _check_finite("published values", params)
-        _check_finite("broadcast residual", residual)
+        # raises FloatingPointError on any value that is not finite (int8 codes would launder a NaN)
+        update, params, residual, opt_state = fused.outer_update(
+            old, st.opt_state, delta, st.residual, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+            scheme=sc.broadcast, threads=sc.merge_threads)
         return weights, params, opt_state, update, residual
 
     def _drop_norm_outliers(self, p: int, contribs: list[Pending]) -> list[Pending]:

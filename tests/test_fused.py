@@ -130,3 +130,64 @@ def test_norms_of_huge_finite_values_are_finite(scheme):
     manifest, payload = _encoded({"a": np.full((4, 8), 1e30, np.float32)}, scheme)
     norm = fused.encoded_delta(manifest, payload).norm
     assert math.isfinite(norm) and norm == pytest.approx(1e30 * math.sqrt(32), rel=1e-2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(scheme=st.sampled_from(quantize.SCHEMES), momentum=st.sampled_from([0.0, 0.5, 0.9]), nesterov=st.booleans(),
+       seed=st.integers(0, 2**16), scaled=st.booleans(), with_residual=st.booleans())
+def test_the_outer_step_fused_with_the_update_equals_the_two_apart(scheme, momentum, nesterov, seed, scaled,
+                                                                   with_residual):
+    """fused.outer_update is outer_sgd then encode_update, bit for bit: update bytes, published values,
+    residual and momentum trace, over three steps (the trace and residual carried), a bf16 tensor
+    (the NumPy path) and a tensor whose delta is zero."""
+    rng = np.random.default_rng(seed)
+    old = {f"t{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate(SHAPES)}
+    old["bf"] = rng.normal(size=(4, 6)).astype(ml_dtypes.bfloat16)
+    opt = ref.outer_optimizer(0.7, momentum, nesterov)
+    state_a = state_b = opt.init(ref.as_float32(old))
+    pub_a = pub_b = old
+    res_a = res_b = ({n: (1e-4 * rng.normal(size=a.shape)).astype(np.float32) for n, a in old.items()}
+                     if with_residual else {})
+    for step in range(3):
+        delta = {n: (1e-2 * rng.normal(size=a.shape)).astype(np.float32) for n, a in old.items()}
+        delta["t3"] = np.zeros_like(delta["t3"])
+        scales = {n: float(rng.uniform(0.1, 2.0)) for n in delta} if scaled else None
+        stepped = {n: np.float32(scales[n]) * d for n, d in delta.items()} if scaled else delta
+        new, state_a = fused.outer_sgd(pub_a, state_a, stepped, lr=0.7, momentum=momentum, nesterov=nesterov)
+        want = fused.encode_update(pub_a, new, res_a, scheme)
+        got = fused.outer_update(pub_b, state_b, delta, res_b, lr=0.7, momentum=momentum, nesterov=nesterov,
+                                 scheme=scheme, scales=scales, threads=2)
+        for w, g in zip(want, got):
+            assert w.keys() == g.keys()
+            for n in w:
+                if isinstance(w[n], bytes):
+                    assert w[n] == g[n], (n, step)
+                else:
+                    assert w[n].dtype == g[n].dtype and w[n].shape == g[n].shape, n
+                    np.testing.assert_array_equal(g[n], w[n], err_msg=f"{n} step {step}")
+        a, b = ref.flatten_state(state_a), ref.flatten_state(got[3])
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+        _, pub_a, res_a = want
+        _, pub_b, res_b, state_b = got
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp32"])
+@pytest.mark.parametrize("where, words", [("delta", "merged values"), ("residual", "not finite"),
+                                          ("huge", "merged values")])
+def test_the_fused_outer_update_refuses_what_is_not_finite_naming_the_tensor(scheme, where, words):
+    rng = np.random.default_rng(3)
+    old = {n: rng.normal(size=s).astype(np.float32) for n, s in (("a", (5, 9)), ("b", (3, 4)))}
+    delta = {n: (1e-2 * rng.normal(size=a.shape)).astype(np.float32) for n, a in old.items()}
+    residual = {n: np.zeros_like(a) for n, a in old.items()}
+    if where == "delta":
+        delta["b"][2, 1] = np.nan
+    elif where == "residual":
+        residual["b"][0, 3] = np.inf
+    else:  # finite, but the step overflows float32
+        delta["b"][1, 1] = 3e38
+    opt = ref.outer_optimizer(1.5, 0.0, False)
+    with pytest.raises(FloatingPointError, match=words) as err:
+        fused.outer_update(old, opt.init(old), delta, residual, lr=1.5, momentum=0.0, nesterov=False, scheme=scheme)
+    assert "'b'" in str(err.value) and "'a'" not in str(err.value)

@@ -138,20 +138,19 @@ def test_an_id_too_long_for_the_state_is_malformed(harness):
 @pytest.mark.integration
 def test_a_merge_that_would_not_be_finite_is_rejected_not_written(harness, monkeypatch):
     h = harness
-    real = syncer_mod.fused.outer_sgd
+    real = syncer_mod.fused.merge
 
-    def poisoned(params, state, delta, **kw):
-        new, state = real(params, state, delta, **kw)
-        return {n: np.full_like(a, np.nan) for n, a in new.items()}, state
+    def poisoned(*args, **kw):  # a merged delta that is not finite: the outer step must refuse it
+        return {n: np.full_like(a, np.nan) for n, a in real(*args, **kw).items()}
 
-    monkeypatch.setattr(syncer_mod.fused, "outer_sgd", poisoned)
+    monkeypatch.setattr(syncer_mod.fused, "merge", poisoned)
     a = h.publish("us-0", 1, deltas=h.deltas(1, seed=1))
     b = h.publish("eu-0", 1, deltas=h.deltas(1, seed=2))
     h.pump(lambda: _reason(h, a.id).startswith("rejected") and _reason(h, b.id).startswith("rejected"))
     assert {_reason(h, a.id), _reason(h, b.id)} == {"rejected:merge_failed"}
     assert h.state.versions()[1] == 0 and h.store.versions(1) == [0]    # nothing written or announced
     assert not [e for e in h.events() if e["kind"] == "version" and e.get("fragment") == 1 and e["version"] > 0]
-    monkeypatch.setattr(syncer_mod.fused, "outer_sgd", real)
+    monkeypatch.setattr(syncer_mod.fused, "merge", real)
     _good_round(h, fragment=1)
 
 
