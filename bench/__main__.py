@@ -107,14 +107,22 @@ def main_load(argv: list[str]) -> list[dict]:
     ap.add_argument("--seconds", type=float, default=20.0, help="measured window per setting")
     ap.add_argument("--period", type=float, default=2.0, help="seconds between two contributions of a learner to a fragment")
     ap.add_argument("--jitter", type=float, default=0.2, help="relative jitter of that period")
+    ap.add_argument("--drain", action="store_true",
+                    help="publish the window's traffic first, then time the syncer taking it in (its capacity "
+                         "with no generator on its cores); default: the generator runs live beside it")
     ap.add_argument("--output", type=Path, default=None, help="also write the rows as JSON here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override (e.g. transport.bootstrap_servers=host:9092, state.redis_url=...)")
     a = ap.parse_args(argv)
     rows = load.sweep(load_config(None, a.set), sizes=[float(x) for x in a.params.split(",")],
                       learners=[int(x) for x in a.learners.split(",")], shards=[int(x) for x in a.shards.split(",")],
-                      seconds=a.seconds, period_s=a.period, jitter=a.jitter, progress=lambda r: print(r, flush=True))
-    print(load.table(rows))
+                      seconds=a.seconds, period_s=a.period, jitter=a.jitter, progress=lambda r: print(r, flush=True),
+                      drain=a.drain)
+    print(load.drain_table(rows) if a.drain else load.table(rows))
+    ceiling = load.client_ceiling(load_config(None, a.set))
+    print(f"the Kafka client alone, one process, {ceiling['record_bytes'] // 1024} KiB records: produce "
+          f"{ceiling['produce_mb_per_s']:.0f} MB/s, consume {ceiling['consume_mb_per_s']:.0f} MB/s")
+    rows = [*rows, {"client_ceiling": ceiling}]
     if a.output:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         a.output.write_text(json.dumps(rows, indent=1))

@@ -8,7 +8,10 @@ encoded once and shared (each contribution gets its own id, learner and manifest
 itself needs no model and little memory. Reported per setting: sustained merges/s, contribution
 MB/s sent and merged, the syncer's lag (records behind the partitions' ends, from the offsets the
 syncer saves every few seconds: an upper bound) at the start and end of the window, publish-to-merge latency p50/p99 (the merge event's time minus the send's ack),
-store bytes per version, and the syncer processes' peak RSS.
+store bytes per version, the syncer processes' peak RSS, and where the machine's cores went in the
+window (CPU seconds per second of the syncer shards, the generator, the broker; the machine's busy
+share; the syncer's share spent merging), which says whether a row that falls behind ran out of
+syncer or of machine.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import json
 import math
 import os
 import random
+import resource
+import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 from kafka.errors import KafkaError
 
 from diloco import messages
@@ -72,6 +78,38 @@ def _rss_peak_mb(pid: int) -> float:
     return math.nan
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (nan once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return math.nan
+
+
+def _self_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all cores from /proc/stat."""
+    values = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def _broker_pid() -> int | None:
+    """The local broker's pid, where `diloco infra up` started it (else its CPU is not reported)."""
+    try:
+        return int((Path(".diloco/services") / "kafka.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _lag(cfg: Config, state: state_mod.SyncerState, topics: kafka_io.Topics) -> int:
     """Records of the region topics the syncer has not consumed yet."""
     c = kafka_io.consumer(cfg.transport)
@@ -84,10 +122,10 @@ def _lag(cfg: Config, state: state_mod.SyncerState, topics: kafka_io.Topics) -> 
     return sum(max(0, end - done.get((tp.topic, tp.partition), 0)) for tp, end in ends.items())
 
 
-def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: float = 20.0, period_s: float = 2.0,
-            jitter: float = 0.2, fragments: int = 3, senders: int = 4, logs: Path | None = None) -> dict:
-    """One setting: provision, start the syncer shards, publish for `seconds`, drain, measure."""
-    tmp = tempfile.mkdtemp(prefix="diloco-load-")
+def _provisioned(base: Config, tmp: str, *, params: int, learners: int, shards: int, fragments: int):
+    """A new run of `fragments` fragments of `params` parameters provisioned (topics, plan, version 0),
+    and one int8 payload per fragment encoded: (cfg, run id, state, topics, {fragment: (manifest,
+    payload)}, config path)."""
     cfg = _config(base, params=params, learners=learners, shards=shards, fragments=fragments, store=f"file://{tmp}/store")
     run_id = cfg.run.id
     rows = max(1, params // COLS)
@@ -109,6 +147,36 @@ def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: f
     del tree
     conf = Path(tmp) / "config.yaml"
     conf.write_text(dump_config(cfg))
+    return cfg, run_id, state, topics, encoded, conf
+
+
+def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: float = 20.0, period_s: float = 2.0,
+            jitter: float = 0.2, fragments: int = 3, senders: int = 4, logs: Path | None = None) -> dict:
+    """One setting: provision, start the syncer shards, publish for `seconds`, drain, measure. Its
+    store and logs live in a temporary folder, removed afterwards (they reach gigabytes)."""
+    tmp = tempfile.mkdtemp(prefix="diloco-load-")
+    try:
+        return _run_one(base, tmp, params=params, learners=learners, shards=shards, seconds=seconds, period_s=period_s,
+                        jitter=jitter, fragments=fragments, senders=senders, logs=logs)
+    finally:
+        _clean_up(base, tmp)
+
+
+def _clean_up(base: Config, tmp: str) -> None:
+    """Remove a row's store and logs, and its run's topics from the broker (a local broker keeps
+    them in memory: a sweep's rows reached 11 GB)."""
+    conf = Path(tmp) / "config.yaml"
+    if conf.exists():
+        cfg = build_config(yaml.safe_load(conf.read_text()))
+        topics = kafka_io.Topics.for_run(cfg, cfg.run.id)
+        kafka_io.delete_topics(cfg.transport, [*topics.fragments.values(), topics.outer, topics.events])
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_one(base: Config, tmp: str, *, params: int, learners: int, shards: int, seconds: float, period_s: float,
+             jitter: float, fragments: int, senders: int, logs: Path | None) -> dict:
+    cfg, run_id, state, topics, encoded, conf = _provisioned(base, tmp, params=params, learners=learners, shards=shards,
+                                                             fragments=fragments)
     jobs = LocalJobs(logs or Path(tmp) / "logs")
     for i in range(shards):
         jobs.start(f"syncer-{i}", ["syncer", "--config", str(conf), "--shard", str(i)])
@@ -172,8 +240,16 @@ def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: f
         th.start()
     time.sleep(max(0.0, t0 + 1.0 - time.time()))
     lag_start = _lag(cfg, state, topics)
+    broker = _broker_pid()
+    pids = {"syncer": [job.popen.pid for job in jobs.jobs.values()], "broker": [broker] if broker else []}
+    cpu0 = {k: sum(_cpu_s(x) for x in v) for k, v in pids.items()} | {"generator": _self_cpu_s()}
+    busy0, wall0, clock0 = *_machine_busy(), time.time()
     time.sleep(max(0.0, stop_at - time.time()))
+    cpu1 = {k: sum(_cpu_s(x) for x in v) for k, v in pids.items()} | {"generator": _self_cpu_s()}
+    busy1, wall1, clock1 = *_machine_busy(), time.time()
     lag_end = _lag(cfg, state, topics)
+    cores = {k: (cpu1[k] - cpu0[k]) / (clock1 - clock0) for k in cpu0}  # the lag reads above are the generator's too
+    machine_busy = (busy1 - busy0) / max(wall1 - wall0, 1)
     peak = {name: _rss_peak_mb(job.popen.pid) for name, job in jobs.jobs.items()}
     for th in threads:
         th.join(timeout=120)
@@ -199,7 +275,7 @@ def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: f
     update_bytes = sum(f.stat().st_size for d in version_dirs for f in d.glob("e*/update/*"))
     merged_bytes = sum(len(encoded[m["fragment"]][1]) * len(m["ids"]) for m in window)
     return {
-        "params_per_fragment": rows * COLS, "learners": learners, "shards": shards, "fragments": fragments,
+        "mode": "live", "run": run_id, "params_per_fragment": max(1, params // COLS) * COLS, "learners": learners, "shards": shards, "fragments": fragments,
         "period_s": period_s, "seconds": seconds,
         "offered_mb_per_s": learners * fragments * len(encoded[0][1]) / period_s / 1e6,
         "sent_mb_per_s": sent_bytes[0] / seconds / 1e6, "sender_behind_s": round(behind[0], 3),
@@ -212,28 +288,157 @@ def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: f
         "store_bytes_between_snapshots": sum(size(d) for d in between) / max(len(between), 1),
         "versions": len(version_dirs),
         "syncer_peak_rss_mb": max(peak.values()),
+        "cores": {k: round(v, 2) for k, v in cores.items()}, "machine_busy": round(machine_busy, 3),
+        "cpu_count": os.cpu_count(),
+        # the shards' summed merge seconds (merge math, outer step, store write) per second of the window
+        "merging_cores": sum(e.get("seconds", 0.0) for e in events
+                             if e and e["kind"] == "merge" and t0 <= e["time"] <= stop_at) / seconds,
         "accepted": counters.get("accepted", 0), "applied": counters.get("applied", 0),
         "rejected": counters.get("rejected", 0), "published": len(sent), "send_failures": failed[0],
     }
 
 
+def drain_one(base: Config, *, params: int, learners: int, shards: int, seconds: float = 20.0, period_s: float = 2.0,
+              fragments: int = 3, senders: int = 4, logs: Path | None = None) -> dict:
+    """The syncer's own capacity: `seconds` of the setting's traffic published first, with no syncer
+    running, then the shards started and timed from their first acceptance to the last decision.
+    With the generator out of the way the syncer shares the machine only with the broker, so this is
+    what one shard (or several) takes in when it has a core; the live rows are what it does beside a
+    generator on the same cores."""
+    tmp = tempfile.mkdtemp(prefix="diloco-load-")
+    try:
+        cfg, run_id, state, topics, encoded, conf = _provisioned(base, tmp, params=params, learners=learners,
+                                                                 shards=shards, fragments=fragments)
+        work = [(lid, p) for _ in range(max(1, round(seconds / period_s))) for lid in cfg.learner_ids()
+                for p in range(fragments)]
+        random.Random(0).shuffle(work)
+        lock, published = threading.Lock(), [0]
+
+        def sender() -> None:
+            prod = kafka_io.producer(cfg.transport)
+            try:
+                while True:
+                    with lock:
+                        if not work:
+                            return
+                        lid, p = work.pop()
+                    m, payload = encoded[p]
+                    _, frames = _frames(m, payload, learner=lid, base_version=0, chunk_bytes=cfg.fragments.chunk_bytes)
+                    for f in [prod.send(topics.fragments["load"], f, key=str(p).encode(),
+                                        partition=topics.partition_of(p)) for f in frames]:
+                        f.get(timeout=120)
+                    with lock:
+                        published[0] += 1
+            finally:
+                prod.close()
+
+        threads = [threading.Thread(target=sender, daemon=True) for _ in range(senders)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        jobs = LocalJobs(logs or Path(tmp) / "logs")
+        for i in range(shards):
+            jobs.start(f"syncer-{i}", ["syncer", "--config", str(conf), "--shard", str(i)])
+        pids = [job.popen.pid for job in jobs.jobs.values()]
+        broker = _broker_pid()
+
+        def decided() -> int:
+            c = state.counters()
+            return c.get("accepted", 0) + c.get("rejected", 0)
+
+        deadline = time.time() + 120 + 60 * shards
+        while decided() == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        t0, cpu0, broker0 = time.time(), sum(_cpu_s(x) for x in pids), _cpu_s(broker) if broker else math.nan
+        while decided() < published[0] and time.time() < deadline:
+            time.sleep(0.05)
+        elapsed = time.time() - t0
+        cpu = sum(_cpu_s(x) for x in pids) - cpu0
+        broker_cpu = (_cpu_s(broker) if broker else math.nan) - broker0
+        peak = max(_rss_peak_mb(x) for x in pids)
+        jobs.stop_all(timeout=60)
+        counters = state.counters()
+        payload_bytes = sum(len(encoded[p][1]) for p in encoded) / len(encoded)
+        return {"mode": "drain", "run": run_id, "params_per_fragment": max(1, params // COLS) * COLS, "learners": learners,
+                "shards": shards, "fragments": fragments, "published": published[0],
+                "decided": decided(), "accepted": counters.get("accepted", 0), "applied": counters.get("applied", 0),
+                "rejected": counters.get("rejected", 0), "seconds": elapsed,
+                "taken_in_mb_per_s": decided() * payload_bytes / elapsed / 1e6,
+                "merged_mb_per_s": counters.get("applied", 0) * payload_bytes / elapsed / 1e6,
+                "merges_per_s": len(state.merges()) / elapsed,
+                "syncer_cores": cpu / elapsed, "broker_cores": broker_cpu / elapsed, "syncer_peak_rss_mb": peak,
+                "cpu_count": os.cpu_count()}
+    finally:
+        _clean_up(base, tmp)
+
+
+def client_ceiling(base: Config, *, megabytes: float = 300.0, partitions: int = 3) -> dict:
+    """What one process moves through the Kafka client alone, with the learners' producer and the
+    syncer's consumer settings (kafka_io), in records of `fragments.chunk_bytes`: the most any
+    generator or syncer shard can send or take in here, whatever it does with the bytes. Measured
+    with nothing else running, on a throwaway topic."""
+    t = base.transport
+    topic = f"{base.transport.topic_prefix}.load-ceiling-{time.time_ns() % 10**10}"
+    kafka_io.ensure_topics(t, {topic: partitions})
+    record = os.urandom(base.fragments.chunk_bytes)
+    n = max(partitions, int(megabytes * 1e6 / len(record)))
+    prod = kafka_io.producer(t)
+    start = time.perf_counter()
+    futures = [prod.send(topic, record, partition=i % partitions) for i in range(n)]
+    prod.flush()
+    for f in futures:
+        f.get(timeout=60)
+    produce_s = time.perf_counter() - start
+    prod.close()
+    c = kafka_io.consumer(t)
+    try:
+        kafka_io.assign_from(c, {tp: 0 for tp in kafka_io.partitions_of(topic, partitions)})
+        got, start = 0, time.perf_counter()
+        deadline = start + 120
+        while got < n * len(record) and time.perf_counter() < deadline:
+            for records in c.poll(timeout_ms=200, max_records=500).values():
+                got += sum(len(r.value) for r in records)
+        consume_s = time.perf_counter() - start
+    finally:
+        c.close()
+        kafka_io.delete_topics(t, [topic])
+    return {"record_bytes": len(record), "records": n, "produce_mb_per_s": n * len(record) / produce_s / 1e6,
+            "consume_mb_per_s": got / consume_s / 1e6}
+
+
 def sweep(base: Config, *, sizes, learners, shards, seconds: float, period_s: float, jitter: float,
-          progress=print) -> list[dict]:
+          progress=print, drain: bool = False) -> list[dict]:
     rows = []
     for size in sizes:
         for m in learners:
             for s in shards:
-                row = run_one(base, params=int(size), learners=m, shards=s, seconds=seconds, period_s=period_s,
-                              jitter=jitter)
+                if drain:
+                    row = drain_one(base, params=int(size), learners=m, shards=s, seconds=seconds, period_s=period_s)
+                else:
+                    row = run_one(base, params=int(size), learners=m, shards=s, seconds=seconds, period_s=period_s,
+                                  jitter=jitter)
                 progress(json.dumps(row))
                 rows.append(row)
     return rows
 
 
+def drain_table(rows: list[dict]) -> str:
+    head = ("| params / fragment | learners | shards | backlog (contributions) | drained in | taken in MB/s | merged MB/s | "
+            "merges/s | cores used: syncer / broker | syncer peak RSS |")
+    out = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows:
+        out.append(f"| {r['params_per_fragment'] / 1e6:.1f}M | {r['learners']} | {r['shards']} | {r['published']} | "
+                   f"{r['seconds']:.1f} s | {r['taken_in_mb_per_s']:.1f} | {r['merged_mb_per_s']:.1f} | "
+                   f"{r['merges_per_s']:.2f} | {r['syncer_cores']:.2f} / {r['broker_cores']:.2f} | "
+                   f"{r['syncer_peak_rss_mb']:.0f} MB |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     head = ("| params / fragment | learners | shards | offered MB/s | sent MB/s | merged MB/s | merges/s | lag start -> end "
             "(records) | publish->merge p50 / p99 | store bytes per version: all / between snapshots / update | "
-            "syncer peak RSS |")
+            "syncer peak RSS | cores used: syncer (merging) / generator / broker | machine busy |")
     out = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         out.append(f"| {r['params_per_fragment'] / 1e6:.1f}M | {r['learners']} | {r['shards']} | {r['offered_mb_per_s']:.1f} | "
@@ -241,5 +446,7 @@ def table(rows: list[dict]) -> str:
                    f"{r['lag_records_start']} -> {r['lag_records_end']} | {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} s | "
                    f"{r['store_bytes_per_version'] / 1e6:.2f} / {r['store_bytes_between_snapshots'] / 1e6:.2f} / "
                    f"{r['update_bytes_per_version'] / 1e6:.2f} MB | "
-                   f"{r['syncer_peak_rss_mb']:.0f} MB |")
+                   f"{r['syncer_peak_rss_mb']:.0f} MB | {r['cores']['syncer']:.2f} ({r['merging_cores']:.2f}) / "
+                   f"{r['cores']['generator']:.2f} / {r['cores'].get('broker', math.nan):.2f} | "
+                   f"{100 * r['machine_busy']:.0f}% of {r['cpu_count']} |")
     return "\n".join(out)

@@ -119,6 +119,17 @@ def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float =
         admin.close()
 
 
+def delete_topics(t: TransportConfig, names: list[str]) -> None:
+    """Delete topics (those that do not exist are skipped): throwaway runs give their broker space back."""
+    admin = _retry(lambda: KafkaAdminClient(**_common(t), request_timeout_ms=30_000), t)
+    try:
+        gone = [n for n in names if n in set(admin.list_topics())]
+        if gone:
+            admin.delete_topics(gone)
+    finally:
+        admin.close()
+
+
 def producer(t: TransportConfig) -> KafkaProducer:
     # Idempotence off: the local broker loses producer ids on restart; the syncer drops replays by id.
     return _retry(lambda: KafkaProducer(

@@ -96,6 +96,14 @@ def sumsq(e: Encoded) -> float:
     return float(kernels.sumsq_f32(e.flat()) if e.scheme == "fp32" else kernels.sumsq_bf16(e.flat()))
 
 
+def squared_norm(a: np.ndarray) -> float:
+    """sum(a^2) in float64 of any array: one pass with no temporaries for float32 (`kernels.sumsq`)."""
+    a = np.asarray(a)
+    if a.dtype == np.float32:
+        return float(kernels.sumsq(np.ascontiguousarray(a).reshape(-1)))
+    return float(np.sum(np.square(a, dtype=np.float64)))
+
+
 def axpy(acc: np.ndarray, e: Encoded, coef: float) -> None:
     """acc (float32, the tensor's shape) += coef * decode(e)."""
     if e.scheme in ("int8", "int4"):
@@ -295,7 +303,8 @@ def warm_up() -> None:
         for old in (params, frozen):
             encode_update(old, new, {}, scheme)
             encode_update(old, new, {n: np.zeros_like(a) for n, a in params.items()}, scheme)
-        for momentum in (0.0, 0.9):
+        for momentum in (0.0, 0.9):  # twice: the state of a later merge (its own trace, residual) types anew
             opt = merge_math.outer_optimizer(0.5, momentum, True)
-            outer_update(frozen, opt.init(params), merged, {}, lr=0.5, momentum=momentum, nesterov=True, scheme=scheme,
-                         scales={"m": 0.5})
+            _, pub, res, state = outer_update(frozen, opt.init(params), merged, {}, lr=0.5, momentum=momentum,
+                                              nesterov=True, scheme=scheme, scales={"m": 0.5})
+            outer_update(pub, state, merged, res, lr=0.5, momentum=momentum, nesterov=True, scheme=scheme)

@@ -167,7 +167,7 @@ class FragmentState:
 
     def budget_scale(self) -> float:
         if self._scale is None:
-            norm = math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in self.params.values()))
+            norm = math.sqrt(sum(fused.squared_norm(a) for a in self.params.values()))
             self._scale = max(norm, math.sqrt(sum(a.size for a in self.params.values())))
         return self._scale
 

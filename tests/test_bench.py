@@ -3,6 +3,8 @@ the WAN throttle arithmetic. Benchmarks themselves are not timed here."""
 
 import json
 import math
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -250,7 +252,8 @@ def test_sharded_bench_compares_the_two_layouts_in_one_run():
 def test_the_load_generator_drives_a_real_syncer_and_measures_it(tiny_config):
     from bench import load
 
-    row = load.run_one(tiny_config(), params=256 * 1024, learners=4, shards=1, seconds=4.0, period_s=1.0, fragments=3)
+    cfg = tiny_config()
+    row = load.run_one(cfg, params=256 * 1024, learners=4, shards=1, seconds=4.0, period_s=1.0, fragments=3)
     assert row["params_per_fragment"] == 256 * 1024 and row["published"] >= 4 * 3 * 3
     assert row["applied"] == row["accepted"] == row["published"] and row["rejected"] == 0   # drained, flushed
     assert row["merges_per_s"] > 0 and row["merged_mb_per_s"] > 0 and row["sent_mb_per_s"] > 0
@@ -259,3 +262,33 @@ def test_the_load_generator_drives_a_real_syncer_and_measures_it(tiny_config):
     assert row["versions"] > 8 and row["store_bytes_per_version"] > row["store_bytes_between_snapshots"]
     assert row["update_bytes_per_version"] < row["store_bytes_between_snapshots"] < 1.5 * row["update_bytes_per_version"]
     assert row["syncer_peak_rss_mb"] > 0
+    assert row["cores"]["syncer"] > 0 and row["cores"]["generator"] > 0 and 0 < row["machine_busy"] <= 1
+    assert 0 < row["merging_cores"] < 1
+    _assert_cleaned_up(cfg, row["run"])
+
+
+def _assert_cleaned_up(cfg, run_id: str) -> None:
+    """A row gives back what it took: its topics on the broker, its store and logs on disk."""
+    import glob
+
+    from kafka import KafkaAdminClient
+    admin = KafkaAdminClient(bootstrap_servers=cfg.transport.bootstrap_servers)
+    try:
+        assert not [t for t in admin.list_topics() if run_id in t]
+    finally:
+        admin.close()
+    assert not [d for d in glob.glob(f"{tempfile.gettempdir()}/diloco-load-*")
+                if run_id in (Path(d) / "config.yaml").read_text(errors="ignore")]
+
+
+@pytest.mark.integration
+def test_the_drain_mode_times_the_syncer_taking_in_a_backlog(tiny_config):
+    from bench import load
+
+    cfg = tiny_config()
+    row = load.drain_one(cfg, params=256 * 1024, learners=4, shards=1, seconds=2.0, period_s=1.0, fragments=3)
+    assert row["published"] == 4 * 3 * 2 and row["decided"] == row["published"]
+    assert row["applied"] == row["accepted"] == row["published"] and row["rejected"] == 0
+    assert row["seconds"] > 0 and row["taken_in_mb_per_s"] > 0 and row["merges_per_s"] > 0
+    assert row["syncer_cores"] > 0
+    _assert_cleaned_up(cfg, row["run"])

@@ -191,3 +191,12 @@ def test_the_fused_outer_update_refuses_what_is_not_finite_naming_the_tensor(sch
     with pytest.raises(FloatingPointError, match=words) as err:
         fused.outer_update(old, opt.init(old), delta, residual, lr=1.5, momentum=0.0, nesterov=False, scheme=scheme)
     assert "'b'" in str(err.value) and "'a'" not in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("shape", [(0,), (7,), (5, 9), (3, 4, 6), (1031,)])
+def test_squared_norm_equals_numpy(dtype, shape):
+    a = (np.random.default_rng(4).normal(size=shape) * 1e3).astype(dtype)
+    want = float(np.sum(a.astype(np.float64) ** 2))
+    assert fused.squared_norm(a) == pytest.approx(want, rel=1e-12, abs=0.0)
+    assert fused.squared_norm(a.T) == pytest.approx(want, rel=1e-12, abs=0.0)   # not contiguous
