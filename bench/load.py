@@ -423,30 +423,30 @@ def sweep(base: Config, *, sizes, learners, shards, seconds: float, period_s: fl
     return rows
 
 
+def _markdown(columns: list[str], cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
+
+
 def drain_table(rows: list[dict]) -> str:
-    head = ("| params / fragment | learners | shards | backlog (contributions) | drained in | taken in MB/s | merged MB/s | "
-            "merges/s | cores used: syncer / broker | syncer peak RSS |")
-    out = [head, "|---" * (head.count("|") - 1) + "|"]
-    for r in rows:
-        out.append(f"| {r['params_per_fragment'] / 1e6:.1f}M | {r['learners']} | {r['shards']} | {r['published']} | "
-                   f"{r['seconds']:.1f} s | {r['taken_in_mb_per_s']:.1f} | {r['merged_mb_per_s']:.1f} | "
-                   f"{r['merges_per_s']:.2f} | {r['syncer_cores']:.2f} / {r['broker_cores']:.2f} | "
-                   f"{r['syncer_peak_rss_mb']:.0f} MB |")
-    return "\n".join(out)
+    return _markdown(
+        ["params / fragment", "learners", "shards", "backlog (contributions)", "drained in", "taken in MB/s", "merged MB/s",
+         "merges/s", "cores used: syncer / broker", "syncer peak RSS"],
+        [[f"{r['params_per_fragment'] / 1e6:.1f}M", str(r["learners"]), str(r["shards"]), str(r["published"]),
+          f"{r['seconds']:.1f} s", f"{r['taken_in_mb_per_s']:.1f}", f"{r['merged_mb_per_s']:.1f}", f"{r['merges_per_s']:.2f}",
+          f"{r['syncer_cores']:.2f} / {r['broker_cores']:.2f}", f"{r['syncer_peak_rss_mb']:.0f} MB"] for r in rows])
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| params / fragment | learners | shards | offered MB/s | sent MB/s | merged MB/s | merges/s | lag start -> end "
-            "(records) | publish->merge p50 / p99 | store bytes per version: all / between snapshots / update | "
-            "syncer peak RSS | cores used: syncer (merging) / generator / broker | machine busy |")
-    out = [head, "|---" * (head.count("|") - 1) + "|"]
-    for r in rows:
-        out.append(f"| {r['params_per_fragment'] / 1e6:.1f}M | {r['learners']} | {r['shards']} | {r['offered_mb_per_s']:.1f} | "
-                   f"{r['sent_mb_per_s']:.1f} | {r['merged_mb_per_s']:.1f} | {r['merges_per_s']:.2f} | "
-                   f"{r['lag_records_start']} -> {r['lag_records_end']} | {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} s | "
-                   f"{r['store_bytes_per_version'] / 1e6:.2f} / {r['store_bytes_between_snapshots'] / 1e6:.2f} / "
-                   f"{r['update_bytes_per_version'] / 1e6:.2f} MB | "
-                   f"{r['syncer_peak_rss_mb']:.0f} MB | {r['cores']['syncer']:.2f} ({r['merging_cores']:.2f}) / "
-                   f"{r['cores']['generator']:.2f} / {r['cores'].get('broker', math.nan):.2f} | "
-                   f"{100 * r['machine_busy']:.0f}% of {r['cpu_count']} |")
-    return "\n".join(out)
+    return _markdown(
+        ["params / fragment", "learners", "shards", "offered MB/s", "sent MB/s", "merged MB/s", "merges/s",
+         "lag start -> end (records)", "publish->merge p50 / p99",
+         "store bytes per version: all / between snapshots / update", "syncer peak RSS",
+         "cores used: syncer (merging) / generator / broker", "machine busy"],
+        [[f"{r['params_per_fragment'] / 1e6:.1f}M", str(r["learners"]), str(r["shards"]), f"{r['offered_mb_per_s']:.1f}",
+          f"{r['sent_mb_per_s']:.1f}", f"{r['merged_mb_per_s']:.1f}", f"{r['merges_per_s']:.2f}",
+          f"{r['lag_records_start']} -> {r['lag_records_end']}", f"{r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} s",
+          f"{r['store_bytes_per_version'] / 1e6:.2f} / {r['store_bytes_between_snapshots'] / 1e6:.2f} / "
+          f"{r['update_bytes_per_version'] / 1e6:.2f} MB", f"{r['syncer_peak_rss_mb']:.0f} MB",
+          f"{r['cores']['syncer']:.2f} ({r['merging_cores']:.2f}) / {r['cores']['generator']:.2f} / "
+          f"{r['cores'].get('broker', math.nan):.2f}", f"{100 * r['machine_busy']:.0f}% of {r['cpu_count']}"] for r in rows])
