@@ -29,6 +29,9 @@ app.add_typer(simulate_app, name="simulate", help="Simulate goodput of training 
 app.add_typer(data_app, name="data", help="Prepare token shards with the Beam corpus pipeline.")
 app.add_typer(ckpt_app, name="ckpt", help="Inspect, compare and export the checkpoints a run wrote to TensorStore.")
 app.add_typer(state_app, name="state", help="Repair a run's Redis state from TensorStore after Redis lost writes.")
+learners_app = typer.Typer(help="Add learners to a live local run, or ask one to leave (elastic membership).",
+                           no_args_is_help=True)
+app.add_typer(learners_app, name="learners")
 app.command("topics")(topics_cmd)
 app.command("report", context_settings=PASS_THROUGH)(report_cmd)
 console = Console(stderr=True)
@@ -234,6 +237,45 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
         raise typer.Exit(2) from None
     logs.setup(f"learner:{learner_id}")
     learner_main(cfg, cfg.run.id, learner_id, str(corpus) if corpus else None, start_step, config_path=str(config))
+
+
+RunConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="the live run's config (RUN_DIR/config.yaml)")]
+WaitOpt = Annotated[float, typer.Option(help="seconds to wait for the run's answer")]
+
+
+def _membership(config: Path, op: dict, wait_s: float) -> dict:
+    from diloco import membership
+
+    if not config.is_file():
+        console.print(f"[red]error:[/] {config} is not a run's config.yaml (`diloco train` writes RUN_DIR/config.yaml)")
+        raise typer.Exit(2)
+    try:
+        result = membership.wait(membership.submit(config.parent, op), wait_s)
+    except membership.RequestError as err:
+        console.print(f"[red]refused:[/] {err}")
+        raise typer.Exit(1) from None
+    console.print(result)
+    return result
+
+
+@learners_app.command("add")
+def learners_add(config: RunConfigOpt,
+                 region: Annotated[str, typer.Option(help="the region the learners join")],
+                 count: Annotated[int, typer.Option(min=1, help="learners to add")] = 1,
+                 wait_s: WaitOpt = 60.0):
+    """Start COUNT more learners in REGION of a live local run. They take the next free ids the
+    region may have (regions[].max_learners), start from the latest global version, read their own
+    data shard and are admitted by the syncer on their first heartbeat."""
+    _membership(config, {"op": "add", "region": region, "count": count}, wait_s)
+
+
+@learners_app.command("remove")
+def learners_remove(config: RunConfigOpt,
+                    learner_id: Annotated[str, typer.Argument(help="the learner to stop, e.g. eu-2")],
+                    wait_s: WaitOpt = 60.0):
+    """Ask a learner of a live local run to leave: it hands in its last deltas and says `left`, so no
+    round waits for it. Refused below the region's regions[].min_learners."""
+    _membership(config, {"op": "remove", "learner": learner_id}, wait_s)
 
 
 def main() -> None:

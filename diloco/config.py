@@ -84,8 +84,27 @@ class DataConfig(_Section):
 
 class RegionConfig(_Section):
     name: str = Field(pattern=_ID)
-    learners: int = Field(2, ge=1)
+    learners: int = Field(2, ge=1, description="learners the run starts with: <name>-0 .. <name>-(learners-1)")
+    max_learners: int | None = Field(None, ge=1, description="learners this region may have: ids <name>-<k> with k "
+                                     "below it may join the live run (admitted by the syncer on their first "
+                                     "heartbeat); default: `learners`, no joins")
+    min_learners: int = Field(0, ge=0, description="`diloco learners remove` refuses to take the region below this; "
+                              "the syncer warns (region_below_min) when fewer are live")
     speed: float = Field(1.0, gt=0, le=1, description="1 = full speed; 0.5 = steps take twice as long")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RegionConfig:
+        if self.max_learners is not None and self.max_learners < self.learners:
+            raise ValueError(f"region {self.name}: max_learners ({self.max_learners}) is below learners ({self.learners})")
+        if self.min_learners > self.capacity:
+            raise ValueError(f"region {self.name}: min_learners ({self.min_learners}) is above the {self.capacity} "
+                             "learners it may have")
+        return self
+
+    @property
+    def capacity(self) -> int:
+        """Learners this region may ever have (max_learners, or learners when joins are off)."""
+        return self.max_learners or self.learners
 
 
 class InnerConfig(_Section):
@@ -340,8 +359,35 @@ class Config(_Section):
         return ["syncer"] if n == 1 else [f"syncer-{i}" for i in range(n)]
 
     def learner_ids(self) -> list[str]:
-        """Learner ids in data-shard order: `<region>-<index>`."""
+        """The learners the run starts with, in data-shard order: `<region>-<index>`."""
         return [f"{r.name}-{i}" for r in self.regions for i in range(r.learners)]
+
+    def member_ids(self) -> list[str]:
+        """Every learner id this run may ever have, in data-shard order: the starting learners, then
+        those that may join (`regions[].max_learners`), region by region. The same as learner_ids()
+        when no region takes joins."""
+        return self.learner_ids() + [f"{r.name}-{i}" for r in self.regions for i in range(r.learners, r.capacity)]
+
+    @property
+    def num_shards(self) -> int:
+        """Data shards of the run's corpus: one per possible member, so a joining learner reads its own."""
+        return sum(r.capacity for r in self.regions)
+
+    def shard_index(self, learner_id: str) -> int:
+        """The learner's data shard (its place in member_ids())."""
+        try:
+            return self.member_ids().index(learner_id)
+        except ValueError:
+            raise ConfigError(self._not_a_member(learner_id)) from None
+
+    def is_member_id(self, learner_id: str) -> bool:
+        """Whether `learner_id` names a learner this run has or may admit."""
+        return learner_id in set(self.member_ids())
+
+    def _not_a_member(self, learner_id: str) -> str:
+        joins = {r.name: r.capacity for r in self.regions if r.capacity > r.learners}
+        may = f"; ids <region>-<k> below {joins} may join" if joins else "; no region takes joins (regions[].max_learners)"
+        return f"unknown learner {learner_id!r}; this run starts with {self.learner_ids()}{may}"
 
     def learner_steps(self, learner_id: str) -> int:
         """Inner steps this learner takes: inner.steps, or with inner.steps_by_speed its share of the
@@ -353,9 +399,9 @@ class Config(_Section):
 
     def region_of(self, learner_id: str) -> RegionConfig:
         for region in self.regions:
-            if learner_id.startswith(region.name + "-") and learner_id in self.learner_ids():
+            if learner_id.startswith(region.name + "-") and learner_id in self.member_ids():
                 return region
-        raise ConfigError(f"unknown learner {learner_id!r}; this run has {self.learner_ids()}")
+        raise ConfigError(self._not_a_member(learner_id))
 
 
 # query parameters whose values are secrets: password, pwd, token, secret, signature, credential, api/access keys

@@ -455,7 +455,7 @@ _HEARTBEAT = {  # field -> check; unknown fields are dropped, a bad known one re
     "bytes_fetched": _count, "versions_applied": _count,
     "step_time": _seconds, "compute_s": _seconds, "at": _epoch,
     "loss": lambda v: v is None or _real(v),
-    "state": lambda v: v in ("running", "finished"),
+    "state": lambda v: v in ("running", "finished", "left"),
     "incarnation": lambda v: isinstance(v, str) and len(v) <= 64,
     "region": lambda v: isinstance(v, str) and len(v) <= 64,
     "versions": lambda v: isinstance(v, dict) and len(v) <= 4096 and all(

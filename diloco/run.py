@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from diloco import chaos, messages
+from diloco import chaos, membership, messages
 from diloco.checkpoint import read_global
 from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
@@ -69,6 +69,7 @@ class Progress:
     kinds_seen: set[str] = field(default_factory=set)
     eids: set[str] = field(default_factory=set)
     fetched: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
+    membership: list[dict] = field(default_factory=list)  # learner_admitted, _left, _finished, ... events
 
     def apply(self, ev: dict) -> None:
         if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
@@ -94,13 +95,15 @@ class Progress:
             self.rejections[ev["reason"]] = self.rejections.get(ev["reason"], 0) + 1
         elif kind == "syncer_started":
             self.versions |= {int(k): int(v) for k, v in ev["versions"].items()}
+        elif kind in membership.CHANGES:
+            self.membership.append(ev)
 
 
 def progress_table(cfg: Config, prog: Progress, run_id: str, elapsed: float) -> Table:
     t = Table(title=f"run {run_id}  ({elapsed:.0f}s)", title_justify="left")
     for col in ("learner", "step", "tokens", "loss", "step ms", "sent", "state"):
         t.add_column(col, justify="right" if col not in ("learner", "state") else "left")
-    for lid in cfg.learner_ids():
+    for lid in sorted(set(cfg.learner_ids()) | set(prog.learners), key=cfg.shard_index):
         hb = prog.learners.get(lid)
         if hb is None:
             t.add_row(lid, "-", "-", "-", "-", "-", "starting")
@@ -203,6 +206,8 @@ def finish(setup: RunSetup, run: LocalRun, console: Console, summary_json: str |
     summary = build_summary(cfg, cfg.run.id, setup.state, run.prog, setup.eval_start, eval_end,
                             time.time() - setup.t_start)
     summary |= run.resilience(setup.state)
+    summary["membership"] = membership.timeline(cfg.learner_ids(), run.prog.membership, start=run.first_beat)
+    summary["members"] = list(run.members)
     summary["run_dir"] = str(setup.run_dir)
     (setup.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if summary_json:
@@ -244,7 +249,9 @@ class LocalRun:
         self.compute: dict[tuple[str, str], dict] = {}   # (learner, incarnation) -> last heartbeat figures
         self.tails_s: dict[str, float] = {}     # compute after a killed incarnation's last heartbeat
         self.syncers = cfg.syncer_ids()
-        self.learner_ids = set(cfg.learner_ids())
+        self.members = list(cfg.learner_ids())  # the learners this runner started (and restarts), in order
+        self.removing: set[str] = set()          # asked to leave: not restarted, whatever their exit
+        self.spans: dict[str, list] = {}         # learner -> [since, until]: added or removed ones (wall clock)
         self.bad_events = 0  # events skipped as malformed (the topic is writable by every learner)
         self.syncers_up: set[str] = set()       # shards that said syncer_started since their last start
         self.takeovers: list[dict] = []        # fragments claimed by a shard from another one
@@ -292,8 +299,8 @@ class LocalRun:
     def _progress_of(self, target: str) -> float:
         cfg = self.cfg
         if target in self.syncers:
-            return sum(self.prog.learners.get(lid, {}).get("step", 0) for lid in cfg.learner_ids()) / sum(
-                cfg.learner_steps(lid) for lid in cfg.learner_ids())
+            return sum(self.prog.learners.get(lid, {}).get("step", 0) for lid in self.members) / sum(
+                cfg.learner_steps(lid) for lid in self.members)
         return self.prog.learners.get(target, {}).get("step", 0) / cfg.learner_steps(target)
 
     # --- events --------------------------------------------------------------------------------
@@ -313,7 +320,7 @@ class LocalRun:
 
     def _apply_event(self, ev: dict) -> None:
         if ev["kind"] == "heartbeat":
-            if ev.get("learner") not in self.learner_ids:
+            if not isinstance(ev.get("learner"), str) or not self.cfg.is_member_id(ev["learner"]):
                 raise KeyError(f"learner {messages.short(ev.get('learner'), 40)} is not in this run")
             messages.clean_heartbeat(ev)  # raises on a field of the wrong type or range; the beat is kept whole
         self.prog.apply(ev)
@@ -334,6 +341,54 @@ class LocalRun:
             self.takeovers.append(ev)
 
 
+    def serve_requests(self, now: float) -> None:
+        """Carry out the operator's membership requests (`diloco learners add/remove`, diloco.membership)."""
+        for path, op in membership.pending(self.cfg_path.parent):
+            try:
+                result = {"ok": True, **self._carry_out(op, now)}
+            except membership.RequestError as err:
+                result = {"ok": False, "error": str(err)}
+            membership.answer(path, result)
+            self.console.print(f"[cyan]membership: {op} -> {result}[/]")
+
+    def _carry_out(self, op: dict | None, now: float) -> dict:
+        if op is None or op.get("op") not in ("add", "remove"):
+            raise membership.RequestError(f"a request is {{'op': 'add', 'region': R, 'count': N}} or "
+                                          f"{{'op': 'remove', 'learner': ID}}, got {messages.short(op, 120)}")
+        if op["op"] == "add":
+            region = next((r for r in self.cfg.regions if r.name == op.get("region")), None)
+            count = op.get("count", 1)
+            if region is None:
+                raise membership.RequestError(f"region {messages.short(op.get('region'), 40)} is not one of "
+                                              f"{[r.name for r in self.cfg.regions]}")
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise membership.RequestError(f"count must be a positive integer, got {messages.short(count, 40)}")
+            free = [f"{region.name}-{k}" for k in range(region.capacity) if f"{region.name}-{k}" not in self.members]
+            if len(free) < count:
+                raise membership.RequestError(
+                    f"region {region.name} may have {region.capacity} learners (regions[].max_learners) and has "
+                    f"{region.capacity - len(free)}: {count} more do not fit")
+            for lid in free[:count]:
+                self.members.append(lid)
+                self.spans[lid] = [now, None]
+                self.start(lid)
+            return {"added": free[:count]}
+        lid = op.get("learner")
+        running = [m for m in self.members if m not in self.finished and m not in self.removing]
+        if lid not in running:
+            raise membership.RequestError(f"learner {messages.short(lid, 40)} is not running in this run "
+                                          f"(running: {running})")
+        region = self.cfg.region_of(lid)
+        left = sum(1 for m in running if m != lid and self.cfg.region_of(m).name == region.name)
+        if left < region.min_learners:
+            raise membership.RequestError(f"region {region.name} keeps at least {region.min_learners} learners "
+                                          f"(regions[].min_learners); removing {lid} would leave {left}")
+        self.removing.add(lid)
+        self.restart_at.pop(lid, None)
+        if self.jobs.poll(lid) is None:
+            self.jobs.signal(lid, signal.SIGTERM)  # it hands in its last deltas and says it left
+        return {"removed": lid}
+
     def _close_outage(self, name: str) -> None:
         for o in self.outages:
             if o[0] == name and o[2] is None and name not in self.restart_at:
@@ -353,7 +408,7 @@ class LocalRun:
                 if time.time() - t0 > cfg.run.timeout_s:
                     raise RunError("the syncer did not start in time:\n" + self.jobs.tail(self.syncers[0]))
                 self._pump(200)
-        for lid in cfg.learner_ids():  # learners start once the syncer consumes: deltas would only pile up
+        for lid in self.members:  # learners start once the syncer consumes: deltas would only pile up
             self.start(lid)
         deadline = t0 + cfg.run.timeout_s
         stop_sent, last_line = False, 0.0
@@ -371,12 +426,16 @@ class LocalRun:
                     self.console.print(progress_line(self.prog, now - t0), soft_wrap=True)
                     last_line = now
                 self._apply_due_kills(now, stop_sent)
-                for name in [*cfg.learner_ids(), *self.syncers]:
+                if not stop_sent:
+                    self.serve_requests(now)
+                for name in [*self.members, *self.syncers]:
                     rc = self.jobs.poll(name) if name in self.jobs.jobs else None
                     if rc is None or name in self.restart_at or name in self.finished:
                         continue
-                    if rc == 0 and (name not in self.syncers or stop_sent):
+                    if (rc == 0 and (name not in self.syncers or stop_sent)) or name in self.removing:
                         self.finished.add(name)
+                        if name in self.removing:  # its time in the run ends here, not with the run's
+                            self.spans.setdefault(name, [None, None])[1] = now
                         continue
                     n = self.restarts.get(name, 0)
                     if n >= cfg.run.max_restarts or (name in self.syncers and rc == EXIT_STATE_LOST):  # no retry helps
@@ -390,7 +449,7 @@ class LocalRun:
                         self.start(name)
                 if on_tick:
                     on_tick(self)
-                learners_done = all(lid in self.finished for lid in cfg.learner_ids())
+                learners_done = all(lid in self.finished for lid in self.members)
                 if learners_done and self.learners_done_at is None:
                     self.learners_done_at = now
                 if learners_done and not stop_sent and self.syncers_up == set(self.syncers) \
@@ -422,13 +481,14 @@ class LocalRun:
         total_compute = sum(compute.values())
         step_time = np.median([hb.get("step_time", 0.0) for hb in self.prog.learners.values()] or [0.0])
         spans = [o[1:] for o in self.outages if o[2] is not None]
-        span = (self.learners_done_at or time.time()) - (self.first_beat or time.time())
-        chip_time = span * self.cfg.num_learners
+        end = self.learners_done_at or time.time()
+        span = end - (self.first_beat or end)
+        chip_time = sum(self._time_in_run(lid, end) for lid in self.members)
         return {
             "goodput": chaos.goodput(sum(productive.values()), total_compute),
             "goodput_wall": chaos.goodput(sum(productive.values()), chip_time),
             "goodput_per_learner": {lid: chaos.goodput(productive.get(lid, 0.0), compute.get(lid, 0.0))
-                                    for lid in self.cfg.learner_ids()},
+                                    for lid in self.members},
             "goodput_sync_equivalent": chaos.sync_equivalent_goodput(
                 span_s=span, outages=spans, kills=sum(self.kill_counts.values()),
                 lost_per_kill_s=self.cfg.fragments.sync_every / 2 * float(step_time)),
@@ -437,6 +497,12 @@ class LocalRun:
             "outages_s": {o[0]: round(o[2] - o[1], 2) for o in self.outages if o[2] is not None},
             "takeovers": self.takeover_times(),
         }
+
+    def _time_in_run(self, lid: str, end: float) -> float:
+        """Seconds `lid` was a member: from the first heartbeat of the run (a starting learner) or
+        its addition, until it was asked to leave or the run's learners were done."""
+        since, until = self.spans.get(lid, (None, None))
+        return (until or end) - (since or self.first_beat or end)
 
     def takeover_times(self) -> list[dict]:
         """Each fragment another shard claimed from a shard that went down: seconds from the outage."""

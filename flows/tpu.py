@@ -146,6 +146,7 @@ class GkeJobs:
     def __init__(self, cfg: Config, config_text: str, run: Runner = subprocess.run):
         self.cfg, self.run = cfg, run
         self.jobs: dict[str, GkeJob] = {}
+        self.deleted: set[str] = set()  # JobSets signal() deleted: gone means done, not lost
         self._apply(config_map(cfg, config_text))
 
     def _kubectl(self, *args: str, manifest: dict | None = None) -> subprocess.CompletedProcess:
@@ -159,10 +160,14 @@ class GkeJobs:
         """Apply the job's JobSet (`processes` is the local backend's: here the slice's hosts decide)."""
         self._kubectl("delete", "jobset", job_name(self.cfg, name), "--ignore-not-found", "--wait=true")  # a restart
         self._apply(jobset(self.cfg, name, argv))
+        self.deleted.discard(name)
         self.jobs[name] = GkeJob(name, argv, f"kubectl logs -l diloco/job={name} -n {self.cfg.backend.namespace}")
         return self.jobs[name]
 
     def poll(self, name: str) -> int | None:
+        if name in self.deleted:
+            return 0 if self._kubectl("get", "jobset", job_name(self.cfg, name), "--ignore-not-found", "-o", "name"
+                                      ).stdout.strip() == "" else None
         out = self._kubectl("get", "jobset", job_name(self.cfg, name), "-o", "json").stdout
         terminal = json.loads(out).get("status", {}).get("terminalState")
         return {"Completed": 0, "Failed": 1}.get(terminal)
@@ -171,6 +176,7 @@ class GkeJobs:
         """Deleting the JobSet sends its pods SIGTERM (SIGKILL after the grace period, at once for SIGKILL)."""
         grace = ["--grace-period=0", "--force"] if sig == signal.SIGKILL else []
         self._kubectl("delete", "jobset", job_name(self.cfg, name), "--ignore-not-found", "--wait=false", *grace)
+        self.deleted.add(name)
 
     def wait(self, name: str, timeout: float | None = None) -> int:
         self._kubectl("wait", f"jobset/{job_name(self.cfg, name)}", "--for=jsonpath={.status.terminalState}",

@@ -146,6 +146,6 @@ def corpus_for(cfg) -> Corpus:
     else the cached preparation of `data.corpus` for the run's learners (prepared now if missing)."""
     if cfg.data.prepared:
         return Corpus.open(cfg.data.prepared)
-    return ensure_corpus(cfg.data.corpus, cfg.data.dir, learners=cfg.num_learners,
+    return ensure_corpus(cfg.data.corpus, cfg.data.dir, learners=cfg.num_shards,
                          heldout_fraction=cfg.data.heldout_fraction, max_bytes=cfg.data.max_corpus_bytes,
                          seed=cfg.data.seed, tokenizer=cfg.data.tokenizer)

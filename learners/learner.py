@@ -43,7 +43,7 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
     mesh = learner_mesh(cfg)
     total_steps = cfg.learner_steps(learner_id)
     speed = cfg.region_of(learner_id).speed
-    shard = DataShard(cfg.learner_ids().index(learner_id), cfg.num_learners, start_step, cfg.data.seed,
+    shard = DataShard(cfg.shard_index(learner_id), cfg.num_shards, start_step, cfg.data.seed,
                       jax.process_index(), jax.process_count())
     n = jax.process_count()
     feed = ((spec.tokens_in(b) * n, mesh.shard_batch(b)) for b in spec.batches(shard))  # (global tokens, on devices)

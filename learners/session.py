@@ -318,7 +318,7 @@ class Session:
         if not self.run_id:
             raise ConfigError("run.id is not set: a learner joins a provisioned run (its RUN_DIR/config.yaml)")
         self.region = cfg.region_of(learner)
-        self.index = cfg.learner_ids().index(learner)
+        self.index = cfg.shard_index(learner)  # raises ConfigError naming who may join
         self.start_step = self.steps = start_step
         self.incarnation = uuid.uuid4().hex[:8]
         self.topics = kafka_io.Topics.for_run(cfg, self.run_id)
@@ -362,7 +362,7 @@ class Session:
         """This learner's share of the data (diloco.DataShard), for `spec.batches(session.shard)`."""
         from diloco.spec import DataShard
 
-        return DataShard(self.index, self.cfg.num_learners, self.start_step, self.cfg.data.seed, jax.process_index(),
+        return DataShard(self.index, self.cfg.num_shards, self.start_step, self.cfg.data.seed, jax.process_index(),
                          jax.process_count())
 
     @property
@@ -463,7 +463,8 @@ class Session:
 
     def close(self, *, hand_in: bool = True) -> dict:
         """Hand in the work done since each fragment's last sync (unless `hand_in` is False, as after
-        an error), wait for the publisher, stop the threads, say `finished`. Returns a summary."""
+        an error), wait for the publisher, stop the threads, say `finished` (or `left`, when SIGTERM
+        stopped it before its step budget: the syncer stops waiting for it at once). Returns a summary."""
         if hand_in and self._params is not None:
             for p in range(self.plan.fragments):
                 if self._since[p]["steps"]:
@@ -482,8 +483,9 @@ class Session:
         try:
             if self.publisher.error:
                 raise self.publisher.error
-            if self.leader and hand_in:
-                self._beat(**{k: v for k, v in summary.items() if k != "blocks_digest"}, state="finished")
+            if self.leader and hand_in:  # asked to stop before its budget (SIGTERM): it leaves the live run
+                left = self.stopping and self.steps < self.total_steps
+                self._beat(**{k: v for k, v in summary.items() if k != "blocks_digest"}, state="left" if left else "finished")
                 self.producer.flush()
         finally:
             if self._owns:

@@ -26,6 +26,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from diloco import membership
 from diloco.pipelines.corpus import (
     WriteJsonLines,
     read_json_lines,
@@ -37,7 +38,8 @@ EVENT_SCHEMA = 1
 NS = "telemetry"
 PARTS = ".parts"
 UNKNOWN = "(unknown)"  # learner or region of a record that does not say whose it was
-TABLES = ("learners", "regions", "merges", "staleness", "latency", "rejections", "loss", "kinds", "span", "fragments")
+TABLES = ("learners", "regions", "merges", "staleness", "latency", "rejections", "loss", "kinds", "span", "fragments",
+          "membership")
 
 
 # --- the Kafka edge ----------------------------------------------------------------------------------
@@ -358,6 +360,9 @@ class RunReport(beam.PTransform):
                      | "Span" >> beam.CombineGlobally(span).without_defaults()
                      | "SpanRow" >> beam.MapTuple(lambda start, end: {"start": start, "end": end})),
             "fragments": fragments | "FragmentRow" >> beam.Map(lambda n: {"fragments": n}),
+            "membership": (events | "MembershipChanges" >> beam.Filter(lambda e: e["kind"] in membership.CHANGES)
+                           | "ChangeRow" >> beam.Map(lambda e: {"time": e["time"], "kind": e["kind"],
+                                                                "learner": e.get("learner")})),
         }
 
 
@@ -407,6 +412,9 @@ def finalise(output: str, run_id: str | None, counts: dict) -> dict:
         "merge_latency_s": latency,
         "rejections": sorted(t["rejections"], key=lambda r: (r["reason"], r["learner"])),
         "merges": merges,
+        # members over time: each learner from its first heartbeat (learner_joined) or admission until it
+        # left, finished or was dropped (the events do not name the starting learners)
+        "membership": membership.timeline([], t["membership"], start=span["start"]),
     }
     join = lambda name: FileSystems.join(output, name)  # noqa: E731
     write_bytes(join("report.json"), json.dumps(rep, indent=1).encode())
@@ -474,4 +482,12 @@ def plots(rep: dict, loss: list[dict]) -> dict[str, bytes]:
     ax.bar([r["region"] for r in rep["regions"]], [r["bytes_sent"] / 1e6 for r in rep["regions"]])
     ax.set_ylabel("MB sent by learners")
     out["bytes_by_region.png"] = png(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    pts = [(m["time"] - t0, m["members"]) for m in rep["membership"] if m["time"] is not None]
+    if pts:
+        ax.step(*zip(*pts), where="post")
+    ax.set_ylabel("learners in the run")
+    ax.set_xlabel("seconds since the first event")
+    out["membership.png"] = png(fig)
     return out

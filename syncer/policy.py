@@ -36,20 +36,23 @@ def grace_window(policy: QuorumPolicy, *, step_time_s: float, time_to_quorum_s: 
 
 
 def decide(policy: QuorumPolicy, arrivals: Sequence[float], *, now: float, expected: int,
-           step_time_s: float, sync_time_s: float) -> Decision:
+           step_time_s: float, sync_time_s: float, members: int | None = None) -> Decision:
     """Decide whether the round with these (one per learner) arrival times closes at `now`.
 
     `expected` is how many learners could contribute (the live ones); when all of them are in,
-    waiting longer gains nothing.
+    waiting longer gains nothing. `members` is how many are still in the run at all (live or
+    silent, not left or finished): the quorum is K, or all of them when fewer than K remain, so a
+    round never waits for learners that left. A silent learner may come back: K still waits for it.
     """
     if not arrivals:
         return Decision(False, "waiting_for_quorum")
     times = sorted(arrivals)
-    if len(times) < policy.quorum:
+    quorum = policy.quorum if members is None else max(1, min(policy.quorum, members))
+    if len(times) < quorum:
         return Decision(False, "waiting_for_quorum")
     if len(times) >= expected:
         return Decision(True, "all_arrived")
-    quorum_at = times[policy.quorum - 1]
+    quorum_at = times[quorum - 1]
     grace = grace_window(policy, step_time_s=step_time_s, time_to_quorum_s=quorum_at - times[0],
                          sync_time_s=sync_time_s)
     deadline = quorum_at + grace

@@ -14,6 +14,8 @@ Keys, all under `<key_prefix>:{<run>}:` (run_prefix builds it; add a key as `sel
     counters         hash  accepted, applied, late, rejected, rejected:<reason>, duplicates, merges
     merges           list  JSON record per merge (fragment, version, contribution ids, tokens)
     registry         hash  learner -> JSON (last heartbeat, step, tokens, step time)
+    members          hash  learner -> JSON {region, shard, time}: learners admitted after the start
+                           (the config's learners are members from the start)
     stats            hash  sync_time_s and other measured figures
     outbox           list  JSON {topic, partition, value} records to publish (transactional outbox)
     deadletter       list  outbox records the broker refused for good (newest 1000), with why
@@ -356,6 +358,13 @@ class SyncerState:
 
     def drop_learner(self, learner: str) -> None:
         self.r.hdel(self.k + "registry", learner)
+
+    def admit(self, learner: str, info: dict) -> bool:
+        """Record a learner admitted to the live run; False if it already was."""
+        return bool(self.r.hsetnx(self.k + "members", learner, json.dumps(info)))
+
+    def members(self) -> dict[str, dict]:
+        return {k: json.loads(v) for k, v in self.r.hgetall(self.k + "members").items()}
 
     def outbox_peek(self, n: int = 500) -> list[str]:
         """The first n outbox records as stored (JSON text): the trim below matches on that text."""

@@ -231,7 +231,9 @@ class Syncer:
         self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
                                    cfg.syncer.grace_max_s)
         self.events_tp: TP = (self.topics.events, 0)
-        self.learners = set(cfg.learner_ids())
+        self.learners = set(cfg.learner_ids())  # members: these, and those admitted since (members hash)
+        self.refused: set[str] = set()           # ids already refused (and said so) by this process
+        self.below_min: dict[str, bool] = {}     # region -> fewer live learners than regions[].min_learners
         self.stopping = False
         self._broker_down = False
         self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
@@ -279,6 +281,7 @@ class Syncer:
                                "`diloco train` provisions it")
         self.sync_time_s = self.state.stats().get("sync_time_s", 0.0)
         now = self.clock()  # the registry survives a restart; its clocks restart from now
+        self.learners |= {lid for lid in self.state.members() if self.cfg.is_member_id(lid)}
         self.registry = {}
         for lid, hb in self.state.registry().items():  # checked again: Redis may hold what an older build let in
             try:
@@ -599,7 +602,7 @@ class Syncer:
     # --- records -------------------------------------------------------------------------------
     def handle_event(self, raw: bytes) -> None:
         ev = messages.parse_event(raw)
-        if not (ev and ev["kind"] == "heartbeat" and isinstance(ev.get("learner"), str) and ev["learner"] in self.learners):
+        if not (ev and ev["kind"] == "heartbeat" and isinstance(ev.get("learner"), str)):
             return
         try:
             ev = messages.clean_heartbeat(ev)
@@ -608,17 +611,45 @@ class Syncer:
             log.warning("heartbeat ignored", extra={"error": str(err)})
             return
         lid = ev["learner"]
+        if not self._admit(lid):
+            return
         before = self.registry.get(lid)
         ev["seen"] = self.clock()  # the syncer's clock decides liveness, not the learner's
-        ev["status"] = "finished" if ev.get("state") == "finished" else "alive"
+        ev["status"] = {"finished": "finished", "left": "left"}.get(ev.get("state"), "alive")
         self.registry[lid] = ev
         if not self.coordinator:  # every shard tracks liveness; one keeps the shared registry and says so
             return
         self.state.heartbeat(lid, ev)
-        if before is None or before.get("incarnation") != ev.get("incarnation") or before["status"] != "alive":
+        if before is None or before.get("incarnation") != ev.get("incarnation") or before["status"] != ev["status"]:
             if ev["status"] == "alive":
                 self._event("learner_joined", learner=lid, incarnation=ev.get("incarnation"), step=ev.get("step"),
                             was=None if before is None else before["status"])
+            else:  # finished its budget, or left early (SIGTERM): no round waits for it any more
+                self._event(f"learner_{ev['status']}", learner=lid, step=ev.get("step"), tokens=ev.get("tokens"))
+                log.info(f"learner {ev['status']}", extra={"learner": lid, "step": ev.get("step")})
+
+    def _admit(self, lid: str) -> bool:
+        """Whether `lid` is a member of the live run, admitting it if the config lets it join
+        (`regions[].max_learners`). Every shard reads the same heartbeats in the same order and the
+        rule depends on the id alone, so all shards agree without asking each other; the
+        coordinator records the admission and says so (learner_admitted / learner_refused)."""
+        if lid in self.learners:
+            return True
+        if not self.cfg.is_member_id(lid):
+            if self.coordinator and lid not in self.refused and len(self.refused) < 10_000:
+                self.refused.add(lid)
+                self.state.count("refused_learners")
+                self._event("learner_refused", learner=lid[:64], reason=self.cfg._not_a_member(lid[:64]))
+                log.warning("learner refused", extra={"learner": lid[:64]})
+            return False
+        self.learners.add(lid)
+        if self.coordinator:
+            region = self.cfg.region_of(lid).name
+            if self.state.admit(lid, {"region": region, "shard": self.cfg.shard_index(lid), "time": time.time()}):
+                self._event("learner_admitted", learner=lid, region=region, shard=self.cfg.shard_index(lid),
+                            members=len(self.learners))
+                log.info("learner admitted", extra={"learner": lid, "region": region, "members": len(self.learners)})
+        return True
 
     def update_registry(self) -> None:
         """Heartbeats that stop mark a learner silent (not waited for), then drop it from the registry."""
@@ -641,6 +672,21 @@ class Syncer:
                 self.state.drop_learner(lid)
                 self._event("learner_dropped", learner=lid, silent_s=round(age, 1))
                 log.warning("learner dropped from the registry", extra={"learner": lid})
+        if self.coordinator:
+            self._check_region_minimums()
+
+    def _check_region_minimums(self) -> None:
+        """Say when a region has fewer live learners than regions[].min_learners, and when it is back."""
+        live = self.live_learners()
+        for r in self.cfg.regions:
+            n = sum(1 for lid in live if lid.startswith(r.name + "-") and self.cfg.region_of(lid).name == r.name)
+            below = n < r.min_learners
+            if below != self.below_min.get(r.name, False):
+                self.below_min[r.name] = below
+                self._event("region_below_min" if below else "region_at_min", region=r.name, live=n,
+                            min_learners=r.min_learners)
+                (log.warning if below else log.info)("region below min_learners" if below else "region back at min_learners",
+                                                     extra={"region": r.name, "live": n, "min_learners": r.min_learners})
 
     def handle_record(self, raw: bytes, tp: TP, offset: int) -> None:
         self.consumed[tp] = offset + 1
@@ -729,8 +775,8 @@ class Syncer:
         version) rules it out, else None."""
         if m.run != self.run_id:
             return "wrong_run", f"run {m.run!r}, this syncer serves {self.run_id!r}"
-        if m.learner not in self.learners:
-            return "unknown_learner", f"learner {m.learner!r} is not in this run"
+        if m.learner not in self.learners and not self.cfg.is_member_id(m.learner):
+            return "unknown_learner", f"learner {messages.short(m.learner, 64)} is not in this run and may not join it"
         if self.cfg.region_of(m.learner).name != m.region:
             return "unknown_learner", f"learner {m.learner!r} does not belong to region {m.region!r}"
         if not 0 <= m.fragment < len(self.plan):
@@ -762,6 +808,11 @@ class Syncer:
         """Learners worth waiting for: heard from recently and not finished, or not heard from yet."""
         return {lid for lid in self.learners if lid not in self.registry or self.registry[lid]["status"] == "alive"}
 
+    def present_learners(self) -> set[str]:
+        """Learners still in the run: live or silent (they may come back), not finished, left or dropped."""
+        return {lid for lid in self.learners
+                if lid not in self.registry or self.registry[lid]["status"] in ("alive", "silent")}
+
     def step_time_s(self) -> float:
         times = [hb.get("step_time", 0.0) for hb in self.registry.values()
                  if hb.get("step_time") and hb["status"] == "alive"]
@@ -778,7 +829,7 @@ class Syncer:
         live = self.live_learners()
         d = decide(self.policy, list(first_by_learner.values()), now=self.clock(),
                    expected=len(live | set(first_by_learner)), step_time_s=self.step_time_s(),
-                   sync_time_s=self.sync_time_s)
+                   sync_time_s=self.sync_time_s, members=len(self.present_learners() | set(first_by_learner)))
         if d.close or final:
             self.merge(p, reason=d.reason if d.close else "final_flush")
 

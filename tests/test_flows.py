@@ -156,6 +156,45 @@ def test_eval_flow_matches_a_direct_evaluation(tiny_config, prefect_env):
 
 
 @pytest.mark.integration
+def test_the_scale_flow_hands_its_requests_to_the_runner_and_fails_on_a_refusal(tmp_path, prefect_env):
+    from diloco import membership
+    from diloco.flows.membership import scale
+
+    seen = []
+
+    def runner() -> None:  # stands in for the run's runner: answers what the flow asks
+        deadline = time.time() + 60
+        while len(seen) < 3 and time.time() < deadline:
+            for path, op in membership.pending(tmp_path):
+                seen.append(op)
+                ok = op.get("learner") != "eu-0"
+                membership.answer(path, {"ok": True, "added": ["eu-2"]} if op["op"] == "add" else
+                                  {"ok": ok, **({"removed": op["learner"]} if ok else {"error": "keeps at least 1"})})
+            time.sleep(0.05)
+
+    threading.Thread(target=runner, daemon=True).start()
+    config = str(tmp_path / "config.yaml")
+    assert scale(config, region="eu", add=1, remove=["us-1"]) == [{"ok": True, "added": ["eu-2"]},
+                                                                  {"ok": True, "removed": "us-1"}]
+    with pytest.raises(membership.RequestError, match="keeps at least 1"):
+        scale(config, remove=["eu-0"])
+    assert seen == [{"op": "add", "region": "eu", "count": 1}, {"op": "remove", "learner": "us-1"},
+                    {"op": "remove", "learner": "eu-0"}]
+
+
+def test_every_deployment_in_prefect_yaml_names_a_flow():
+    import importlib.util
+
+    from prefect import Flow
+
+    for dep in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]:
+        path, attr = dep["entrypoint"].split(":")
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(dep["name"], ROOT / path))
+        module.__spec__.loader.exec_module(module)
+        assert isinstance(getattr(module, attr), Flow), dep["name"]
+
+
+@pytest.mark.integration
 def test_cancelled_flow_run_leaves_no_processes(tiny_config, tmp_path, prefect_env):
     cfg = tiny_config(inner={"steps": 2000})
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
@@ -323,6 +362,35 @@ def test_queued_resource_requests_carry_every_config_field(tmp_path):
     assert "-v /cfg:/cfg:ro -v /mnt/corpus:/mnt/corpus:ro" in us["run"][-1]
     assert us["delete"] == ["gcloud", "compute", "tpus", "queued-resources", "delete", "dl-prod-run-7-us-1", "--force",
                             "--quiet", *where]
+
+
+def test_adding_and_removing_learners_of_a_live_run_applies_and_deletes_their_jobsets(tmp_path):
+    """`diloco learners add/remove` reach a run on GKE through the runner: the new learner's JobSet is
+    rendered and applied, the removed one's deleted gracefully (SIGTERM: it hands in and says left),
+    and a JobSet gone after that counts as done, not as a failure to restart."""
+    from diloco.run import LocalRun
+
+    cfg = tpu_config()
+    cfg = cfg.model_copy(update={"regions": tuple(r.model_copy(update={"max_learners": 2}) for r in cfg.regions)})
+    calls = []
+
+    def fake(argv, **kw):  # every JobSet runs; one that was deleted is gone
+        calls.append((argv, yaml.safe_load(kw["input"]) if kw.get("input") else None))
+        return subprocess.CompletedProcess(argv, 0, json.dumps({"status": {}}) if argv[-1] == "json" else "", "")
+
+    jobs = tpu.GkeJobs(cfg, dump_config(cfg), run=fake)
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    run = LocalRun(cfg, tmp_path / "config.yaml", type("Corpus", (), {"dir": Path("/x")})(), jobs, None,
+                   Console(quiet=True), [])
+    assert run._carry_out({"op": "add", "region": "eu"}, 0.0) == {"added": ["eu-1"]}
+    applied = [m for a, m in calls if a[3:4] == ["apply"] and m["kind"] == "JobSet"]
+    assert applied[-1]["metadata"]["name"] == "dl-prod-run-7-eu-1"
+    assert "--learner eu-1" in " ".join(applied[-1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+                                        ["spec"]["containers"][0]["command"])
+    assert run._carry_out({"op": "remove", "learner": "us-1"}, 1.0) == {"removed": "us-1"}
+    ns = ["kubectl", "--namespace", "pretrain"]
+    assert calls[-1][0] == [*ns, "delete", "jobset", "dl-prod-run-7-us-1", "--ignore-not-found", "--wait=false"]
+    assert jobs.poll("us-1") == 0 and calls[-1][0][3:5] == ["get", "jobset"]
 
 
 def test_gke_jobs_drive_kubectl(tmp_path):

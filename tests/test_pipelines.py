@@ -179,6 +179,8 @@ def simulated_run() -> list[dict]:
     version = dict.fromkeys(range(FRAGMENTS), 0)
     sent = dict.fromkeys(LEARNERS, 0)
     emit("syncer_started", "syncer", versions={str(p): 0 for p in range(FRAGMENTS)}, pending=0)
+    for lrn in LEARNERS:  # each learner's first heartbeat
+        emit("learner_joined", "syncer", learner=lrn, incarnation="a", step=0, was=None)
     carried: dict[int, list[tuple]] = {p: [] for p in range(FRAGMENTS)}
     for rnd in range(3):
         for p in range(FRAGMENTS):
@@ -212,6 +214,8 @@ def simulated_run() -> list[dict]:
     accept("eu-0", 0, version[0], tokens=T // 2)  # handed in at the end, never merged
     emit("contribution_rejected", "syncer", id=None, reason="malformed", detail="frame header has no contribution id",
          where={"topic": "diloco.r1.fragments.eu", "partition": 0, "offset": 99})
+    for lrn in LEARNERS:
+        emit("learner_finished", "syncer", learner=lrn, step=30, tokens=3 * T)
     emit("syncer_stopped", "syncer", versions={str(p): v for p, v in version.items()})
     return events
 
@@ -303,6 +307,7 @@ def test_report_figures_match_the_events(run_report):
     merged = sum(r["tokens_merged"] for r in want["learners"].values())
     assert rep["totals"]["rejected_unattributed"] == 1
     assert rep["totals"]["goodput"] == pytest.approx(merged / (FRAGMENTS * 4 * 3 * T))
+    assert [m["members"] for m in rep["membership"]] == [0, 1, 2, 3, 4, 3, 2, 1, 0]   # joined, then finished
 
 
 def test_report_writes_json_csv_and_plots(run_report):
@@ -311,7 +316,7 @@ def test_report_writes_json_csv_and_plots(run_report):
     for name in ("learners", "regions", "merges", "staleness", "rejections", "loss"):
         assert (out / f"{name}.csv").read_text().count("\n") > 1, name
     assert (out / "loss.csv").read_text().count("\n") == 1 + 4 * 3
-    for name in ("loss_versions.png", "goodput.png", "bytes_by_region.png"):
+    for name in ("loss_versions.png", "goodput.png", "bytes_by_region.png", "membership.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

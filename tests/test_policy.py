@@ -41,3 +41,11 @@ def test_zero_grace_closes_at_quorum():
     sync = QuorumPolicy(quorum=3, overlap_steps=0, grace_gamma=0.0, grace_max_s=0.0)
     assert not decide(sync, [0.0, 1.0], now=100, expected=4, step_time_s=1, sync_time_s=0).close
     assert decide(sync, [0.0, 1.0, 2.0], now=2.0, expected=4, step_time_s=1, sync_time_s=0).close
+
+
+def test_the_quorum_shrinks_to_the_learners_still_in_the_run_not_to_the_live_ones():
+    """K = 2, one learner left for good: the last one's round closes alone. A silent learner is
+    still a member (it may come back), so K keeps waiting for it."""
+    assert decide(P, [0.0], now=0.0, expected=1, step_time_s=0.5, sync_time_s=0.0, members=1).close
+    assert not decide(P, [0.0], now=1e6, expected=1, step_time_s=0.5, sync_time_s=0.0, members=2).close
+    assert not decide(P, [0.0], now=1e6, expected=1, step_time_s=0.5, sync_time_s=0.0).close  # no count: K

@@ -1,0 +1,157 @@
+"""Elastic membership: who may join is config, joiners get their own data shard, the operator's
+requests to a local run, membership over time, and a live run that grows and shrinks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import assert_exact_accounting, run_events
+from rich.console import Console
+
+from diloco import membership
+from diloco.config import ConfigError, build_config
+from diloco.run import train
+
+REGIONS = [{"name": "us", "learners": 1, "max_learners": 2}, {"name": "eu", "learners": 1, "max_learners": 3}]
+
+
+def test_members_are_the_starting_learners_then_those_that_may_join_each_with_its_own_shard():
+    cfg = build_config({"regions": REGIONS})
+    assert cfg.learner_ids() == ["us-0", "eu-0"]
+    assert cfg.member_ids() == ["us-0", "eu-0", "us-1", "eu-1", "eu-2"]
+    assert cfg.num_shards == 5 and [cfg.shard_index(lid) for lid in cfg.member_ids()] == [0, 1, 2, 3, 4]
+    assert cfg.region_of("eu-2").name == "eu" and cfg.is_member_id("us-1")
+    for stranger in ("us-2", "eu-3", "ap-0", "us-01", "us"):
+        assert not cfg.is_member_id(stranger)
+        with pytest.raises(ConfigError, match=r"may join"):
+            cfg.region_of(stranger)
+
+
+def test_without_max_learners_nothing_changes_and_nobody_may_join():
+    cfg = build_config({"regions": [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2}]})
+    assert cfg.member_ids() == cfg.learner_ids() and cfg.num_shards == cfg.num_learners == 4
+    with pytest.raises(ConfigError, match="no region takes joins"):
+        cfg.shard_index("us-2")
+
+
+@pytest.mark.parametrize("region, words", [
+    ({"name": "us", "learners": 3, "max_learners": 2}, "below learners"),
+    ({"name": "us", "learners": 1, "max_learners": 2, "min_learners": 3}, "min_learners"),
+])
+def test_membership_bounds_that_contradict_each_other_are_refused(region, words):
+    with pytest.raises(ConfigError, match=words):
+        build_config({"regions": [region]})
+
+
+def test_membership_over_time_counts_each_change_once():
+    events = [
+        {"kind": "learner_joined", "learner": "us-0", "time": 1.0},           # a starting learner: no change
+        {"kind": "learner_admitted", "learner": "eu-1", "time": 2.0},
+        {"kind": "learner_admitted", "learner": "eu-1", "time": 2.0},          # delivered twice
+        {"kind": "learner_joined", "learner": "eu-1", "time": 2.1},            # its first beat: no change
+        {"kind": "learner_left", "learner": "us-0", "time": 3.0},
+        {"kind": "learner_silent", "learner": "eu-0", "time": 3.5},            # silent is still a member
+        {"kind": "learner_finished", "learner": "eu-1", "time": 4.0},
+        {"kind": "learner_joined", "learner": "us-0", "time": 5.0},            # came back after leaving
+    ]
+    points = membership.timeline(["us-0", "eu-0"], events, start=0.0)
+    assert [(p["time"], p["members"], p["change"]) for p in points] == [
+        (0.0, 2, "start"), (2.0, 3, "learner_admitted"), (3.0, 2, "learner_left"), (4.0, 1, "learner_finished"),
+        (5.0, 2, "learner_joined")]
+
+
+def test_requests_are_answered_once_and_bad_ones_are_seen_as_bad(tmp_path):
+    answer = membership.submit(tmp_path, {"op": "add", "region": "eu"})
+    (tmp_path / membership.CONTROL / "junk.json").write_text("[1, 2")
+    found = membership.pending(tmp_path)
+    assert [op for _, op in found] == [{"op": "add", "region": "eu"}, None]
+    membership.answer(found[0][0], {"ok": True, "added": ["eu-1"]})
+    membership.answer(found[1][0], {"ok": False, "error": "not JSON"})
+    assert membership.pending(tmp_path) == []
+    assert membership.wait(answer, 1) == {"ok": True, "added": ["eu-1"]}
+    with pytest.raises(membership.RequestError, match="not JSON"):
+        membership.wait(found[1][0].with_name("junk.answer.json"), 1)
+    with pytest.raises(membership.RequestError, match="no answer"):
+        membership.wait(tmp_path / "nothing.answer.json", 0.2)
+
+
+@pytest.mark.integration
+def test_a_live_run_grows_from_two_learners_to_four_and_one_leaves(tiny_config, tmp_path):
+    """2 learners start; 2 join while they train (one per region, each with its own shard) and one of
+    the starting ones is asked to leave. Every contribution is accounted for exactly, every learner
+    that was ever a member contributed to a merge, the syncer admitted the joiners and heard the one
+    that left say so, and a request past a region's bounds is refused."""
+    cfg = tiny_config(regions=[{"name": "us", "learners": 1, "max_learners": 2, "speed": 0.25},
+                               {"name": "eu", "learners": 1, "max_learners": 2, "min_learners": 2, "speed": 0.25}],
+                      inner={"steps": 120}, syncer={"quorum": 1, "scale_partial_rounds": True},
+                      outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase"})
+    answers: dict[str, object] = {}
+
+    def operate() -> None:
+        run_dir = _wait_for_run_dir(Path(cfg.run.dir))
+        _wait_for_merges(run_dir, 2)
+        answers["add_us"] = membership.wait(membership.submit(run_dir, {"op": "add", "region": "us"}))
+        answers["add_eu"] = membership.wait(membership.submit(run_dir, {"op": "add", "region": "eu", "count": 1}))
+        try:
+            membership.wait(membership.submit(run_dir, {"op": "add", "region": "eu"}))
+        except membership.RequestError as err:
+            answers["too_many"] = str(err)
+        _wait_for_merges(run_dir, 6)
+        answers["remove"] = membership.wait(membership.submit(run_dir, {"op": "remove", "learner": "us-0"}))
+        try:
+            membership.wait(membership.submit(run_dir, {"op": "remove", "learner": "eu-0"}))
+        except membership.RequestError as err:
+            answers["below_min"] = str(err)
+
+    operator = threading.Thread(target=operate, daemon=True)
+    operator.start()
+    summary = train(cfg, progress=False, console=Console(quiet=True))
+    operator.join(timeout=5)
+    assert answers["add_us"]["added"] == ["us-1"] and answers["add_eu"]["added"] == ["eu-1"]
+    assert "may have 2 learners" in answers["too_many"]
+    assert answers["remove"] == {"ok": True, "removed": "us-0"}
+    assert "keeps at least 2" in answers["below_min"]
+
+    c = summary["contributions"]
+    assert c["published"] == c["accepted"] == c["applied"] > 0 and c["rejected"] == 0 and c["applied_twice"] == 0
+    state, _, _ = assert_exact_accounting(cfg, summary["run_id"])
+    members = {"us-0", "eu-0", "us-1", "eu-1"}
+    assert set(summary["members"]) == members and set(state.members()) == {"us-1", "eu-1"}
+    assert {lid for m in state.merges() for lid in m["learners"]} == members  # every member contributed
+    learners = summary["learners"]
+    assert learners["us-0"]["state"] == "left" and learners["us-0"]["step"] < cfg.inner.steps
+    assert all(learners[lid]["state"] == "finished" for lid in members - {"us-0"})
+    events = run_events(cfg, summary["run_id"])
+    regions = [(e["kind"], e["region"], e["live"]) for e in events if e["kind"].startswith("region_")]
+    assert regions[:2] == [("region_below_min", "eu", 1), ("region_at_min", "eu", 2)]  # min 2: eu-1 made it 2
+    kinds = [(e["kind"], e.get("learner")) for e in events]
+    assert ("learner_admitted", "us-1") in kinds and ("learner_admitted", "eu-1") in kinds
+    assert ("learner_left", "us-0") in kinds
+    peak = max(p["members"] for p in summary["membership"])
+    assert summary["membership"][0]["members"] == 2 and peak >= 3
+
+
+def _wait_for_run_dir(root: Path, timeout_s: float = 120.0) -> Path:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        found = [d for d in root.glob("*") if (d / "config.yaml").is_file()]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise TimeoutError(f"no run directory under {root}")
+
+
+def _wait_for_merges(run_dir: Path, n: int, timeout_s: float = 180.0) -> None:
+    from diloco.config import load_config
+    from diloco.syncer import state as state_mod
+
+    cfg = load_config(run_dir / "config.yaml")
+    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, cfg.run.id)
+    deadline = time.time() + timeout_s
+    while sum(1 for _ in state.merges()) < n:
+        if time.time() > deadline:
+            raise TimeoutError(f"fewer than {n} merges in {timeout_s:.0f}s")
+        time.sleep(0.2)
