@@ -86,20 +86,22 @@ def test_a_live_run_grows_from_two_learners_to_four_and_one_leaves(tiny_config, 
     that left say so, and a request past a region's bounds is refused."""
     cfg = tiny_config(regions=[{"name": "us", "learners": 1, "max_learners": 2, "speed": 0.25},
                                {"name": "eu", "learners": 1, "max_learners": 2, "min_learners": 2, "speed": 0.25}],
-                      inner={"steps": 120}, syncer={"quorum": 1, "scale_partial_rounds": True},
+                      # a joiner's first heartbeat comes ~15 s after its start (JAX, compilation): the
+                      # starting learners train long enough (25 s of compute) to meet the joiners
+                      inner={"steps": 400, "max_seconds": 25}, syncer={"quorum": 1, "scale_partial_rounds": True},
                       outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase"})
     answers: dict[str, object] = {}
 
     def operate() -> None:
         run_dir = _wait_for_run_dir(Path(cfg.run.dir))
-        _wait_for_merges(run_dir, 2)
+        state = _wait_for_merges(run_dir, 1)
         answers["add_us"] = membership.wait(membership.submit(run_dir, {"op": "add", "region": "us"}))
         answers["add_eu"] = membership.wait(membership.submit(run_dir, {"op": "add", "region": "eu", "count": 1}))
         try:
             membership.wait(membership.submit(run_dir, {"op": "add", "region": "eu"}))
         except membership.RequestError as err:
             answers["too_many"] = str(err)
-        _wait_for_merges(run_dir, 6)
+        _wait_until(lambda: {"us-1", "eu-1"} <= set(state.members()), "the joiners were not admitted")
         answers["remove"] = membership.wait(membership.submit(run_dir, {"op": "remove", "learner": "us-0"}))
         try:
             membership.wait(membership.submit(run_dir, {"op": "remove", "learner": "eu-0"}))
@@ -144,14 +146,20 @@ def _wait_for_run_dir(root: Path, timeout_s: float = 120.0) -> Path:
     raise TimeoutError(f"no run directory under {root}")
 
 
-def _wait_for_merges(run_dir: Path, n: int, timeout_s: float = 180.0) -> None:
+def _wait_for_merges(run_dir: Path, n: int):
+    """The run's Redis state, once it holds n merges."""
     from diloco.config import load_config
     from diloco.syncer import state as state_mod
 
     cfg = load_config(run_dir / "config.yaml")
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, cfg.run.id)
+    _wait_until(lambda: len(state.merges()) >= n, f"fewer than {n} merges")
+    return state
+
+
+def _wait_until(condition, what: str, timeout_s: float = 180.0) -> None:
     deadline = time.time() + timeout_s
-    while sum(1 for _ in state.merges()) < n:
+    while not condition():
         if time.time() > deadline:
-            raise TimeoutError(f"fewer than {n} merges in {timeout_s:.0f}s")
+            raise TimeoutError(f"{what} in {timeout_s:.0f}s")
         time.sleep(0.2)
