@@ -214,10 +214,13 @@ def _run_shards(config: Path, overrides: list[str], n: int) -> int:
 
 @app.command()
 def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run's config (with run.id)")],
-            learner_id: Annotated[str, typer.Option("--learner", help="learner id, <region>-<index>")],
+            learner_id: Annotated[Optional[str], typer.Option("--learner", help="learner id, <region>-<index>")] = None,
             corpus: Annotated[Optional[Path], typer.Option(
                 help="prepared corpus directory; default: data.prepared of the config")] = None,
             start_step: Annotated[int, typer.Option(help="resume at this inner step (after a crash)")] = 0,
+            spare: Annotated[bool, typer.Option(
+                help='a warm spare instead of --learner: warm up, then read {"learner": ID, "start_step": N} '
+                     "from stdin and become that learner")] = False,
             set_: SetOpt = None):
     """Run one learner of an existing run to the end of its inner steps.
 
@@ -230,6 +233,11 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
     if not cfg.run.id:
         console.print("[red]error:[/] the learner needs run.id (the run's config.yaml has it)")
         raise typer.Exit(2)
+    if spare:
+        raise typer.Exit(_spare(cfg, corpus, learner_id))
+    if learner_id is None:
+        console.print("[red]error:[/] give --learner ID, or --spare")
+        raise typer.Exit(2)
     try:
         cfg.region_of(learner_id)
     except ConfigError as err:
@@ -237,6 +245,27 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
         raise typer.Exit(2) from None
     logs.setup(f"learner:{learner_id}")
     learner_main(cfg, cfg.run.id, learner_id, str(corpus) if corpus else None, start_step, config_path=str(config))
+
+
+def _spare(cfg: Config, corpus: Optional[Path], learner_id: Optional[str]) -> int:
+    """`diloco learner --spare`: exit status 2 on a bad command line or assignment, else 0."""
+    from rich.markup import escape
+
+    from diloco import logs
+    from diloco.learners import spare
+
+    if learner_id is not None:
+        console.print("[red]error:[/] --spare learns its learner id from stdin: leave out --learner")
+        return 2
+    if corpus:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": str(corpus)})})
+    logs.setup("learner:spare")
+    try:
+        spare.main(cfg, cfg.run.id)
+    except ConfigError as err:
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
+        return 2
+    return 0
 
 
 RunConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="the live run's config (RUN_DIR/config.yaml)")]

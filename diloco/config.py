@@ -266,6 +266,9 @@ class RunConfig(_Section):
     threads_per_process: int = Field(1, ge=1)
     max_restarts: int = Field(3, ge=0, description="restarts of a failed learner or syncer before the run fails")
     restart_backoff_s: float = Field(1.0, ge=0, description="first restart delay; doubles per restart of a process")
+    spares: int = Field(0, ge=0, description="warm spare learner processes the local runner keeps (interpreter, JAX, "
+                        "model and compiled step loaded): a learner that dies is replaced by one at once, no restart "
+                        "delay, and a new spare starts behind it; 0 = restart the learner itself after the delay")
 
 
 class ChaosConfig(_Section):
@@ -347,7 +350,17 @@ class Config(_Section):
         if self.syncer.shards > self.fragments.count:
             raise ValueError(f"syncer.shards ({self.syncer.shards}) exceeds fragments.count ({self.fragments.count}): "
                              "a shard owns whole fragments")
+        if self.run.spares and (why := self.spares_unsupported()):
+            raise ValueError(f"run.spares ({self.run.spares}): {why}")
         return self
+
+    def spares_unsupported(self) -> str | None:
+        """Why a warm spare (`diloco learner --spare`) cannot stand in for this run's learners, or None."""
+        if self.model.script:
+            return "a spare warms up the built-in loop, and model.script replaces it"
+        if self.parallel.processes > 1:
+            return f"a spare is one process, and each learner is parallel.processes={self.parallel.processes}"
+        return None
 
     @property
     def num_learners(self) -> int:

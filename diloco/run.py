@@ -122,7 +122,12 @@ def _child_env(cfg: Config) -> dict:
     flags = os.environ.get("XLA_FLAGS", "")
     if n == 1 and "multi_thread_eigen" not in flags:
         flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    return {**os.environ, "XLA_FLAGS": flags.strip(), "OMP_NUM_THREADS": str(n), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "XLA_FLAGS": flags.strip(), "OMP_NUM_THREADS": str(n), "PYTHONUNBUFFERED": "1"}
+    if cfg.run.id:  # JAX's persistent compilation cache, for every program however quick to compile: a
+        # restarted learner or a spare taking over finds the steps compiled before in the run
+        env |= {"JAX_COMPILATION_CACHE_DIR": str(Path(cfg.run.dir) / cfg.run.id / "jax-cache"),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return env
 
 
 @dataclass
@@ -257,6 +262,10 @@ class LocalRun:
         self.takeovers: list[dict] = []        # fragments claimed by a shard from another one
         self.first_beat: float | None = None
         self.learners_done_at: float | None = None
+        self.spares: list[str] = []             # warm spare jobs (run.spares), oldest first
+        self.spares_started = 0
+        self.handovers: list[dict] = []          # each learner a spare took the place of
+        self.replaced: dict[str, str | None] = {}  # learner -> the incarnation its spare replaced
 
     # --- processes -----------------------------------------------------------------------------
     def start(self, name: str) -> None:
@@ -270,9 +279,42 @@ class LocalRun:
                                "--start-step", str(step)], processes=self.cfg.parallel.processes)
 
     def _down(self, name: str, now: float, delay: float, why: str) -> None:
-        self.restart_at[name] = now + delay
         self.outages.append([name, now, None])
+        if name in self.members and self._hand_to_spare(name, why):
+            return
+        self.restart_at[name] = now + delay
         self.console.print(f"[yellow]{name} {why}; restarting in {delay:.1f}s[/]")
+
+    # --- warm spares ---------------------------------------------------------------------------
+    def _start_spare(self) -> None:
+        name = f"spare-{self.spares_started}"
+        self.spares_started += 1
+        self.jobs.start(name, ["learner", "--config", str(self.cfg_path), "--spare", "--corpus", str(self.corpus.dir)],
+                        stdin_pipe=True)
+        self.spares.append(name)
+
+    def _hand_to_spare(self, name: str, why: str) -> bool:
+        """Learner `name` died: the oldest live spare becomes it at once (a new spare starts behind it).
+        False when no spare is left; spares that died are dropped."""
+        while self.spares:
+            spare = self.spares.pop(0)
+            hb = self.prog.learners.get(name, {})
+            try:
+                if self.jobs.poll(spare) is not None:
+                    raise OSError(f"exited with {self.jobs.poll(spare)}")
+                self.jobs.tell(spare, json.dumps({"learner": name, "start_step": hb.get("step", 0)}))
+            except OSError as err:
+                self.console.print(f"[red]{spare} cannot take over ({err}); log {self.jobs.jobs[spare].log}:[/]\n"
+                                   + self.jobs.tail(spare))
+                continue
+            self.jobs.rename(spare, name)
+            self.replaced[name] = hb.get("incarnation")
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            self.handovers.append({"learner": name, "spare": spare, "start_step": hb.get("step", 0)})
+            self.console.print(f"[yellow]{name} {why}; {spare} takes its place at step {hb.get('step', 0)}[/]")
+            self._start_spare()
+            return True
+        return False
 
     def _kill(self, kill: chaos.Kill, now: float) -> None:
         if kill.target not in self.syncers:
@@ -328,7 +370,8 @@ class LocalRun:
             self.first_beat = self.first_beat or time.time()
             self.compute[(ev["learner"], ev.get("incarnation"))] = {"compute_s": ev.get("compute_s", 0.0),
                                                                      "at": ev.get("at", ev["time"])}
-            self._close_outage(ev["learner"])
+            if ev.get("incarnation") != self.replaced.get(ev["learner"]):  # not a late beat of the one replaced
+                self._close_outage(ev["learner"])
         elif ev["kind"] == "syncer_started":
             shard = ev.get("shard", 0)
             if not isinstance(shard, int) or not 0 <= shard < len(self.syncers):
@@ -410,6 +453,8 @@ class LocalRun:
                 self._pump(200)
         for lid in self.members:  # learners start once the syncer consumes: deltas would only pile up
             self.start(lid)
+        for _ in range(cfg.run.spares):
+            self._start_spare()
         deadline = t0 + cfg.run.timeout_s
         stop_sent, last_line = False, 0.0
         live = Live(progress_table(cfg, self.prog, cfg.run.id, 0), console=self.console,
@@ -496,6 +541,7 @@ class LocalRun:
             "restarts": dict(self.restarts),
             "outages_s": {o[0]: round(o[2] - o[1], 2) for o in self.outages if o[2] is not None},
             "takeovers": self.takeover_times(),
+            "spare_handovers": list(self.handovers),
         }
 
     def _time_in_run(self, lid: str, end: float) -> float:

@@ -45,7 +45,9 @@ class LocalJobs:
         self.jobs: dict[str, Job] = {}
         logs.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1) -> Job:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1,
+              stdin_pipe: bool = False) -> Job:
+        """stdin_pipe: process 0 reads what `tell` writes (a spare's assignment); else stdin is empty."""
         base = {**self.env, **(env or {})}
         if processes > 1:
             base |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": str(processes)}
@@ -54,9 +56,20 @@ class LocalJobs:
             with open(log, "ab") as out:
                 job.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "diloco", *argv], stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, env={**base, "JAX_PROCESS_ID": str(i)} if processes > 1 else base))
+                    stdin=subprocess.PIPE if stdin_pipe and i == 0 else subprocess.DEVNULL,
+                    env={**base, "JAX_PROCESS_ID": str(i)} if processes > 1 else base))
         self.jobs[name] = job
         return job
+
+    def tell(self, name: str, line: str) -> None:
+        """One line to process 0 of a job started with stdin_pipe."""
+        stdin = self.jobs[name].popen.stdin
+        stdin.write(line.encode() + b"\n")
+        stdin.flush()
+
+    def rename(self, old: str, new: str) -> None:
+        """The job `old` goes on as `new` (a spare that became a learner); its log keeps its name."""
+        self.jobs[new] = self.jobs.pop(old)
 
     def poll(self, name: str) -> int | None:
         """None while running, else the exit code (negative: killed by that signal). The first

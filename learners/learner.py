@@ -19,7 +19,7 @@ import jax
 import optax
 
 from diloco.config import Config
-from diloco.learners.parallel import learner_mesh
+from diloco.learners.parallel import LearnerMesh, learner_mesh
 from diloco.learners.session import ENV_CONFIG, ENV_CORPUS, ENV_LEARNER, ENV_START_STEP, Session
 from diloco.spec import DataShard, ModelSpec, load_spec
 
@@ -36,11 +36,23 @@ def make_train_step(loss, opt: optax.GradientTransformation):
     return train_step
 
 
+def initial_params(cfg: Config, spec: ModelSpec, mesh: LearnerMesh):
+    """The model's initial parameters, placed on the learner's mesh (the template `Session.join` fills)."""
+    init = spec.init(cfg.model.seed)
+    return mesh.shard(init, spec.partition(init) if spec.partition else None)
+
+
+def compile_step(spec: ModelSpec, mesh: LearnerMesh, opt: optax.GradientTransformation, params, batch):
+    """(the optimizer state placed like `params`, the inner step compiled for these shapes)."""
+    opt_state = mesh.init_optimizer(opt, params)
+    return opt_state, make_train_step(spec.loss, opt).lower(params, opt_state, batch).compile()
+
+
 def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec: ModelSpec | None = None,
-        **services) -> dict:
+        mesh: LearnerMesh | None = None, **services) -> dict:
     """Train `learner_id` of the run to its step budget (or until SIGTERM); returns its summary."""
     spec = spec or load_spec(cfg)
-    mesh = learner_mesh(cfg)
+    mesh = mesh or learner_mesh(cfg)
     total_steps = cfg.learner_steps(learner_id)
     speed = cfg.region_of(learner_id).speed
     shard = DataShard(cfg.shard_index(learner_id), cfg.num_shards, start_step, cfg.data.seed,
@@ -51,17 +63,13 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
     session.open()
     ok = False
     try:
-        init = spec.init(cfg.model.seed)
-        params = session.join(mesh.shard(init, spec.partition(init) if spec.partition else None))
-        del init
-        opt = spec.inner_optimizer(start_step, total_steps)
-        opt_state = mesh.init_optimizer(opt, params)
+        params = session.join(initial_params(cfg, spec, mesh))
+        tokens, batch = next(feed)
+        # Compile before the clock starts: step times feed the grace window and the time budget.
+        opt_state, train_step = compile_step(spec, mesh, spec.inner_optimizer(start_step, total_steps), params, batch)
         log.info("parameters placed", extra={"mesh": dict(mesh.mesh.shape), "hosts": jax.process_count(),
                                              "param_bytes_per_device": mesh.bytes_per_device(params),
                                              "opt_bytes_per_device": mesh.bytes_per_device(opt_state)})
-        tokens, batch = next(feed)
-        # Compile before the clock starts: step times feed the grace window and the time budget.
-        train_step = make_train_step(spec.loss, opt).lower(params, opt_state, batch).compile()
         compute_s = 0.0
         for _ in range(start_step + 1, total_steps + 1):
             # both agreed by every host of the learner at its last step, so that all stop together

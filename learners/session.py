@@ -128,17 +128,27 @@ class Publisher(threading.Thread):
 
 
 class Heartbeat(threading.Thread):
-    """Sends the learner's latest status every period; the inner loop only updates a dict."""
+    """Sends the learner's latest status every period, or at once when asked (`beat_now`: a new
+    incarnation's first step, so a restarted learner's outage ends when it trains, not a period
+    later); the inner loop only updates a dict."""
 
     def __init__(self, send, period_s: float, broker: kafka_io.BrokerWatch):
         super().__init__(daemon=True, name="heartbeat")
         self.send, self.period_s, self.broker = send, period_s, broker
         self.status: dict = {}
         self.stop = threading.Event()
+        self._wake = threading.Event()
+
+    def beat_now(self) -> None:
+        self._wake.set()
 
     def run(self) -> None:
         self.broker.start()
-        while not self.stop.wait(self.period_s):
+        while not self.stop.is_set():
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+            if self.stop.is_set():
+                break
             if self.broker.up and self.status:
                 try:
                     self.send(**self.status)
@@ -450,6 +460,8 @@ class Session:
         self.heartbeat.status = {"step": self.steps, "tokens": self.tokens, "loss": self.loss,
                                  "step_time": self.step_time, "compute_s": self.compute_s, "at": time.time(),
                                  "state": "running", "versions": dict(self._version)}
+        if self.steps == self.start_step + 1:  # this incarnation trains: say so now
+            self.heartbeat.beat_now()
         params = self._apply(params, chosen)
         for p in [p for p, (at, _) in self._waits.items() if self.steps + 1 >= at]:
             params = self._wait_for_merge(p, self._waits.pop(p)[1], params)
@@ -473,6 +485,7 @@ class Session:
             self.publisher.queue.put(None)
             self.publisher.queue.join()
             self.heartbeat.stop.set()
+            self.heartbeat.beat_now()  # wakes it to see the stop
             self.heartbeat.join(timeout=30)
         self.fetcher.stop.set()
         self.fetcher.join(timeout=30)  # a TensorStore read still running at exit aborts the process

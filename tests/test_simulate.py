@@ -100,3 +100,17 @@ def test_cli_rejects_an_unknown_scheme():
 
     out = CliRunner().invoke(app, ["simulate", "goodput", "--schemes", "dp,ring", "--hours", "1"])
     assert out.exit_code == 2 and "ring" in out.output
+
+
+def test_spares_trade_the_pauses_for_the_spare_time_and_the_unsent_steps():
+    c = Cluster(chips=65536, mtbi_years=0.05, step_cv=0.0, hours=2.0, reconfig_s=60.0)  # a failure every ~24 s
+    assert simulate("diloco", steady(), Diloco(learners=4, spares=True)).goodput == pytest.approx(1.0, abs=1e-12)
+    often = Diloco(learners=4, sync_every=5, overlap_steps=0)        # little unsent work to lose
+    spares = [simulate("diloco", c, Diloco(**{**vars(often), "spares": True, "spare_s": s})).goodput for s in (2.0, 30.0)]
+    elastic = simulate("diloco", c, often).goodput                     # two 60 s pauses per failure
+    assert elastic < spares[1] < spares[0] < 1.0
+    rarely = Diloco(learners=4, sync_every=200, overlap_steps=8)       # a spare loses ~100 unsent steps
+    assert simulate("diloco", c, Diloco(**{**vars(rarely), "spares": True, "spare_s": 2.0})).goodput < \
+        simulate("diloco", c, rarely).goodput
+    with pytest.raises(ValueError, match="spare_s"):
+        Diloco(spare_s=-1.0)

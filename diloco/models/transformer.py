@@ -8,6 +8,7 @@ its options in `model.options` (diloco.config.TransformerOptions).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,16 +95,37 @@ def evaluate(params: Params, batches: np.ndarray, cfg: TransformerOptions) -> fl
 def adamw(cfg: Config, start_step: int = 0, steps: int | None = None) -> optax.GradientTransformation:
     """AdamW on warmup + cosine decay over `steps` (default inner.steps). A learner restarted at
     `start_step` continues the schedule from there, warming up again because its Adam moments start
-    from zero."""
+    from zero. The start step is in the optimizer state, not in the compiled step, so that one
+    compiled step serves every start step (a warm spare compiles it before it knows its own)."""
     warmup = max(cfg.inner.warmup_steps, 1)
     sched = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.inner.lr, warmup_steps=warmup,
         decay_steps=max(steps or cfg.inner.steps, warmup + 1), end_value=cfg.inner.lr * 0.1)
-    if start_step:
-        base = sched
-        sched = lambda count: base(count + start_step) * jnp.minimum(1.0, (count + 1) / warmup)  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(cfg.inner.grad_clip),
-                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.inner.weight_decay))
+                       optax.scale_by_adam(b1=0.9, b2=0.95),
+                       optax.add_decayed_weights(cfg.inner.weight_decay),
+                       _scale_by_resumed_schedule(sched, warmup, start_step))
+
+
+class ResumedScheduleState(NamedTuple):
+    count: jax.Array   # steps taken since the learner (re)started
+    start: jax.Array   # the step it started from: 0, or where a restarted learner resumed
+
+
+def _scale_by_resumed_schedule(sched, warmup: int, start_step: int) -> optax.GradientTransformation:
+    """optax.scale_by_learning_rate(sched) continued from `start_step`, with a new warmup after a restart."""
+    def init(params):
+        del params
+        return ResumedScheduleState(jnp.zeros([], jnp.int32), jnp.asarray(start_step, jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        rewarm = jnp.where(state.start > 0, jnp.minimum(1.0, (state.count + 1) / warmup), 1.0)
+        lr = -sched(state.count + state.start) * rewarm
+        updates = jax.tree_util.tree_map(lambda g: jnp.array(lr, dtype=g.dtype) * g, updates)
+        return updates, ResumedScheduleState(optax.safe_increment(state.count), state.start)
+
+    return optax.GradientTransformation(init, update)
 
 
 def partition(params: Params):

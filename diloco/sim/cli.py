@@ -83,6 +83,8 @@ def goodput(
     grace_max_s: Annotated[float, typer.Option(help="diloco: cap on the grace window")] = _D.grace_max_s,
     sync_s: Annotated[float, typer.Option(help="diloco: round close to merged value readable")] = _D.sync_s,
     max_staleness: Annotated[int, typer.Option(help="diloco: versions a contribution may lag")] = _D.max_staleness,
+    spares: Annotated[bool, typer.Option(help="diloco: a warm spare learner replaces a failed one whole")] = _D.spares,
+    spare_s: Annotated[float, typer.Option(help="diloco with --spares: until the spare trains (measured locally)")] = _D.spare_s,
     hours: Annotated[float, typer.Option(help="simulated wall-clock time")] = _C.hours,
     seed: int = 0,
     workers: Annotated[int, typer.Option(help="processes for the sweep")] = os.cpu_count() or 1,
@@ -101,7 +103,7 @@ def goodput(
         sizes = [int(c.replace("_", "")) for c in _split(chips)]
         setup = gp.Diloco(learners=learners, quorum=quorum, sync_every=sync_every, overlap_steps=overlap_steps,
                           grace_gamma=grace_gamma, grace_max_s=grace_max_s, sync_s=sync_s,
-                          max_staleness=max_staleness)
+                          max_staleness=max_staleness, spares=spares, spare_s=spare_s)
         clusters = [gp.Cluster(chips=n, slice_chips=slice_chips, mtbi_years=mtbi_years, recovery_s=recovery_s,
                                reconfig_s=reconfig_s, checkpoint_s=checkpoint_s, step_s=step_s,
                                step_cv=step_time_cv, hours=hours) for n in sizes]
@@ -110,7 +112,8 @@ def goodput(
         raise typer.Exit(2) from None
     results = run_cases([(s, c, setup, seed) for c in clusters for s in names], workers)
     settings = (f"MTBI {mtbi_years:g} y/chip, slices of {slice_chips}, recovery {recovery_s:g} s, "
-                f"reconfig {reconfig_s:g} s, step {step_s:g} s (cv {step_time_cv:g}), {hours:g} h, seed {seed}")
+                f"reconfig {reconfig_s:g} s, step {step_s:g} s (cv {step_time_cv:g}), {hours:g} h, seed {seed}"
+                + (f", diloco spares {spare_s:g} s" if spares else ""))
     if json_out:
         typer.echo(json.dumps([r.row() for r in results]))
     else:
