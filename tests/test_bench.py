@@ -277,8 +277,8 @@ def _assert_cleaned_up(cfg, run_id: str) -> None:
         assert not [t for t in admin.list_topics() if run_id in t]
     finally:
         admin.close()
-    assert not [d for d in glob.glob(f"{tempfile.gettempdir()}/diloco-load-*")
-                if run_id in (Path(d) / "config.yaml").read_text(errors="ignore")]
+    assert not [d for d in glob.glob(f"{tempfile.gettempdir()}/diloco-load-*/config.yaml")
+                if run_id in Path(d).read_text(errors="ignore")]
 
 
 @pytest.mark.integration
