@@ -264,6 +264,7 @@ class LocalRun:
         self.learners_done_at: float | None = None
         self.spares: list[str] = []             # warm spare jobs (run.spares), oldest first
         self.spares_started = 0
+        self.spares_owed = 0                    # replacements to start once no handover is still warming up
         self.handovers: list[dict] = []          # each learner a spare took the place of
         self.replaced: dict[str, str | None] = {}  # learner -> the incarnation its spare replaced
 
@@ -312,7 +313,7 @@ class LocalRun:
             self.restarts[name] = self.restarts.get(name, 0) + 1
             self.handovers.append({"learner": name, "spare": spare, "start_step": hb.get("step", 0)})
             self.console.print(f"[yellow]{name} {why}; {spare} takes its place at step {hb.get('step', 0)}[/]")
-            self._start_spare()
+            self.spares_owed += 1  # started once it trains: a spare warming up beside it would take its cores
             return True
         return False
 
@@ -436,6 +437,10 @@ class LocalRun:
         for o in self.outages:
             if o[0] == name and o[2] is None and name not in self.restart_at:
                 o[2] = time.time()
+        if self.spares_owed and not any(o[2] is None and o[0] in self.replaced for o in self.outages):
+            for _ in range(self.spares_owed):
+                self._start_spare()
+            self.spares_owed = 0
 
     # --- the loop ------------------------------------------------------------------------------
     def watch(self, progress: bool, t0: float, on_tick=None) -> None:

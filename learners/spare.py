@@ -41,8 +41,8 @@ def read_assignment(cfg: Config, line: str) -> tuple[str, int]:
     except (ValueError, TypeError, KeyError) as err:
         raise ConfigError(f"spare assignment {line.strip()[:200]!r}: expected "
                           f'{{"learner": ID, "start_step": N}} ({type(err).__name__}: {err})') from None
-    if lid not in cfg.learner_ids():
-        raise ConfigError(f"spare assignment: {lid!r} is not a learner of this run ({', '.join(cfg.learner_ids())})")
+    if not isinstance(lid, str) or not cfg.is_member_id(lid):
+        raise ConfigError(f"spare assignment: {str(lid)[:64]!r} is not a learner of this run ({', '.join(cfg.member_ids())})")
     if not isinstance(step, int) or not 0 <= step <= cfg.learner_steps(lid):
         raise ConfigError(f"spare assignment: start_step {step!r} of {lid} is not in 0..{cfg.learner_steps(lid)}")
     return lid, step
@@ -56,7 +56,7 @@ def main(cfg: Config, run_id: str, assignments: TextIO = sys.stdin) -> dict:
     spec, mesh = load_spec(cfg), learner_mesh(cfg)
     first = cfg.learner_ids()[0]  # a guess at the step budget: learners of one speed share it
     params = learner.initial_params(cfg, spec, mesh)
-    batch = mesh.shard_batch(next(iter(spec.batches(DataShard(0, cfg.num_learners, 0, cfg.data.seed)))))
+    batch = mesh.shard_batch(next(iter(spec.batches(DataShard(0, cfg.num_shards, 0, cfg.data.seed)))))
     learner.compile_step(spec, mesh, spec.inner_optimizer(0, cfg.learner_steps(first)), params, batch)
     del params, batch
     producer = kafka_io.producer(cfg.transport)

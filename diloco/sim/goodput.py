@@ -98,10 +98,10 @@ class Diloco:
     sync_s: float = 5.0          # from a round's close to its merged value being readable
     max_staleness: int = 4
     spares: bool = False         # a failed learner is replaced whole by a warm spare learner
-    # Outage of a learner kill until the spare's first heartbeat with run.spares = 1 on the local
-    # runner: mean of 2.4, 3.4, 4.8 and 5.7 s (docs/operations.md, "Learner failures": diloco chaos on
-    # configs/local.yaml, 300 steps, seed 0, a 2-core machine, 2026-12-01).
-    spare_s: float = 4.1
+    # Outage of a learner kill until the spare's first heartbeat with run.spares = 2 on the local
+    # runner: mean of 1.79, 2.06, 2.15 and 2.43 s (docs/operations.md, "Learner failures": diloco chaos
+    # on configs/local.yaml, 300 steps, seed 0, a 2-core machine, 2026-12-01).
+    spare_s: float = 2.1
 
     def __post_init__(self):
         if self.spare_s < 0:
