@@ -14,8 +14,7 @@ Keys, all under `<key_prefix>:{<run>}:` (run_prefix builds it; add a key as `sel
     counters         hash  accepted, applied, late, rejected, rejected:<reason>, duplicates, merges
     merges           list  JSON record per merge (fragment, version, contribution ids, tokens)
     registry         hash  learner -> JSON (last heartbeat, step, tokens, step time)
-    members          hash  learner -> JSON {region, shard, time}: learners admitted after the start
-                           (the config's learners are members from the start)
+    members          hash  learner -> JSON {region, shard, time} of each learner admitted after the start
     stats            hash  sync_time_s and other measured figures
     outbox           list  JSON {topic, partition, value} records to publish (transactional outbox)
     deadletter       list  outbox records the broker refused for good (newest 1000), with why

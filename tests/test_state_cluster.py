@@ -64,6 +64,8 @@ def _exercise(st: SyncerState) -> None:
     assert st.committed("events") == {("frag", 0): 6, ("frag", 1): 2, ("events", 0): 7}
     st.heartbeat("us-0", {"step": 3})
     assert st.registry() == {"us-0": {"step": 3}}
+    assert st.admit("us-2", {"region": "us"}) and not st.admit("us-2", {"region": "eu"})  # admitted once
+    assert st.members() == {"us-2": {"region": "us"}}
     sent = st.outbox_peek()
     assert [json.loads(r)["value"] for r in sent] == ["accepted", "merged"]
     st.dead_letter(sent[0], "refused for good")
