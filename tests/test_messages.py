@@ -210,3 +210,26 @@ def test_a_real_heartbeat_passes_the_checks():
     assert messages.clean_heartbeat(beat)["at"] == beat["at"]
     with pytest.raises(messages.WireError, match="field 'at'"):
         messages.clean_heartbeat({**beat, "at": float("inf")})
+
+
+def test_the_wire_format_documents_bytes_the_encoder_writes():
+    """docs/wire-format.md's worked example, byte for byte: its payload, its CRC-32C and the check
+    value it gives; the frame prefix of its manifest and chunks."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "wire-format.md").read_text()
+
+    def hexes(label: str) -> bytes:  # the bytes printed after `label ...:` in the doc
+        return bytes.fromhex(re.search(label + r"[^:\n]*:\s+([0-9a-f |]+)\n", doc).group(1).replace("|", ""))
+
+    m, frames = messages.encode_contribution(
+        run="r1", learner="us-0", region="us", fragment=0, base_version=3, tokens=512, steps=4, step_time=0.05,
+        deltas={"b": np.array([0.7, -0.35, 0.1], np.float32),
+                "w": np.array([[0.5, -1.0, 0.25], [0, 0, 0]], np.float32)},
+        scheme={"b": "int4", "w": "int8"}, chunk_bytes=16)
+    payload = b"".join(bytes(messages.parse_frame(f)[1]) for f in frames[1:])
+    assert payload == hexes(r"\npayload \(20 bytes\)") == hexes(r"\nb  \(int4") + hexes(r"\nw  \(int8")
+    assert f"crc32c(payload) = {m.crc32c:#010x} = {m.crc32c}" in doc
+    assert messages.checksum(b"123456789") == 0xE3069283 and "0xE3069283" in doc
+    assert frames[0][:6] == bytes.fromhex("444c434f0200") and frames[1][:10] == bytes.fromhex("444c434f02004c000000")
