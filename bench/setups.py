@@ -73,6 +73,23 @@ SCENARIOS: dict[str, dict] = {
     "wan": {"transport": WAN},
 }
 
+
+
+def _scavenge(joiners: int) -> dict:
+    """Idle compute joins a third of the way in: `joiners` learners split over the regions, on the
+    run's token budget (build sets it). Every case may grow to +100%, so all read the same 8 data shards."""
+    per_region = joiners // len(REGIONS)
+    return {"regions": [{**r, "max_learners": 2 * r["learners"]} for r in REGIONS],
+            "run": {"joins": [{"at_tokens_fraction": 1 / 3, "region": r["name"], "count": per_region}
+                              for r in REGIONS if per_region]}}
+
+
+# Scavenging idle compute: 0, +50% and +100% learners; `--scenarios scavenge` runs the three cases.
+SCAVENGE = {"scavenge-0": _scavenge(0), "scavenge-50": _scavenge(2), "scavenge-100": _scavenge(4)}
+SCENARIOS |= SCAVENGE
+GROUPS = {"scavenge": list(SCAVENGE)}
+SCAVENGE_METHODS = ("dp", "decoupled")  # the question is elastic DiLoCo against a growing data-parallel job
+
 # The fragment and quantization variants, and the ideal method (no clock, nothing sent), run only
 # where they matter: quality and bytes.
 VARIANTS_ONLY_IN = "healthy"
@@ -82,14 +99,24 @@ def healthy_only(method: str) -> bool:
     return method.startswith("decoupled-") or method == "ideal"
 
 
+def expand(scenarios: list[str]) -> list[str]:
+    """Scenario names with each group (GROUPS) replaced by its cases."""
+    return [case for s in scenarios for case in GROUPS.get(s, [s])]
+
+
 def build(method: str, scenario: str, size: str = "quick", overrides: list[str] = ()) -> Config:
     """The config of one (method, scenario) run; `overrides` (key=value) carry local services and paths."""
     tree = _merge({"regions": REGIONS, **SIZES[size]}, METHODS[method])
     tree = _merge(tree, SCENARIOS[scenario])
     tree = _merge(tree, {"run": {"name": f"bench-{method}-{scenario}"}})
+    if scenario in SCAVENGE:  # the same tokens as the starting learners' inner.steps, whoever joins
+        per_step = tree["inner"]["batch_size"] * tree["model"]["options"]["seq_len"]
+        tree = _merge(tree, {"run": {"token_budget": tree["inner"]["steps"] * sum(r["learners"] for r in REGIONS) * per_step}})
     return build_config(tree, overrides)
 
 
 def plan(methods: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
-    """(method, scenario) pairs to run; variants (decoupled-*) and ideal only in the healthy scenario."""
-    return [(m, s) for s in scenarios for m in methods if not (healthy_only(m) and s != VARIANTS_ONLY_IN)]
+    """(method, scenario) pairs to run; variants (decoupled-*) and ideal only in the healthy scenario,
+    the scavenge cases only for SCAVENGE_METHODS."""
+    return [(m, s) for s in scenarios for m in methods if not (healthy_only(m) and s != VARIANTS_ONLY_IN)
+            and not (s in SCAVENGE and m not in SCAVENGE_METHODS)]
