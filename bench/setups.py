@@ -109,9 +109,10 @@ def build(method: str, scenario: str, size: str = "quick", overrides: list[str] 
     tree = _merge({"regions": REGIONS, **SIZES[size]}, METHODS[method])
     tree = _merge(tree, SCENARIOS[scenario])
     tree = _merge(tree, {"run": {"name": f"bench-{method}-{scenario}"}})
-    if scenario in SCAVENGE:  # the same tokens as the starting learners' inner.steps, whoever joins
-        per_step = tree["inner"]["batch_size"] * tree["model"]["options"]["seq_len"]
-        tree = _merge(tree, {"run": {"token_budget": tree["inner"]["steps"] * sum(r["learners"] for r in REGIONS) * per_step}})
+    if scenario in SCAVENGE:  # the same tokens as the starting learners' inner.steps (overrides too), whoever joins
+        c = build_config(_merge(tree, {"run": {"joins": []}}), overrides)
+        budget = c.inner.steps * c.num_learners * c.inner.batch_size * c.model.transformer.seq_len
+        tree = _merge(tree, {"run": {"token_budget": budget}})
     return build_config(tree, overrides)
 
 

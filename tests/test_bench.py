@@ -168,6 +168,7 @@ def test_scavenge_cases_train_the_same_token_budget_with_0_50_and_100_percent_jo
         assert cfg.model_copy(update={"run": setups.build("decoupled", "scavenge-0").run, "regions": cfg.regions}) \
             .model_dump(exclude={"run": {"name"}}) == setups.build("decoupled", "scavenge-0").model_dump(
                 exclude={"run": {"name"}})  # the cases differ in their joins alone
+    assert setups.build("decoupled", "scavenge-50", overrides=["inner.steps=60"]).run.token_budget == budget // 4
     assert setups.build("decoupled", "healthy").run.token_budget is None
     assert setups.plan(["dp", "sync", "decoupled"], ["scavenge-50"]) == [("dp", "scavenge-50"), ("decoupled", "scavenge-50")]
 
