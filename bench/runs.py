@@ -71,7 +71,8 @@ def run_diloco(cfg: Config, scenario: str, held: np.ndarray, points: int, consol
             "bytes_dp": summary["bytes_dp_equivalent"],
             "goodput": summary["goodput_wall"], "goodput_tokens": summary["goodput"],
             "idle": 1 - compute / wall if wall else math.nan, "merge": metrics.merge_stats(events),
-            "step_times": lt["step_s"], "phase_step_s": phase_step_s(cfg, events, lt), "outages_s": summary.get("outages_s", {}), "kills": summary.get("kills", {}),
+            "step_times": lt["step_s"], "phase_step_s": phase_step_s(cfg, events, lt),
+            "outages_s": summary.get("outages_s", {}), "kills": summary.get("kills", {}),
             "contributions": summary["contributions"], "time_s": curve["time_s"][-1]}
 
 

@@ -74,12 +74,17 @@ SCENARIOS: dict[str, dict] = {
 }
 
 
+# A joining learner trains only ~15-30 s after it was added on this machine (JAX start-up and
+# compilation beside the running learners): at the quick size's 240 steps (~12 s of training) the run
+# was over before any joiner's first step (2026-12-01), so scavenge trains longer.
+SCAVENGE_STEPS = 2000
+
 
 def _scavenge(joiners: int) -> dict:
     """Idle compute joins a third of the way in: `joiners` learners split over the regions, on the
     run's token budget (build sets it). Every case may grow to +100%, so all read the same 8 data shards."""
     per_region = joiners // len(REGIONS)
-    return {"regions": [{**r, "max_learners": 2 * r["learners"]} for r in REGIONS],
+    return {"regions": [{**r, "max_learners": 2 * r["learners"]} for r in REGIONS], "inner": {"steps": SCAVENGE_STEPS},
             "run": {"joins": [{"at_tokens_fraction": 1 / 3, "region": r["name"], "count": per_region}
                               for r in REGIONS if per_region]}}
 

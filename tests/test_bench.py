@@ -157,7 +157,7 @@ def test_methods_differ_only_in_what_they_name():
 
 
 def test_scavenge_cases_train_the_same_token_budget_with_0_50_and_100_percent_joining_a_third_in():
-    budget = 4 * 240 * 8 * 64                      # the starting learners' inner.steps, at the quick size
+    budget = 4 * setups.SCAVENGE_STEPS * 8 * 64    # the starting learners' inner.steps, at the quick size
     assert setups.expand(["healthy", "scavenge"]) == ["healthy", "scavenge-0", "scavenge-50", "scavenge-100"]
     for case, joiners in (("scavenge-0", 0), ("scavenge-50", 2), ("scavenge-100", 4)):
         cfg = setups.build("decoupled", case)
@@ -168,17 +168,19 @@ def test_scavenge_cases_train_the_same_token_budget_with_0_50_and_100_percent_jo
         assert cfg.model_copy(update={"run": setups.build("decoupled", "scavenge-0").run, "regions": cfg.regions}) \
             .model_dump(exclude={"run": {"name"}}) == setups.build("decoupled", "scavenge-0").model_dump(
                 exclude={"run": {"name"}})  # the cases differ in their joins alone
-    assert setups.build("decoupled", "scavenge-50", overrides=["inner.steps=60"]).run.token_budget == budget // 4
+    assert setups.build("decoupled", "scavenge-50", overrides=["inner.steps=60"]).run.token_budget == 4 * 60 * 8 * 64
     assert setups.build("decoupled", "healthy").run.token_budget is None
     assert setups.plan(["dp", "sync", "decoupled"], ["scavenge-50"]) == [("dp", "scavenge-50"), ("decoupled", "scavenge-50")]
 
 
 def test_data_parallel_workers_join_at_the_step_the_budget_share_is_trained():
-    assert dp.phases(setups.build("dp", "healthy")) == [(240, ("us-0", "us-1", "eu-0", "eu-1"))]
     start = ("us-0", "us-1", "eu-0", "eu-1")
-    assert dp.phases(setups.build("dp", "scavenge-0")) == [(240, start)]
-    assert dp.phases(setups.build("dp", "scavenge-100")) == [(80, start), (80, start + ("us-2", "us-3", "eu-2", "eu-3"))]
-    fifty = dp.phases(setups.build("dp", "scavenge-50"))
+    assert dp.phases(setups.build("dp", "healthy")) == [(240, start)]
+    over = ["inner.steps=240"]                     # budget 491,520 tokens, a third of it after 80 steps of 4
+    assert dp.phases(setups.build("dp", "scavenge-0", overrides=over)) == [(240, start)]
+    assert dp.phases(setups.build("dp", "scavenge-100", overrides=over)) == [
+        (80, start), (80, start + ("us-2", "us-3", "eu-2", "eu-3"))]
+    fifty = dp.phases(setups.build("dp", "scavenge-50", overrides=over))
     assert fifty == [(80, start), (107, start + ("us-2", "eu-2"))]   # 106.7 steps of 6 workers: the last counts whole
     assert (80 * 4 + 107 * 6) * 8 * 64 >= 4 * 240 * 8 * 64 > (80 * 4 + 106 * 6) * 8 * 64
 
