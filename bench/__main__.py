@@ -29,8 +29,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     ap.add_argument("--methods", type=lambda s: _list(s, setups.METHODS), default=["dp", "sync", "decoupled"],
                     help=f"comma-separated, of {', '.join(setups.METHODS)}")
-    ap.add_argument("--scenarios", type=lambda s: _list(s, setups.SCENARIOS), default=list(setups.SCENARIOS),
-                    help=f"comma-separated, of {', '.join(setups.SCENARIOS)}")
+    ap.add_argument("--scenarios", type=lambda s: setups.expand(_list(s, [*setups.SCENARIOS, *setups.GROUPS])),
+                    default=[s for s in setups.SCENARIOS if s not in setups.SCAVENGE],
+                    help=f"comma-separated, of {', '.join(setups.SCENARIOS)} or a group ({', '.join(setups.GROUPS)}: "
+                         "its cases); default: all but the scavenge cases")
     ap.add_argument("--quick", action="store_true", help="the small size (~1 min per DiLoCo run)")
     ap.add_argument("--output", type=Path, default=Path(".diloco/bench"))
     ap.add_argument("--points", type=int, default=6, help="held-out evaluations per run")
@@ -143,15 +145,16 @@ def main(argv: list[str]) -> Path:
                         batch_size=any_cfg.run.eval_batch_size, seq_len=any_cfg.model.transformer.seq_len)
     a.output.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    results, by_key, dp = [], {}, None
+    results, by_key, dps = [], {}, {}
     # DiLoCo runs first: data-parallel's clock in a scenario borrows the measured step times and outages.
     pairs = sorted(setups.plan(a.methods, a.scenarios), key=lambda ms: ms[0] == "dp")
     for method, scenario in pairs:
         cfg = setups.build(method, scenario, size, base)
         console.rule(f"{method} / {scenario}  ({time.time() - t0:.0f}s)")
         if method == "dp":
-            dp = dp or dp_mod.train_dp(cfg, corpus, held, evals=a.points)
-            r = runs.dp_in_scenario(cfg, scenario, dp, by_key.get(("decoupled", scenario)))
+            key = (cfg.num_shards, tuple(dp_mod.phases(cfg)))  # the same training: the scenarios without joins
+            dps[key] = dps.get(key) or dp_mod.train_dp(cfg, corpus_for(cfg), held, evals=a.points)
+            r = runs.dp_in_scenario(cfg, scenario, dps[key], by_key.get(("decoupled", scenario)))
         elif method == "ideal":
             r = ideal.as_result(cfg, ideal.train_ideal(cfg, corpus, held, evals=a.points))
         else:
@@ -165,7 +168,7 @@ def main(argv: list[str]) -> Path:
     (a.output / "results.json").write_text(json.dumps(results, indent=1, default=str))
     header = (f"Command: python -m bench {' '.join(argv)}\nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}; "
               f"total {time.time() - t0:.0f}s\n\n")
-    md = report.write(results, a.output, header)
+    md = report.write(results, a.output, header, setups.GROUPS)
     print(md.read_text())
     return md
 

@@ -28,10 +28,11 @@ def percentiles(values: Iterable[float], qs: Sequence[int] = (50, 90, 99)) -> di
     return {f"p{q}": float(np.percentile(v, q)) if len(v) else math.nan for q in qs}
 
 
-def dp_clock(steps: int, step_s: float, comm_s: float, stalls: Mapping[int, float]) -> np.ndarray:
+def dp_clock(steps: int, step_s, comm_s, stalls: Mapping[int, float]) -> np.ndarray:
     """Wall-clock after each data-parallel step: every step waits for the slowest worker (step_s)
-    and the all-reduce (comm_s); a failure before step s stalls everyone for stalls[s] seconds."""
-    per_step = np.full(steps, step_s + comm_s)
+    and the all-reduce (comm_s), each one figure or one per step (the worker count may change at a
+    step); a failure before step s stalls everyone for stalls[s] seconds."""
+    per_step = np.broadcast_to(np.asarray(step_s, np.float64) + np.asarray(comm_s, np.float64), (steps,)).copy()
     for s, seconds in stalls.items():
         per_step[min(max(s, 0), steps - 1)] += seconds
     return np.cumsum(per_step)
@@ -98,3 +99,29 @@ def tokens_at(events: Sequence[Mapping], t: float) -> int:
         if e["kind"] == "heartbeat" and e["time"] <= t:
             latest[e["learner"]] = max(latest.get(e["learner"], 0), int(e.get("tokens", 0)))
     return sum(latest.values())
+
+
+def time_at_tokens(events: Sequence[Mapping], tokens: float) -> float:
+    """First heartbeat time at which all learners together had processed `tokens`; inf if never."""
+    latest: dict[str, int] = {}
+    for e in sorted((e for e in events if e["kind"] == "heartbeat"), key=lambda e: e["time"]):
+        latest[e["learner"]] = max(latest.get(e["learner"], 0), int(e.get("tokens", 0)))
+        if sum(latest.values()) >= tokens:
+            return float(e["time"])
+    return math.inf
+
+
+def step_s_between(events: Sequence[Mapping], t0: float, t1: float) -> dict[str, float]:
+    """Per learner, its compute seconds per step between its heartbeats in [t0, t1] (each incarnation's
+    first and last beat there; compute_s restarts with an incarnation)."""
+    spans: dict[tuple[str, str], list[dict]] = {}
+    for e in events:
+        if e["kind"] == "heartbeat" and t0 <= e["time"] <= t1:
+            spans.setdefault((e["learner"], e.get("incarnation")), []).append(e)
+    compute: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    for (lid, _), beats in spans.items():
+        first, last = min(beats, key=lambda e: e["time"]), max(beats, key=lambda e: e["time"])
+        compute[lid] = compute.get(lid, 0.0) + last.get("compute_s", 0.0) - first.get("compute_s", 0.0)
+        steps[lid] = steps.get(lid, 0) + last.get("step", 0) - first.get("step", 0)
+    return {lid: compute[lid] / steps[lid] for lid in compute if steps[lid] > 0}

@@ -122,9 +122,35 @@ def _plot_bytes(results: list[dict], out: Path) -> list[str]:
     return ["bytes.png"]
 
 
-def write(results: list[dict], out: Path, header: str = "") -> Path:
+GROUP_COLUMNS = ["case", "method", "tokens", "held-out loss", "time to target", "vs the first case",
+                 "time to the budget", "vs the first case"]
+
+
+def group_markdown(name: str, results: list[dict], cases: list[str]) -> str:
+    """One table for the cases of a scenario group (e.g. scavenge): one target for all of them (the
+    worst final loss among their rows, so every row reaches it), the time to it and to the end of
+    the run, each as a ratio to the same method's first case."""
+    rows_ = [r for r in results if r["scenario"] in cases]
+    target = max(r["loss_end"] for r in rows_)
+    times = {(r["method"], r["scenario"]): (metrics.time_to_target(r["curve"]["time_s"], r["curve"]["loss"], target),
+                                            r["time_s"]) for r in rows_}
+    lines = [f"**{name}** (target loss {target:.4f}, the worst final loss of its cases)\n",
+             "| " + " | ".join(GROUP_COLUMNS) + " |", "|" + "---|" * len(GROUP_COLUMNS)]
+    for r in sorted(rows_, key=lambda r: (cases.index(r["scenario"]), r["method"])):
+        tt, end = times[(r["method"], r["scenario"])]
+        base = times.get((r["method"], cases[0]), (None, None))
+        lines.append("| " + " | ".join([
+            r["scenario"], r["method"], f"{r['tokens']:,}", f"{r['loss_end']:.4f}", _fmt(tt, ".1f", " s"),
+            _fmt(tt / base[0] if base[0] else None, ".2f", "x"), _fmt(end, ".1f", " s"),
+            _fmt(end / base[1] if base[1] else None, ".2f", "x")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(results: list[dict], out: Path, header: str = "", groups: dict[str, list[str]] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     files = plot(results, out)
+    ran = {r["scenario"] for r in results}
+    tables = [group_markdown(name, results, cases) for name, cases in (groups or {}).items() if ran & set(cases)]
     md = out / "bench.md"
-    md.write_text(header + markdown(results) + "\nPlots: " + ", ".join(files) + "\n")
+    md.write_text(header + markdown(results) + "".join("\n" + t for t in tables) + "\nPlots: " + ", ".join(files) + "\n")
     return md

@@ -4,11 +4,13 @@ curve (tokens, time_s, loss), final loss, bytes across regions, goodput, idle sh
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 from kafka import TopicPartition
 from rich.console import Console
 
+from bench import dp as dp_mod
 from bench import metrics
 from diloco import chaos, messages
 from diloco.config import Config
@@ -59,7 +61,7 @@ def run_diloco(cfg: Config, scenario: str, held: np.ndarray, points: int, consol
     summary = train(cfg, progress=False, console=console, with_chaos=scenario == "failures")
     run_id = summary["run_id"]
     events = read_events(cfg, run_id)
-    lt = metrics.learner_time(events, cfg.learner_ids())
+    lt = metrics.learner_time(events, cfg.member_ids())
     final = {int(p): int(v) for p, v in summary["versions"].items()}
     curve = loss_curve(cfg, run_id, final, events, lt["origin"], held, points)
     curve["tokens"][-1], curve["loss"][-1] = summary["tokens"], summary["eval_loss_end"]  # the run's own final eval
@@ -69,8 +71,23 @@ def run_diloco(cfg: Config, scenario: str, held: np.ndarray, points: int, consol
             "bytes_dp": summary["bytes_dp_equivalent"],
             "goodput": summary["goodput_wall"], "goodput_tokens": summary["goodput"],
             "idle": 1 - compute / wall if wall else math.nan, "merge": metrics.merge_stats(events),
-            "step_times": lt["step_s"], "outages_s": summary.get("outages_s", {}), "kills": summary.get("kills", {}),
+            "step_times": lt["step_s"], "phase_step_s": phase_step_s(cfg, events, lt),
+            "outages_s": summary.get("outages_s", {}), "kills": summary.get("kills", {}),
             "contributions": summary["contributions"], "time_s": curve["time_s"][-1]}
+
+
+def phase_step_s(cfg: Config, events: list[dict], lt: dict) -> list[float]:
+    """Per phase of data-parallel's run (bench.dp.phases), the slowest learner's step time while this
+    run trained the same share of its tokens: a phase with more workers pays what more learners on
+    the machine cost. A phase with no two heartbeats of a learner takes the whole run's slowest."""
+    out, tokens = [], 0
+    per_worker_step = cfg.inner.batch_size * cfg.model.transformer.seq_len
+    for steps, workers in dp_mod.phases(cfg):
+        start = lt["origin"] if tokens == 0 else metrics.time_at_tokens(events, tokens)
+        tokens += steps * len(workers) * per_worker_step
+        seen = metrics.step_s_between(events, start, metrics.time_at_tokens(events, tokens))
+        out.append(max(seen.values()) if seen else max(lt["step_s"].values()))
+    return out
 
 
 def dp_stalls(cfg: Config, steps: int, outages_s: dict[str, float]) -> dict[int, float]:
@@ -87,31 +104,34 @@ def dp_stalls(cfg: Config, steps: int, outages_s: dict[str, float]) -> dict[int,
 
 
 def dp_in_scenario(cfg: Config, scenario: str, dp: dict, reference: dict | None) -> dict:
-    """Data-parallel's figures in a scenario. Training is the same in every scenario (a synchronous job
-    computes the same steps whatever happens); only its clock differs: each step costs the slowest
-    worker's step time (from the decoupled learners' heartbeats in the same scenario, so both pay the
-    same machine contention; else the DP process's own time per worker), plus the all-reduce on the
-    WAN, plus failure stalls (see dp_stalls)."""
-    steps, M = dp["steps"], cfg.num_learners
-    params = num_params(cfg)
-    if reference and reference.get("step_times"):
-        step_s = max(reference["step_times"].values())
-    else:
-        step_s = dp["worker_step_s"] / min(r.speed for r in cfg.regions)
-    sharers = max(r.learners for r in cfg.regions)
-    comm_s = metrics.dp_comm_s(2 * (M - 1) / M * params * 4, cfg.transport.wan_bandwidth_mbps,
-                               cfg.transport.wan_latency_ms, sharers) if cfg.transport.wan_bandwidth_mbps else 0.0
+    """Data-parallel's figures in a scenario. Training is the same in every scenario but scavenge (a
+    synchronous job computes the same steps whatever happens; with joins its batch grows); its
+    clock is modelled: each step costs the slowest worker's step time (from the decoupled learners'
+    heartbeats in the same scenario over the same share of the tokens, so both pay the same machine
+    contention; else the DP process's own time per worker), plus the all-reduce on the WAN among
+    that phase's workers, plus failure stalls (see dp_stalls)."""
+    plan, steps, params = dp["phases"], dp["steps"], num_params(cfg)
+    slowest = min(r.speed for r in cfg.regions)
+    phase_s = (reference or {}).get("phase_step_s") or [dp["worker_step_s"] / slowest] * len(plan)
+    phase_comm = []
+    for _, workers in plan:
+        M, sharers = len(workers), max(Counter(cfg.region_of(w).name for w in workers).values())
+        phase_comm.append(metrics.dp_comm_s(2 * (M - 1) / M * params * 4, cfg.transport.wan_bandwidth_mbps,
+                                            cfg.transport.wan_latency_ms, sharers)
+                          if cfg.transport.wan_bandwidth_mbps else 0.0)
+    step_s = np.concatenate([np.full(n, s) for (n, _), s in zip(plan, phase_s)])
+    comm_s = np.concatenate([np.full(n, c) for (n, _), c in zip(plan, phase_comm)])
     stalls = dp_stalls(cfg, steps, (reference or {}).get("outages_s", {})) if scenario == "failures" else {}
     clock = metrics.dp_clock(steps, step_s, comm_s, stalls)
-    lost = len(stalls) * step_s  # the step in flight at each kill is redone
-    slowest = min(r.speed for r in cfg.regions)
-    own = [step_s * slowest / r.speed for r in cfg.regions for _ in range(r.learners)]  # each worker's compute
-    compute = steps * float(np.mean(own))
+    lost = sum(step_s[min(s, steps - 1)] for s in stalls)  # the step in flight at each kill is redone
+    # each worker's own compute: the slowest worker's step time scaled to its region's speed
+    compute = sum(n * s * float(np.mean([slowest / cfg.region_of(w).speed for w in workers]))
+                  for (n, workers), s in zip(plan, phase_s))
     total = float(clock[-1])
     curve = dict(dp["curve"])
     curve["time_s"] = [0.0 if s == 0 else float(clock[s - 1]) for s in curve["step"]]
-    bytes_dp = dp_allreduce_bytes(params, M, steps * M)
+    bytes_dp = sum(dp_allreduce_bytes(params, len(workers), n * len(workers)) for n, workers in plan)
     return {"run_id": None, "curve": curve, "tokens": dp["tokens"], "loss_end": curve["loss"][-1],
             "bytes_sent": bytes_dp, "bytes_fetched": 0, "bytes_dp": bytes_dp, "goodput": (compute - lost) / total,
             "goodput_tokens": 1.0, "idle": max(0.0, 1 - compute / total), "merge": None, "time_s": total,
-            "step_s": step_s, "comm_s": comm_s, "stall_s": sum(stalls.values())}
+            "step_s": phase_s, "comm_s": phase_comm, "stall_s": sum(stalls.values())}

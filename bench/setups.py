@@ -73,6 +73,28 @@ SCENARIOS: dict[str, dict] = {
     "wan": {"transport": WAN},
 }
 
+
+# A joining learner trains only ~15-30 s after it was added on this machine (JAX start-up and
+# compilation beside the running learners): at the quick size's 240 steps (~12 s of training) the run
+# was over before any joiner's first step (2026-12-01), so scavenge trains longer.
+SCAVENGE_STEPS = 2000
+
+
+def _scavenge(joiners: int) -> dict:
+    """Idle compute joins a third of the way in: `joiners` learners split over the regions, on the
+    run's token budget (build sets it). Every case may grow to +100%, so all read the same 8 data shards."""
+    per_region = joiners // len(REGIONS)
+    return {"regions": [{**r, "max_learners": 2 * r["learners"]} for r in REGIONS], "inner": {"steps": SCAVENGE_STEPS},
+            "run": {"joins": [{"at_tokens_fraction": 1 / 3, "region": r["name"], "count": per_region}
+                              for r in REGIONS if per_region]}}
+
+
+# Scavenging idle compute: 0, +50% and +100% learners; `--scenarios scavenge` runs the three cases.
+SCAVENGE = {"scavenge-0": _scavenge(0), "scavenge-50": _scavenge(2), "scavenge-100": _scavenge(4)}
+SCENARIOS |= SCAVENGE
+GROUPS = {"scavenge": list(SCAVENGE)}
+SCAVENGE_METHODS = ("dp", "decoupled")  # the question is elastic DiLoCo against a growing data-parallel job
+
 # The fragment and quantization variants, and the ideal method (no clock, nothing sent), run only
 # where they matter: quality and bytes.
 VARIANTS_ONLY_IN = "healthy"
@@ -82,14 +104,25 @@ def healthy_only(method: str) -> bool:
     return method.startswith("decoupled-") or method == "ideal"
 
 
+def expand(scenarios: list[str]) -> list[str]:
+    """Scenario names with each group (GROUPS) replaced by its cases."""
+    return [case for s in scenarios for case in GROUPS.get(s, [s])]
+
+
 def build(method: str, scenario: str, size: str = "quick", overrides: list[str] = ()) -> Config:
     """The config of one (method, scenario) run; `overrides` (key=value) carry local services and paths."""
     tree = _merge({"regions": REGIONS, **SIZES[size]}, METHODS[method])
     tree = _merge(tree, SCENARIOS[scenario])
     tree = _merge(tree, {"run": {"name": f"bench-{method}-{scenario}"}})
+    if scenario in SCAVENGE:  # the same tokens as the starting learners' inner.steps (overrides too), whoever joins
+        c = build_config(_merge(tree, {"run": {"joins": []}}), overrides)
+        budget = c.inner.steps * c.num_learners * c.inner.batch_size * c.model.transformer.seq_len
+        tree = _merge(tree, {"run": {"token_budget": budget}})
     return build_config(tree, overrides)
 
 
 def plan(methods: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
-    """(method, scenario) pairs to run; variants (decoupled-*) and ideal only in the healthy scenario."""
-    return [(m, s) for s in scenarios for m in methods if not (healthy_only(m) and s != VARIANTS_ONLY_IN)]
+    """(method, scenario) pairs to run; variants (decoupled-*) and ideal only in the healthy scenario,
+    the scavenge cases only for SCAVENGE_METHODS."""
+    return [(m, s) for s in scenarios for m in methods if not (healthy_only(m) and s != VARIANTS_ONLY_IN)
+            and not (s in SCAVENGE and m not in SCAVENGE_METHODS)]

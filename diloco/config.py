@@ -255,6 +255,14 @@ class StoreConfig(_Section):
         return _without_credentials(url, "gs:// uses the machine's Google credentials")
 
 
+class JoinConfig(_Section):
+    """Learners the local runner adds by itself once the run has trained a share of its token budget."""
+    at_tokens_fraction: float = Field(gt=0, lt=1, description="share of run.token_budget the learners' heartbeats "
+                                      "add up to when these learners are added")
+    region: str = Field(pattern=_ID)
+    count: int = Field(1, ge=1, description="learners added to the region (the next free ids <region>-<k>)")
+
+
 class RunConfig(_Section):
     name: str = Field("local", pattern=_ID)
     id: str | None = Field(None, pattern=_ID, description="set to resume a run; default: name + time")
@@ -269,6 +277,13 @@ class RunConfig(_Section):
     spares: int = Field(0, ge=0, description="warm spare learner processes the local runner keeps (interpreter, JAX, "
                         "model and compiled step loaded): a learner that dies is replaced by one at once, no restart "
                         "delay, and a new spare starts behind it; 0 = restart the learner itself after the delay")
+    token_budget: int | None = Field(None, ge=1, description="tokens the whole run trains: once the learners' "
+                                     "heartbeats add up to it, the local runner asks every learner to stop (SIGTERM: "
+                                     "it hands in its last deltas and says left); a learner still stops at its "
+                                     "inner.steps if that comes first. None = off: every learner trains inner.steps, "
+                                     "so learners that join add tokens")
+    joins: tuple[JoinConfig, ...] = Field((), description="learners the local runner adds when the run has trained "
+                                          "a share of run.token_budget, as `diloco learners add` would")
 
 
 class ChaosConfig(_Section):
@@ -347,6 +362,17 @@ class Config(_Section):
             raise ValueError(f"syncer.max_buffered_bytes ({self.syncer.max_buffered_bytes}) is below "
                              f"syncer.max_contribution_bytes ({self.syncer.max_contribution_bytes}): one contribution "
                              "could never be held")
+        joining: dict[str, int] = {}
+        for i, join in enumerate(self.run.joins):
+            if self.run.token_budget is None:
+                raise ValueError(f"run.joins.{i}: at_tokens_fraction is a share of run.token_budget, which is not set")
+            if join.region not in names:
+                raise ValueError(f"run.joins.{i}: region {join.region!r} is not one of {names}")
+            joining[join.region] = joining.get(join.region, 0) + join.count
+        for region in self.regions:
+            if region.learners + joining.get(region.name, 0) > region.capacity:
+                raise ValueError(f"run.joins add {joining[region.name]} learners to region {region.name}, which starts "
+                                 f"with {region.learners} and may have {region.capacity} (regions[].max_learners)")
         if self.syncer.shards > self.fragments.count:
             raise ValueError(f"syncer.shards ({self.syncer.shards}) exceeds fragments.count ({self.fragments.count}): "
                              "a shard owns whole fragments")

@@ -74,6 +74,13 @@ def answer(request: Path, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def free_ids(region, members: Iterable[str]) -> list[str]:
+    """The ids a learner joining `region` (a RegionConfig) may take, lowest first: `<region>-<k>` below
+    its capacity that are not in `members`."""
+    taken = set(members)
+    return [lid for lid in (f"{region.name}-{k}" for k in range(region.capacity)) if lid not in taken]
+
+
 def timeline(initial: Iterable[str], events: Iterable[dict], *, start: float | None = None) -> list[dict]:
     """Membership over time from a run's events: one point per change, {time, members, change,
     learner}. A learner is a member from its admission (or the start) until it left, finished or was

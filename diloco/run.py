@@ -71,6 +71,10 @@ class Progress:
     fetched: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
     membership: list[dict] = field(default_factory=list)  # learner_admitted, _left, _finished, ... events
 
+    def tokens(self) -> int:
+        """Tokens all learners trained, by their latest heartbeats."""
+        return sum(hb.get("tokens", 0) for hb in self.learners.values())
+
     def apply(self, ev: dict) -> None:
         if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
             return
@@ -256,6 +260,7 @@ class LocalRun:
         self.syncers = cfg.syncer_ids()
         self.members = list(cfg.learner_ids())  # the learners this runner started (and restarts), in order
         self.removing: set[str] = set()          # asked to leave: not restarted, whatever their exit
+        self.joins = list(cfg.run.joins)          # run.joins not carried out yet
         self.spans: dict[str, list] = {}         # learner -> [since, until]: added or removed ones (wall clock)
         self.bad_events = 0  # events skipped as malformed (the topic is writable by every learner)
         self.syncers_up: set[str] = set()       # shards that said syncer_started since their last start
@@ -388,12 +393,44 @@ class LocalRun:
     def serve_requests(self, now: float) -> None:
         """Carry out the operator's membership requests (`diloco learners add/remove`, diloco.membership)."""
         for path, op in membership.pending(self.cfg_path.parent):
-            try:
-                result = {"ok": True, **self._carry_out(op, now)}
-            except membership.RequestError as err:
-                result = {"ok": False, "error": str(err)}
-            membership.answer(path, result)
-            self.console.print(f"[cyan]membership: {op} -> {result}[/]")
+            membership.answer(path, self._request(op, now))
+
+    def _request(self, op: dict | None, now: float) -> dict:
+        """Carry out one membership request; its answer, {"ok": True, ...} or {"ok": False, "error": why}."""
+        try:
+            result = {"ok": True, **self._carry_out(op, now)}
+        except membership.RequestError as err:
+            result = {"ok": False, "error": str(err)}
+        self.console.print(f"[cyan]membership: {op} -> {result}[/]")
+        return result
+
+    def follow_budget(self, now: float) -> None:
+        """run.joins once their share of run.token_budget is trained; once all of it is, every running
+        learner is asked to stop (it hands in its last deltas and says left)."""
+        budget = self.cfg.run.token_budget
+        if budget is None:
+            return
+        tokens = self.prog.tokens()
+        if tokens >= budget:
+            self.joins.clear()  # nothing is left for them to train
+            running = self._running()
+            if running:
+                self.console.print(f"[cyan]token budget reached ({tokens:,} of {budget:,}): stopping {running}[/]")
+            for lid in running:
+                self._ask_to_leave(lid)
+            return
+        for join in [j for j in self.joins if tokens >= j.at_tokens_fraction * budget]:
+            self.joins.remove(join)
+            self._request({"op": "add", "region": join.region, "count": join.count}, now)
+
+    def _running(self) -> list[str]:
+        return [m for m in self.members if m not in self.finished and m not in self.removing]
+
+    def _ask_to_leave(self, lid: str) -> None:
+        self.removing.add(lid)
+        self.restart_at.pop(lid, None)
+        if self.jobs.poll(lid) is None:
+            self.jobs.signal(lid, signal.SIGTERM)  # it hands in its last deltas and says it left
 
     def _carry_out(self, op: dict | None, now: float) -> dict:
         if op is None or op.get("op") not in ("add", "remove"):
@@ -407,7 +444,7 @@ class LocalRun:
                                               f"{[r.name for r in self.cfg.regions]}")
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise membership.RequestError(f"count must be a positive integer, got {messages.short(count, 40)}")
-            free = [f"{region.name}-{k}" for k in range(region.capacity) if f"{region.name}-{k}" not in self.members]
+            free = membership.free_ids(region, self.members)
             if len(free) < count:
                 raise membership.RequestError(
                     f"region {region.name} may have {region.capacity} learners (regions[].max_learners) and has "
@@ -418,7 +455,7 @@ class LocalRun:
                 self.start(lid)
             return {"added": free[:count]}
         lid = op.get("learner")
-        running = [m for m in self.members if m not in self.finished and m not in self.removing]
+        running = self._running()
         if lid not in running:
             raise membership.RequestError(f"learner {messages.short(lid, 40)} is not running in this run "
                                           f"(running: {running})")
@@ -427,10 +464,7 @@ class LocalRun:
         if left < region.min_learners:
             raise membership.RequestError(f"region {region.name} keeps at least {region.min_learners} learners "
                                           f"(regions[].min_learners); removing {lid} would leave {left}")
-        self.removing.add(lid)
-        self.restart_at.pop(lid, None)
-        if self.jobs.poll(lid) is None:
-            self.jobs.signal(lid, signal.SIGTERM)  # it hands in its last deltas and says it left
+        self._ask_to_leave(lid)
         return {"removed": lid}
 
     def _close_outage(self, name: str) -> None:
@@ -478,6 +512,7 @@ class LocalRun:
                 self._apply_due_kills(now, stop_sent)
                 if not stop_sent:
                     self.serve_requests(now)
+                    self.follow_budget(now)
                 for name in [*self.members, *self.syncers]:
                     rc = self.jobs.poll(name) if name in self.jobs.jobs else None
                     if rc is None or name in self.restart_at or name in self.finished:
@@ -622,7 +657,7 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
         "eval_loss_start": eval_start,
         "eval_loss_end": eval_end,
         "eval_loss_drop": (eval_start - eval_end) / eval_start if eval_start else math.nan,
-        "tokens": sum(hb.get("tokens", 0) for hb in prog.learners.values()),
+        "tokens": prog.tokens(),
         "inner_steps": steps,
         "params": num_params,
         "bytes_sent": bytes_sent,

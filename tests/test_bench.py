@@ -67,6 +67,13 @@ def test_dp_clock_charges_every_step_and_each_stall_once():
     np.testing.assert_allclose(clock, [1.5, 3.0, 14.5, 16.0])
 
 
+def test_dp_clock_takes_a_step_time_per_step_when_the_worker_count_changes():
+    step_s = np.array([1.0, 1.0, 2.0, 2.0])       # 2 steps of 4 workers, then 2 of 8 that share the machine
+    np.testing.assert_allclose(metrics.dp_clock(4, step_s, np.array([0.1, 0.1, 0.3, 0.3]), {3: 5.0}),
+                               [1.1, 2.2, 4.5, 11.8])
+    np.testing.assert_allclose(metrics.dp_clock(2, step_s[2:], 0.5, {}), [2.5, 5.0])
+
+
 def test_dp_stalls_follow_the_seeded_learner_kills_only():
     cfg = setups.build("dp", "failures")
     stalls = runs.dp_stalls(cfg, 100, {"us-0": 7.0})
@@ -111,6 +118,25 @@ def test_learner_time_and_tokens_from_heartbeats():
     assert metrics.tokens_at(beats, 16.0) == 30
 
 
+def test_time_at_tokens_and_step_time_in_a_window_from_heartbeats():
+    beats = [{"kind": "heartbeat", "learner": "a", "incarnation": "1", "time": 1.0, "compute_s": 1.0, "tokens": 10,
+              "step": 1},
+             {"kind": "heartbeat", "learner": "b", "incarnation": "1", "time": 2.0, "compute_s": 2.0, "tokens": 10,
+              "step": 1},
+             {"kind": "heartbeat", "learner": "a", "incarnation": "1", "time": 3.0, "compute_s": 5.0, "tokens": 50,
+              "step": 5},
+             {"kind": "heartbeat", "learner": "a", "incarnation": "2", "time": 4.0, "compute_s": 1.0, "tokens": 60,
+              "step": 6},   # restarted: compute_s counts from zero again
+             {"kind": "heartbeat", "learner": "a", "incarnation": "2", "time": 6.0, "compute_s": 5.0, "tokens": 100,
+              "step": 10},
+             {"kind": "heartbeat", "learner": "b", "incarnation": "1", "time": 6.0, "compute_s": 20.0, "tokens": 40,
+              "step": 4}]
+    assert metrics.time_at_tokens(beats, 0) == 1.0 and metrics.time_at_tokens(beats, 60) == 3.0
+    assert metrics.time_at_tokens(beats, 140) == 6.0 and metrics.time_at_tokens(beats, 141) == math.inf
+    assert metrics.step_s_between(beats, 0.0, 10.0) == {"a": pytest.approx((4.0 + 4.0) / (4 + 4)), "b": 6.0}
+    assert metrics.step_s_between(beats, 2.5, 10.0) == {"a": 1.0}  # b has one beat there, a one of incarnation 1
+
+
 # --- setups --------------------------------------------------------------------------------------
 
 
@@ -128,6 +154,35 @@ def test_methods_differ_only_in_what_they_name():
     assert setups.build("decoupled", "wan").transport.wan_bandwidth_mbps == setups.WAN["wan_bandwidth_mbps"]
     assert setups.plan(["dp", "decoupled-p1", "ideal"], ["healthy", "wan"]) == [
         ("dp", "healthy"), ("decoupled-p1", "healthy"), ("ideal", "healthy"), ("dp", "wan")]
+
+
+def test_scavenge_cases_train_the_same_token_budget_with_0_50_and_100_percent_joining_a_third_in():
+    budget = 4 * setups.SCAVENGE_STEPS * 8 * 64    # the starting learners' inner.steps, at the quick size
+    assert setups.expand(["healthy", "scavenge"]) == ["healthy", "scavenge-0", "scavenge-50", "scavenge-100"]
+    for case, joiners in (("scavenge-0", 0), ("scavenge-50", 2), ("scavenge-100", 4)):
+        cfg = setups.build("decoupled", case)
+        assert cfg.run.token_budget == budget and cfg.num_learners == 4 and cfg.num_shards == 8
+        assert sum(j.count for j in cfg.run.joins) == joiners
+        assert all(j.at_tokens_fraction == pytest.approx(1 / 3) for j in cfg.run.joins)
+        assert sorted(j.region for j in cfg.run.joins) == (["eu", "us"] if joiners else [])  # split over both
+        assert cfg.model_copy(update={"run": setups.build("decoupled", "scavenge-0").run, "regions": cfg.regions}) \
+            .model_dump(exclude={"run": {"name"}}) == setups.build("decoupled", "scavenge-0").model_dump(
+                exclude={"run": {"name"}})  # the cases differ in their joins alone
+    assert setups.build("decoupled", "scavenge-50", overrides=["inner.steps=60"]).run.token_budget == 4 * 60 * 8 * 64
+    assert setups.build("decoupled", "healthy").run.token_budget is None
+    assert setups.plan(["dp", "sync", "decoupled"], ["scavenge-50"]) == [("dp", "scavenge-50"), ("decoupled", "scavenge-50")]
+
+
+def test_data_parallel_workers_join_at_the_step_the_budget_share_is_trained():
+    start = ("us-0", "us-1", "eu-0", "eu-1")
+    assert dp.phases(setups.build("dp", "healthy")) == [(240, start)]
+    over = ["inner.steps=240"]                     # budget 491,520 tokens, a third of it after 80 steps of 4
+    assert dp.phases(setups.build("dp", "scavenge-0", overrides=over)) == [(240, start)]
+    assert dp.phases(setups.build("dp", "scavenge-100", overrides=over)) == [
+        (80, start), (80, start + ("us-2", "us-3", "eu-2", "eu-3"))]
+    fifty = dp.phases(setups.build("dp", "scavenge-50", overrides=over))
+    assert fifty == [(80, start), (107, start + ("us-2", "eu-2"))]   # 106.7 steps of 6 workers: the last counts whole
+    assert (80 * 4 + 107 * 6) * 8 * 64 >= 4 * 240 * 8 * 64 > (80 * 4 + 106 * 6) * 8 * 64
 
 
 # --- harness at a tiny size ----------------------------------------------------------------------
@@ -167,10 +222,31 @@ def test_dp_baseline_runs_a_few_steps_and_its_scenarios(tiny_corpus):
     held = np.random.default_rng(2).integers(0, 256, (2, 2, 9)).astype(np.int32)
     out = dp.train_dp(cfg, tiny_corpus, held, evals=2)
     assert out["curve"]["step"] == [0, 2, 4] and all(np.isfinite(out["curve"]["loss"]))
-    r = runs.dp_in_scenario(cfg, "wan", out, {"step_times": {"us-0": 0.1, "eu-0": 0.2}})
-    assert r["step_s"] == 0.2 and r["comm_s"] > 0.05
-    assert r["time_s"] == pytest.approx(4 * (0.2 + r["comm_s"]))
+    r = runs.dp_in_scenario(cfg, "wan", out, {"phase_step_s": [0.2]})
+    assert r["step_s"] == [0.2] and r["comm_s"][0] > 0.05
+    assert r["time_s"] == pytest.approx(4 * (0.2 + r["comm_s"][0]))
     assert r["bytes_sent"] == runs.dp_allreduce_bytes(runs.num_params(cfg), 4, 16)
+
+
+def test_dp_baseline_grows_its_batch_when_workers_join(tiny_corpus):
+    """A worker joins at half the budget: the steps before it are the same training as without it,
+    the steps after average 3 workers' gradients, and the clock charges each phase its own step time."""
+    base = [f"model.options.{k}={v}" for k, v in TINY_MODEL.items()] + [
+        "inner.steps=4", "inner.warmup_steps=1",
+        "regions=[{name: us, learners: 1, max_learners: 2}, {name: eu, learners: 1, max_learners: 2}]"]
+    held = np.random.default_rng(2).integers(0, 256, (2, 2, 9)).astype(np.int32)
+    alone = dp.train_dp(setups.build("dp", "healthy", overrides=base), tiny_corpus, held, evals=2)
+    cfg = setups.build("dp", "healthy", overrides=base + [
+        "run.token_budget=512", "run.joins=[{at_tokens_fraction: 0.5, region: us, count: 1}]"])
+    out = dp.train_dp(cfg, tiny_corpus, held, evals=2)
+    assert out["phases"] == [(2, ("us-0", "eu-0")), (2, ("us-0", "eu-0", "us-1"))]
+    assert out["curve"]["tokens"] == [0, 2 * 2 * 64, 2 * 2 * 64 + 2 * 3 * 64] and out["tokens"] == 640
+    assert out["curve"]["loss"][1] == pytest.approx(alone["curve"]["loss"][1], rel=1e-6)
+    assert abs(out["curve"]["loss"][2] - alone["curve"]["loss"][2]) > 1e-5  # a third worker's gradients
+    r = runs.dp_in_scenario(cfg, "healthy", out, {"phase_step_s": [0.1, 0.3]})
+    assert r["time_s"] == pytest.approx(2 * 0.1 + 2 * 0.3) and r["curve"]["time_s"] == pytest.approx([0.0, 0.2, 0.8])
+    params = runs.num_params(cfg)
+    assert r["bytes_sent"] == runs.dp_allreduce_bytes(params, 2, 4) + runs.dp_allreduce_bytes(params, 3, 6)
 
 
 def test_ideal_outer_round_with_the_mean_rule_and_lr_1_is_the_learners_average():
@@ -238,6 +314,19 @@ def test_report_writes_a_table_and_plots(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     alone = report.write(results[2:], tmp_path / "ideal-only")  # a run of ideal alone has no bytes to plot
     assert "| healthy | ideal |" in alone.read_text() and not (tmp_path / "ideal-only" / "bytes.png").exists()
+
+
+def test_a_group_of_cases_shares_one_target_and_is_compared_with_its_first_case(tmp_path):
+    def case(method, scenario, loss, times):
+        return {**_fake(method, scenario, loss, 1e6), "time_s": times[-1],
+                "curve": {"tokens": [0, 500, 1000], "time_s": times, "loss": [5.0, 4.0, loss]}}
+    results = [case("dp", "scavenge-0", 2.5, [0.0, 5.0, 10.0]), case("decoupled", "scavenge-0", 3.0, [0.0, 10.0, 20.0]),
+               case("decoupled", "scavenge-50", 2.8, [0.0, 5.0, 10.0])]
+    text = report.write(results, tmp_path, groups={"scavenge": ["scavenge-0", "scavenge-50"], "other": ["x"]}).read_text()
+    assert "**scavenge** (target loss 3.0000" in text and "**other**" not in text
+    assert "| scavenge-0 | decoupled | 1,000 | 3.0000 | 20.0 s | 1.00x | 20.0 s | 1.00x |" in text
+    assert "| scavenge-50 | decoupled | 1,000 | 2.8000 | 9.2 s | 0.46x | 10.0 s | 0.50x |" in text  # 5 + 5 / 1.2 s
+    assert "| scavenge-0 | dp | 1,000 | 2.5000 | 8.3 s | 1.00x |" in text
 
 
 def test_sharded_bench_compares_the_two_layouts_in_one_run():

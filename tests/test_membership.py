@@ -4,6 +4,7 @@ requests to a local run, membership over time, and a live run that grows and shr
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from rich.console import Console
 
 from diloco import membership
 from diloco.config import ConfigError, build_config
-from diloco.run import train
+from diloco.run import LocalRun, train
 
 REGIONS = [{"name": "us", "learners": 1, "max_learners": 2}, {"name": "eu", "learners": 1, "max_learners": 3}]
 
@@ -61,6 +62,83 @@ def test_membership_over_time_counts_each_change_once():
     assert [(p["time"], p["members"], p["change"]) for p in points] == [
         (0.0, 2, "start"), (2.0, 3, "learner_admitted"), (3.0, 2, "learner_left"), (4.0, 1, "learner_finished"),
         (5.0, 2, "learner_joined")]
+
+
+BUDGET = {"regions": [{"name": "us", "learners": 2, "max_learners": 4}, {"name": "eu", "learners": 2, "max_learners": 3}],
+          "run": {"token_budget": 1000, "joins": [{"at_tokens_fraction": 0.3, "region": "us", "count": 2},
+                                                 {"at_tokens_fraction": 0.5, "region": "eu"}]}}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"run": {"token_budget": None}}, r"run.joins.0: .*run.token_budget, which is not set"),
+    ({"run": {"joins": [{"at_tokens_fraction": 0.3, "region": "ap"}]}}, r"run.joins.0: region 'ap' is not one of"),
+    ({"run": {"joins": [{"at_tokens_fraction": 1.0, "region": "us"}]}}, r"run.joins.0.at_tokens_fraction"),
+    ({"run": {"joins": [{"at_tokens_fraction": 0.3, "region": "eu", "count": 2}]}},
+     r"add 2 learners to region eu, which starts with 2 and may have 3"),
+])
+def test_joins_that_cannot_happen_are_refused_at_load_time(change, words):
+    tree = {"regions": BUDGET["regions"], "run": {**BUDGET["run"], **change["run"]}}
+    with pytest.raises(ConfigError, match=words):
+        build_config(tree)
+
+
+class _Jobs:
+    """Records what the runner asks of its process backend (no processes start)."""
+
+    def __init__(self):
+        self.jobs, self.signals = {}, []
+
+    def start(self, name, argv, processes=1):
+        self.jobs[name] = argv
+
+    def poll(self, name):
+        return None
+
+    def signal(self, name, sig):
+        self.signals.append((name, sig))
+
+
+def _beat(run: LocalRun, lid: str, tokens: int) -> None:
+    run.prog.learners[lid] = {"kind": "heartbeat", "learner": lid, "tokens": tokens, "step": tokens // 10}
+
+
+def test_the_runner_adds_the_joins_at_their_share_of_the_budget_and_stops_everyone_at_the_budget(tmp_path):
+    import signal
+
+    cfg = build_config(BUDGET)
+    jobs = _Jobs()
+    run = LocalRun(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), jobs, None,
+                   Console(quiet=True), [])
+    for lid in cfg.learner_ids():
+        _beat(run, lid, 74)                       # 296 of 1000: no join is due yet
+    run.follow_budget(0.0)
+    assert run.members == cfg.learner_ids() and not jobs.signals
+    _beat(run, "us-0", 80)                        # 302: the first join (30%) is due, the second (50%) is not
+    run.follow_budget(1.0)
+    assert run.members[4:] == ["us-2", "us-3"] and set(jobs.jobs) == {"us-2", "us-3"}
+    run.follow_budget(2.0)                        # carried out once
+    assert len(run.members) == 6
+    for lid in run.members:
+        _beat(run, lid, 166)                      # 996 of 1000
+    run.finished.add("us-1")                      # finished at its own inner.steps
+    run.follow_budget(3.0)
+    assert not jobs.signals and run.members[6:] == ["eu-2"]
+    _beat(run, "eu-0", 170)                       # 1000: everyone still running is asked to stop
+    run.follow_budget(4.0)
+    stopped = {"us-0", "eu-0", "eu-1", "us-2", "us-3", "eu-2"}
+    assert sorted(jobs.signals) == sorted((lid, signal.SIGTERM) for lid in stopped) and run.removing == stopped
+    run.follow_budget(5.0)                        # asked once
+    assert len(jobs.signals) == len(stopped)
+
+
+def test_without_a_budget_the_runner_leaves_the_learners_alone(tmp_path):
+    cfg = build_config({"regions": BUDGET["regions"]})
+    jobs = _Jobs()
+    run = LocalRun(cfg, tmp_path / "config.yaml", None, jobs, None, Console(quiet=True), [])
+    for lid in cfg.learner_ids():
+        _beat(run, lid, 10**9)
+    run.follow_budget(0.0)
+    assert not jobs.signals and not run.removing
 
 
 def test_requests_are_answered_once_and_bad_ones_are_seen_as_bad(tmp_path):
@@ -134,6 +212,29 @@ def test_a_live_run_grows_from_two_learners_to_four_and_one_leaves(tiny_config, 
     assert ("learner_left", "us-0") in kinds
     peak = max(p["members"] for p in summary["membership"])
     assert summary["membership"][0]["members"] == 2 and peak >= 3
+
+
+@pytest.mark.integration
+def test_a_run_with_a_token_budget_adds_its_scheduled_joiner_and_stops_everyone_at_the_budget(tiny_config):
+    """2 slow learners that could train 1000 steps each; a learner joins at 5% of a budget of 500 steps
+    per starting learner, and everyone is asked to stop once the heartbeats add up to it: all say
+    left, every contribution is accounted for, the joiner contributed, and the run ends near the budget."""
+    per_step = 8 * 32
+    budget = 2 * 500 * per_step
+    cfg = tiny_config(regions=[{"name": "us", "learners": 1, "max_learners": 2, "speed": 0.25},
+                               {"name": "eu", "learners": 1, "speed": 0.25}],
+                      inner={"steps": 1000}, syncer={"quorum": 1, "scale_partial_rounds": True},
+                      outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase"},
+                      run={"token_budget": budget, "joins": [{"at_tokens_fraction": 0.05, "region": "us"}]})
+    summary = train(cfg, progress=False, console=Console(quiet=True))
+    assert summary["members"] == ["us-0", "eu-0", "us-1"]
+    learners = summary["learners"]
+    assert all(learners[lid]["state"] == "left" and learners[lid]["step"] < cfg.inner.steps for lid in learners)
+    assert budget <= summary["tokens"] < 1.1 * budget  # heartbeats lag the steps by up to heartbeat_s
+    state, _, _ = assert_exact_accounting(cfg, summary["run_id"])
+    assert {lid for m in state.merges() for lid in m["learners"]} == {"us-0", "eu-0", "us-1"}
+    kinds = [(e["kind"], e.get("learner")) for e in run_events(cfg, summary["run_id"])]
+    assert ("learner_admitted", "us-1") in kinds and ("learner_left", "us-1") in kinds
 
 
 def _wait_for_run_dir(root: Path, timeout_s: float = 120.0) -> Path:
