@@ -261,6 +261,7 @@ class LocalRun:
         self.members = list(cfg.learner_ids())  # the learners this runner started (and restarts), in order
         self.removing: set[str] = set()          # asked to leave: not restarted, whatever their exit
         self.joins = list(cfg.run.joins)          # run.joins not carried out yet
+        self.join_step: dict[str, int] = {}       # joiner -> the step it entered the schedule at
         self.spans: dict[str, list] = {}         # learner -> [since, until]: added or removed ones (wall clock)
         self.bad_events = 0  # events skipped as malformed (the topic is writable by every learner)
         self.syncers_up: set[str] = set()       # shards that said syncer_started since their last start
@@ -280,7 +281,8 @@ class LocalRun:
             self.syncers_up.discard(name)
             self.jobs.start(name, ["syncer", *conf, "--shard", str(self.syncers.index(name))])
             return
-        step = self.prog.learners.get(name, {}).get("step", 0)  # resume where its heartbeats left off
+        # resume where its heartbeats left off (a joiner: where the run was when it joined)
+        step = self.prog.learners.get(name, {}).get("step", self.join_step.get(name, 0))
         self.jobs.start(name, ["learner", *conf, "--learner", name, "--corpus", str(self.corpus.dir),
                                "--start-step", str(step)], processes=self.cfg.parallel.processes)
 
@@ -449,11 +451,16 @@ class LocalRun:
                 raise membership.RequestError(
                     f"region {region.name} may have {region.capacity} learners (regions[].max_learners) and has "
                     f"{region.capacity - len(free)}: {count} more do not fit")
+            # a joiner enters the inner schedule where the run is (as a restarted learner resumes, with
+            # a new warm-up): the median step of the learners training now, not a fresh warm-up and peak
+            steps = sorted(self.prog.learners.get(m, {}).get("step", 0) for m in self._running())
+            at = steps[len(steps) // 2] if steps else 0
             for lid in free[:count]:
                 self.members.append(lid)
                 self.spans[lid] = [now, None]
+                self.join_step[lid] = min(at, self.cfg.learner_steps(lid) - 1)
                 self.start(lid)
-            return {"added": free[:count]}
+            return {"added": free[:count], "start_step": at}
         lid = op.get("learner")
         running = self._running()
         if lid not in running:

@@ -382,7 +382,7 @@ def test_adding_and_removing_learners_of_a_live_run_applies_and_deletes_their_jo
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     run = LocalRun(cfg, tmp_path / "config.yaml", type("Corpus", (), {"dir": Path("/x")})(), jobs, None,
                    Console(quiet=True), [])
-    assert run._carry_out({"op": "add", "region": "eu"}, 0.0) == {"added": ["eu-1"]}
+    assert run._carry_out({"op": "add", "region": "eu"}, 0.0) == {"added": ["eu-1"], "start_step": 0}
     applied = [m for a, m in calls if a[3:4] == ["apply"] and m["kind"] == "JobSet"]
     assert applied[-1]["metadata"]["name"] == "dl-prod-run-7-eu-1"
     assert "--learner eu-1" in " ".join(applied[-1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
