@@ -165,8 +165,9 @@ def test_a_live_run_grows_from_two_learners_to_four_and_one_leaves(tiny_config, 
     cfg = tiny_config(regions=[{"name": "us", "learners": 1, "max_learners": 2, "speed": 0.25},
                                {"name": "eu", "learners": 1, "max_learners": 2, "min_learners": 2, "speed": 0.25}],
                       # a joiner's first heartbeat comes ~15 s after its start (JAX, compilation): the
-                      # starting learners train long enough (25 s of compute) to meet the joiners
-                      inner={"steps": 400, "max_seconds": 25}, # quorum 1 with 4 learners moves a fragment ~4 versions per sync period: staleness is not under test
+                      # starting learners train long enough (25 s of compute) to meet the joiners; quorum 1
+                      # with 4 learners moves a fragment ~4 versions a sync period: staleness is not under test
+                      inner={"steps": 400, "max_seconds": 25},
                       syncer={"quorum": 1, "scale_partial_rounds": True, "max_staleness": 1000},
                       outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase"})
     answers: dict[str, object] = {}
