@@ -61,8 +61,9 @@ def test_spares_refuse_what_a_spare_cannot_warm_up():
         build_config({"run": {"spares": 2}, "parallel": {"processes": 2}})
 
 
-def test_a_bad_assignment_says_what_is_wrong():
-    cfg = build_config({"inner": {"steps": 50}})
+@pytest.mark.integration
+def test_a_bad_assignment_says_what_is_wrong(tiny_config):
+    cfg = tiny_config(inner={"steps": 50})  # main() warms up against the session's services first
     assert spare.read_assignment(cfg, '{"learner": "eu-1", "start_step": 20}\n') == ("eu-1", 20)
     for line, what in [("", "stdin closed"), ("us-0 3", "expected"), ('{"learner": "us-0"}', "expected"),
                        ('{"learner": "ap-0", "start_step": 1}', "'ap-0' is not a learner"),
