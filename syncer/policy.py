@@ -40,9 +40,9 @@ def decide(policy: QuorumPolicy, arrivals: Sequence[float], *, now: float, expec
     """Decide whether the round with these (one per learner) arrival times closes at `now`.
 
     `expected` is how many learners could contribute (the live ones); when all of them are in,
-    waiting longer gains nothing. `members` is how many are still in the run at all (live or
-    silent, not left or finished): the quorum is K, or all of them when fewer than K remain, so a
-    round never waits for learners that left. A silent learner may come back: K still waits for it.
+    waiting longer gains nothing. `members` is how many are still in the run at all (not left or
+    dropped): the quorum is K, or all of them when fewer than K remain, so a round never waits for
+    learners that left. A silent learner may come back: K still waits for it.
     """
     if not arrivals:
         return Decision(False, "waiting_for_quorum")

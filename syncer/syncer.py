@@ -809,9 +809,10 @@ class Syncer:
         return {lid for lid in self.learners if lid not in self.registry or self.registry[lid]["status"] == "alive"}
 
     def present_learners(self) -> set[str]:
-        """Learners still in the run: live or silent (they may come back), not finished, left or dropped."""
+        """Learners still in the run: all but those that left (SIGTERM) or were dropped. A silent one
+        may come back; a finished one's last rounds close at the final flush, as before joins existed."""
         return {lid for lid in self.learners
-                if lid not in self.registry or self.registry[lid]["status"] in ("alive", "silent")}
+                if lid not in self.registry or self.registry[lid]["status"] not in ("left", "dropped")}
 
     def step_time_s(self) -> float:
         times = [hb.get("step_time", 0.0) for hb in self.registry.values()
