@@ -139,6 +139,20 @@ def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.n
     return acc
 
 
+def _threaded(one, names: list[str], threads: int) -> list:
+    """[one(n) for n in names], in `threads` threads (the kernels release the GIL)."""
+    if threads <= 1:
+        return [one(n) for n in names]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, names))
+
+
+def _pack_int4(q: np.ndarray, cols: int) -> np.ndarray:
+    """int4 codes (rows, cols) in -7..7 as the wire's bytes: code + 8 per nibble, low nibble first."""
+    q = np.pad(q, ((0, 0), (0, cols % 2))) + 8
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+
+
 def merge(contributions: Sequence[EncodedDelta], weights: np.ndarray, mean_names: Sequence[str] = (),
           rule: str = "rda", share: float = 1.0, threads: int = 1) -> dict[str, np.ndarray]:
     """`merge.merge_deltas` (then times `share`) on encoded contributions, tensors in `threads` threads."""
@@ -150,10 +164,7 @@ def merge(contributions: Sequence[EncodedDelta], weights: np.ndarray, mean_names
         return merge_tensor([c.tensors[name] for c in contributions], [c.norms[name] for c in contributions],
                             weights, plain=rule == "mean" or name in mean_names, share=share)
 
-    if threads <= 1:
-        return {n: one(n) for n in names}
-    with ThreadPoolExecutor(threads) as pool:
-        return dict(zip(names, pool.map(one, names)))
+    return dict(zip(names, _threaded(one, names, threads)))
 
 
 def outer_sgd(params: Mapping[str, np.ndarray], state, delta: Mapping[str, np.ndarray], *, lr: float,
@@ -173,11 +184,7 @@ def outer_sgd(params: Mapping[str, np.ndarray], state, delta: Mapping[str, np.nd
         return out.reshape(p.shape).astype(p.dtype, copy=False)
 
     names = list(delta)
-    if threads <= 1:
-        new = {n: one(n) for n in names}
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            new = dict(zip(names, pool.map(one, names)))
+    new = dict(zip(names, _threaded(one, names, threads)))
     if trace_state is not None:
         state = (trace_state._replace(trace=new_trace), *state[1:])
     return new, state
@@ -202,25 +209,13 @@ def encode_update(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], 
         kernels.update_q(x.reshape(rows, cols), o.reshape(rows, cols), res, quantize.LEVELS[scheme], q, scale,
                          published, carried)
         if scheme == "int4":
-            q = np.pad(q, ((0, 0), (0, cols % 2))) + 8
-            q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+            q = _pack_int4(q, cols)
         return scale.tobytes() + q.tobytes(), published.reshape(x.shape), carried.reshape(x.shape)
 
     names = list(new)
-    if threads <= 1:
-        results = [one(n) for n in names]
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(one, names))
+    results = _threaded(one, names, threads)
     return ({n: r[0] for n, r in zip(names, results)}, {n: r[1] for n, r in zip(names, results)},
             {n: r[2] for n, r in zip(names, results)})
-
-
-def _threaded(one, names: list[str], threads: int) -> list:
-    if threads <= 1:
-        return [one(n) for n in names]
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(one, names))
 
 
 def _finite(a: np.ndarray) -> bool:
@@ -263,8 +258,7 @@ def outer_update(old: Mapping[str, np.ndarray], state, delta: Mapping[str, np.nd
                                       momentum, nesterov and momentum > 0, res, quantize.LEVELS[scheme], q, scale,
                                       published, carried)
         if scheme == "int4":
-            q = np.pad(q, ((0, 0), (0, cols % 2))) + 8
-            q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+            q = _pack_int4(q, cols)
         return (scale.tobytes() + q.tobytes(), published.reshape(o.shape), carried.reshape(o.shape),
                 trace_out.reshape(o.shape) if trace_state else None, flags)
 
