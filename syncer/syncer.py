@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -677,9 +678,9 @@ class Syncer:
 
     def _check_region_minimums(self) -> None:
         """Say when a region has fewer live learners than regions[].min_learners, and when it is back."""
-        live = self.live_learners()
+        live = Counter(self.cfg.region_of(lid).name for lid in self.live_learners())
         for r in self.cfg.regions:
-            n = sum(1 for lid in live if lid.startswith(r.name + "-") and self.cfg.region_of(lid).name == r.name)
+            n = live[r.name]
             below = n < r.min_learners
             if below != self.below_min.get(r.name, False):
                 self.below_min[r.name] = below
