@@ -36,6 +36,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="the small size (~1 min per DiLoCo run)")
     ap.add_argument("--output", type=Path, default=Path(".diloco/bench"))
     ap.add_argument("--points", type=int, default=6, help="held-out evaluations per run")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="run every method and scenario with seeds 0..N-1 (data.seed and model.seed: the corpus "
+                         "split, batch order and initial parameters); the report adds their mean and spread")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="base config override for every run (e.g. transport.bootstrap_servers=host:9092)")
     return ap.parse_args(argv)
@@ -131,26 +134,23 @@ def main_load(argv: list[str]) -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> Path:
-    a = parse(argv)
+def run_seed(a: argparse.Namespace, seed: int, console: Console, t0: float, done: list[dict], out: Path) -> list[dict]:
+    """Every (method, scenario) pair on one seed; each result is also written to `out` as it ends."""
     from bench import dp as dp_mod
     from bench import ideal, runs
     from diloco.learners.data import corpus_for, eval_batches
-    console = Console(stderr=True)
     size = "quick" if a.quick else "full"
-    base = a.set
+    base = [*a.set, f"data.seed={seed}", f"model.seed={seed}"]
     any_cfg = setups.build("decoupled", "healthy", size, base)
     corpus = corpus_for(any_cfg)
     held = eval_batches(corpus.heldout_tokens(), n_batches=any_cfg.run.eval_batches,
                         batch_size=any_cfg.run.eval_batch_size, seq_len=any_cfg.model.transformer.seq_len)
-    a.output.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     results, by_key, dps = [], {}, {}
     # DiLoCo runs first: data-parallel's clock in a scenario borrows the measured step times and outages.
     pairs = sorted(setups.plan(a.methods, a.scenarios), key=lambda ms: ms[0] == "dp")
     for method, scenario in pairs:
         cfg = setups.build(method, scenario, size, base)
-        console.rule(f"{method} / {scenario}  ({time.time() - t0:.0f}s)")
+        console.rule(f"{method} / {scenario} / seed {seed}  ({time.time() - t0:.0f}s)")
         if method == "dp":
             key = (cfg.num_shards, tuple(dp_mod.phases(cfg)))  # the same training: the scenarios without joins
             dps[key] = dps.get(key) or dp_mod.train_dp(cfg, corpus_for(cfg), held, evals=a.points)
@@ -159,12 +159,23 @@ def main(argv: list[str]) -> Path:
             r = ideal.as_result(cfg, ideal.train_ideal(cfg, corpus, held, evals=a.points))
         else:
             r = runs.run_diloco(cfg, scenario, held, a.points, console)
-        r |= {"method": method, "scenario": scenario}
+        r |= {"method": method, "scenario": scenario, "seed": seed}
         by_key[(method, scenario)] = r
         results.append(r)
-        (a.output / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "results.json").write_text(json.dumps(done + results, indent=1, default=str))
+    return results
+
+
+def main(argv: list[str]) -> Path:
+    a = parse(argv)
+    console = Console(stderr=True)
+    a.output.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    results: list[dict] = []
+    for seed in range(a.seeds):
+        results += run_seed(a, seed, console, t0, results, a.output)
     order = {s: i for i, s in enumerate(a.scenarios)}
-    results.sort(key=lambda r: (order[r["scenario"]], a.methods.index(r["method"])))
+    results.sort(key=lambda r: (r["seed"], order[r["scenario"]], a.methods.index(r["method"])))
     (a.output / "results.json").write_text(json.dumps(results, indent=1, default=str))
     header = (f"Command: python -m bench {' '.join(argv)}\nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}; "
               f"total {time.time() - t0:.0f}s\n\n")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -146,11 +148,54 @@ def group_markdown(name: str, results: list[dict], cases: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SEED_COLUMNS = ["scenario", "method", "seeds", "held-out loss per seed", "mean ± sd", "vs sync (mean)",
+                "vs DP (mean)", "time to target, mean ± sd", "goodput, mean"]
+
+
+def _mean_sd(xs: Sequence[float], spec: str, suffix: str = "") -> str:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return "–"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.fmean(xs):{spec}} ± {sd:{spec}}{suffix}"
+
+
+def seeds_markdown(results: list[dict]) -> str:
+    """Per (scenario, method) over seeds: each seed's final loss, their mean and sample standard
+    deviation, the mean's gap to sync DiLoCo's and to data-parallel's, and the time to target (each
+    seed's target: the worst final loss of its scenario's methods on that seed)."""
+    seeds = sorted({r["seed"] for r in results})
+    targets_by_seed = {s: targets([r for r in results if r["seed"] == s]) for s in seeds}
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["scenario"], r["method"]), []).append(r)
+    mean = {k: statistics.fmean(r["loss_end"] for r in rs) for k, rs in groups.items()}
+    lines = ["| " + " | ".join(SEED_COLUMNS) + " |", "|" + "---|" * len(SEED_COLUMNS)]
+    for (sc, method), rs in groups.items():
+        tts = [metrics.time_to_target(r["curve"]["time_s"], r["curve"]["loss"], targets_by_seed[r["seed"]][sc])
+               for r in rs]
+        gaps = [_fmt(metrics.gap_percent(mean[(sc, method)], mean[(sc, ref)]) if (sc, ref) in mean else None, "+.2f", "%")
+                for ref in ("sync", "dp")]
+        lines.append("| " + " | ".join([
+            sc, method, str(len(rs)), ", ".join(f"{r['loss_end']:.4f}" for r in rs),
+            _mean_sd([r["loss_end"] for r in rs], ".4f"), *gaps, _mean_sd(tts, ".1f", " s"),
+            _fmt(_pct(statistics.fmean(r["goodput"] for r in rs) if all(r["goodput"] is not None for r in rs) else None),
+                 ".1f", "%")]) + " |")
+    return (f"**Over seeds {', '.join(map(str, seeds))}** (`--seeds`; the table above and the plots are seed "
+            f"{seeds[0]}'s)\n\n" + "\n".join(lines) + "\n")
+
+
 def write(results: list[dict], out: Path, header: str = "", groups: dict[str, list[str]] | None = None) -> Path:
+    """bench.md and the plots. With several seeds the main table and the plots show the first seed and a
+    second table the mean and spread over all of them."""
     out.mkdir(parents=True, exist_ok=True)
-    files = plot(results, out)
-    ran = {r["scenario"] for r in results}
-    tables = [group_markdown(name, results, cases) for name, cases in (groups or {}).items() if ran & set(cases)]
+    seeds = sorted({r.get("seed", 0) for r in results})
+    first = [r for r in results if r.get("seed", 0) == seeds[0]]
+    files = plot(first, out)
+    ran = {r["scenario"] for r in first}
+    tables = [group_markdown(name, first, cases) for name, cases in (groups or {}).items() if ran & set(cases)]
+    if len(seeds) > 1:
+        tables.append(seeds_markdown(results))
     md = out / "bench.md"
-    md.write_text(header + markdown(results) + "".join("\n" + t for t in tables) + "\nPlots: " + ", ".join(files) + "\n")
+    md.write_text(header + markdown(first) + "".join("\n" + t for t in tables) + "\nPlots: " + ", ".join(files) + "\n")
     return md

@@ -381,3 +381,18 @@ def test_the_drain_mode_times_the_syncer_taking_in_a_backlog(tiny_config):
     assert row["seconds"] > 0 and row["taken_in_mb_per_s"] > 0 and row["merges_per_s"] > 0
     assert row["syncer_cores"] > 0
     _assert_cleaned_up(cfg, row["run"])
+
+
+def test_several_seeds_give_a_mean_and_spread_per_method_and_the_gap_to_sync(tmp_path):
+    results = [{**_fake(m, "healthy", loss, 1e6), "seed": s}
+               for s, (dp, sync, dec) in enumerate([(2.0, 2.2, 2.3), (2.1, 2.4, 2.3)])
+               for m, loss in (("dp", dp), ("sync", sync), ("decoupled", dec))]
+    text = report.write(results, tmp_path).read_text()
+    assert "| healthy | decoupled | 1,000 | 2.3000 |" in text  # the main table: seed 0 alone
+    assert "**Over seeds 0, 1**" in text
+    # mean 2.3 vs sync's 2.3: +0.00%; vs DP's 2.05: +12.20%; sd of (2.2, 2.4) = 0.1414
+    assert "| healthy | decoupled | 2 | 2.3000, 2.3000 | 2.3000 ± 0.0000 | +0.00% | +12.20% |" in text
+    assert "| healthy | sync | 2 | 2.2000, 2.4000 | 2.3000 ± 0.1414 | +0.00% | +12.20% |" in text
+    # each seed's target is its worst final loss (2.3, then 2.4): decoupled reaches it at 10 s, then at
+    # 5 + 5 * (3 - 2.4) / (3 - 2.3) = 9.29 s
+    assert "| +0.00% | +12.20% | 9.6 ± 0.5 s | 90.0% |" in text
