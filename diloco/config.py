@@ -295,8 +295,20 @@ class ChaosConfig(_Section):
     restart_after_s: float = Field(2.0, ge=0, description="downtime before a killed process is restarted")
 
 
+_PROJECT = r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$"  # a GCP project id
+_NAMESPACE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # a Kubernetes namespace (DNS-1123 label)
+_CONTEXT = r"^[^\s]+$"  # a kubeconfig context's name: any non-blank text (gke_<project>_<location>_<cluster>)
+
+
 class SliceConfig(_Section):
-    """One region's learner slice in production: each learner of the region gets one such TPU slice."""
+    """One region's learner slice in production: each learner of the region gets one such TPU slice, in the
+    region's own project, cluster and namespace when set (else the backend's)."""
+    project: str | None = Field(None, pattern=_PROJECT, description="GCP project of this region's slices; "
+                                "default backend.project")
+    context: str | None = Field(None, pattern=_CONTEXT, description="kubeconfig context (cluster) of this region's "
+                                "JobSets (kind gke); default backend.context")
+    namespace: str | None = Field(None, pattern=_NAMESPACE, description="namespace of this region's JobSets "
+                                  "(kind gke); default backend.namespace")
     generation: Literal["v5p", "v6e"] = "v5p"
     topology: str = Field("2x2x1", pattern=r"^[1-9]\d*(x[1-9]\d*){1,2}$", description="chips per axis, e.g. 2x2x1, 2x4")
     zone: str = "us-east5-a"
@@ -313,22 +325,29 @@ class SliceConfig(_Section):
 
 
 class BackendConfig(_Section):
-    """Where the flow starts the run's processes: `local` child processes, or `gke`: one TPU slice per learner
-    (a JobSet) and the syncer on CPU. The same fields render queued-resource requests for TPU VMs."""
-    kind: Literal["local", "gke"] = "local"
-    project: str = Field("my-project", pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+    """Where the flow starts the run's processes: `local` child processes; `gke`: one TPU slice per learner (a
+    JobSet in its region's cluster) and the syncer on CPU in the home cluster; `tpu-vm`: one queued-resource
+    TPU VM slice per learner (gcloud), the syncer still a JobSet in the home cluster."""
+    kind: Literal["local", "gke", "tpu-vm"] = "local"
+    project: str = Field("my-project", pattern=_PROJECT, description="GCP project; regions may override it (slices)")
+    context: str | None = Field(None, pattern=_CONTEXT, description="kubeconfig context of the home cluster (the "
+                                "syncer's; regions may override it); default kubectl's current context")
     image: str = Field("us-docker.pkg.dev/my-project/diloco/diloco:latest", description="image with `diloco` installed")
-    namespace: str = Field("default", pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+    namespace: str = Field("default", pattern=_NAMESPACE, description="namespace in the home cluster; regions may "
+                           "override it (slices)")
     config_dir: str = Field("/etc/diloco", description="where a job finds the run's config.yaml")
     corpus_dir: str = Field("/data/corpus", description="where a job finds the prepared corpus (e.g. a GCS FUSE mount)")
     secret_name: str = Field("diloco-secrets", pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$",
                              description="Kubernetes Secret in the namespace that holds the passwords: each of "
                                          "state.password_env and transport.sasl_password_env is a key of it, and a "
                                          "job's env var of that name is set from it (the value never enters a manifest)")
-    slices: dict[str, SliceConfig] = Field(default_factory=dict, description="per region name; others get the defaults")
+    slices: dict[str, SliceConfig] = Field(default_factory=dict, description="per region name: its slice and where it "
+                                           "runs; regions not listed get the defaults")
 
     def slice_of(self, region: str) -> SliceConfig:
-        return self.slices.get(region, SliceConfig())
+        """The region's slice with its project, context and namespace resolved (the backend's where unset)."""
+        s = self.slices.get(region, SliceConfig())
+        return s.model_copy(update={k: getattr(s, k) or getattr(self, k) for k in ("project", "context", "namespace")})
 
 
 class Config(_Section):
@@ -382,6 +401,8 @@ class Config(_Section):
 
     def spares_unsupported(self) -> str | None:
         """Why a warm spare (`diloco learner --spare`) cannot stand in for this run's learners, or None."""
+        if self.backend.kind != "local":
+            return f"spares are processes of the local backend, and backend.kind is {self.backend.kind}"
         if self.model.script:
             return "a spare warms up the built-in loop, and model.script replaces it"
         if self.parallel.processes > 1:

@@ -19,14 +19,14 @@ from rich.console import Console
 from diloco.config import Config, load_config
 from diloco.flows import reports
 from diloco.flows.evals import evaluate_checkpoint
-from diloco.flows.tpu import GkeJobs
+from diloco.flows.tpu import RegionJobs
 from diloco.infra.jobs import LocalJobs
 from diloco.run import LocalRun, RunSetup, _child_env, finish, open_run, prepare
 
 
 def make_jobs(setup: RunSetup):
-    if setup.cfg.backend.kind == "gke":
-        return GkeJobs(setup.cfg, setup.cfg_path.read_text())
+    if setup.cfg.backend.kind != "local":  # the syncer's backend and each region's (flows/tpu.py)
+        return RegionJobs.of(setup.cfg, setup.cfg_path, setup.run_dir / "logs")
     return LocalJobs(setup.run_dir / "logs", _child_env(setup.cfg))
 
 

@@ -283,7 +283,8 @@ def test_gke_jobsets_carry_every_config_field(tmp_path):
     ]:
         assert doc["kind"] == "JobSet" and doc["metadata"]["name"] == f"dl-prod-run-7-{name}"
         assert doc["metadata"]["namespace"] == "pretrain"
-        assert doc["metadata"]["labels"] == {"diloco/run": "prod_Run-7", "diloco/job": name}
+        assert doc["metadata"]["labels"] == {"diloco/run": "prod_Run-7", "diloco/job": name,
+                                             **({"diloco/region": name[:2]} if name != "syncer" else {})}
         assert doc["spec"]["failurePolicy"] == {"maxRestarts": 0}
         (rj,) = doc["spec"]["replicatedJobs"]
         job = rj["template"]["spec"]
@@ -355,11 +356,11 @@ def test_queued_resource_requests_carry_every_config_field(tmp_path):
     assert eu["create"][-3:] == ["--accelerator-type=v6e-8", "--runtime-version=v2-alpha-tpuv6e", "--spot"]
     assert "--zone=europe-west4-a" in eu["create"]
     assert us["copy_config"] == ["gcloud", "compute", "tpus", "tpu-vm", "scp", str(tmp_path / "config.yaml"),
-                                 "dl-prod-run-7-us-1:/cfg/config.yaml", "--worker=all", *where]
+                                 "dl-prod-run-7-us-1:diloco-config.yaml", "--worker=all", *where]
     assert us["run"][:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "dl-prod-run-7-us-1", "--worker=all", *where][:8]
     assert us["run"][-2] == "--command" and us["run"][-1].endswith(
         "eu.gcr.io/acme/diloco:1.2 diloco learner --config /cfg/config.yaml --learner us-1 --corpus /mnt/corpus")
-    assert "-v /cfg:/cfg:ro -v /mnt/corpus:/mnt/corpus:ro" in us["run"][-1]
+    assert "-v $HOME/diloco-config.yaml:/cfg/config.yaml:ro -v /mnt/corpus:/mnt/corpus:ro" in us["run"][-1]
     assert us["delete"] == ["gcloud", "compute", "tpus", "queued-resources", "delete", "dl-prod-run-7-us-1", "--force",
                             "--quiet", *where]
 
@@ -378,8 +379,8 @@ def test_adding_and_removing_learners_of_a_live_run_applies_and_deletes_their_jo
         calls.append((argv, yaml.safe_load(kw["input"]) if kw.get("input") else None))
         return subprocess.CompletedProcess(argv, 0, json.dumps({"status": {}}) if argv[-1] == "json" else "", "")
 
-    jobs = tpu.GkeJobs(cfg, dump_config(cfg), run=fake)
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    jobs = tpu.RegionJobs.of(cfg, tmp_path / "config.yaml", tmp_path / "logs", run=fake)
     run = LocalRun(cfg, tmp_path / "config.yaml", type("Corpus", (), {"dir": Path("/x")})(), jobs, None,
                    Console(quiet=True), [])
     assert run._carry_out({"op": "add", "region": "eu"}, 0.0) == {"added": ["eu-1"], "start_step": 0}
@@ -402,7 +403,7 @@ def test_gke_jobs_drive_kubectl(tmp_path):
         out = json.dumps({"status": {"terminalState": "Failed"}}) if argv[3:5] == ["get", "jobset"] else ""
         return subprocess.CompletedProcess(argv, 0, out, "")
 
-    jobs = tpu.GkeJobs(cfg, dump_config(cfg), run=fake)
+    jobs = tpu.GkeJobs(cfg, dump_config(cfg), "eu", run=fake)
     jobs.start("eu-0", ["learner", "--config", str(tmp_path / "c.yaml"), "--learner", "eu-0", "--corpus", "/x",
                         "--start-step", "40"])
     assert jobs.poll("eu-0") == 1
@@ -415,7 +416,7 @@ def test_gke_jobs_drive_kubectl(tmp_path):
         [*ns, "apply", "-f", "-"],
         [*ns, "get", "jobset", "dl-prod-run-7-eu-0", "-o", "json"],
         [*ns, "delete", "jobset", "dl-prod-run-7-eu-0", "--ignore-not-found", "--wait=false", "--grace-period=0", "--force"],
-        [*ns, "delete", "jobset", "-l", "diloco/run=prod_Run-7", "--ignore-not-found", "--timeout=10s"],
+        [*ns, "delete", "jobset", "-l", "diloco/run=prod_Run-7,diloco/region=eu", "--ignore-not-found", "--timeout=10s"],
     ]
     assert calls[0][1]["kind"] == "ConfigMap"
     assert calls[2][1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"][-2:] \
