@@ -135,6 +135,9 @@ class OuterConfig(_Section):
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    momentum_per_round: bool = Field(False, description="a round carrying share s of a full round (with "
+                                     "syncer.scale_partial_rounds) uses momentum ** s, so the trace decays per full "
+                                     "round's worth of deltas however many partial rounds bring them")
 
 
 class FragmentsConfig(_Section):
@@ -182,6 +185,8 @@ class SyncerConfig(_Section):
                                                      "release the GIL)")
     token_weighting: bool = Field(True, description="weigh by tokens * tokens / steps; off = equal weights")
     scale_partial_rounds: bool = Field(False, description="a round with n of M learners applies n/M of its merged delta")
+    staleness_discount: float = Field(0.0, ge=0, description="weigh a contribution by (1 + staleness) ** -discount, its "
+                                      "staleness being the versions its fragment gained since its base; 0 = off")
     broadcast: Literal["fp32", "bf16", "int8", "int4"] = Field(
         "int8", description="encoding of each global update learners fetch (its error is carried to the next)")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")

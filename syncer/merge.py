@@ -28,6 +28,27 @@ def token_weights(tokens: Sequence[float], steps: Sequence[float], weighted: boo
     return w / w.sum()
 
 
+def staleness_weights(weights: Sequence[float], staleness: Sequence[int], discount: float) -> np.ndarray:
+    """Weights times (1 + staleness) ** -discount, normalised to sum to 1. A contribution's staleness
+    is how many versions its fragment gained since the base it was trained from; discount 0 leaves
+    the weights as they are, 1 halves a delta one version late against the fresh ones."""
+    w, s = np.asarray(weights, np.float64), np.asarray(staleness, np.float64)
+    if len(w) != len(s) or np.any(s < 0) or discount < 0:
+        raise ValueError("staleness weights need one staleness >= 0 per weight and a discount >= 0")
+    w = w * (1.0 + s) ** -discount
+    return w / w.sum()
+
+
+def round_momentum(momentum: float, share: float) -> float:
+    """The outer momentum of a round that carries `share` of a full round's deltas (round_share):
+    momentum ** share, so that the trace decays by `momentum` per full round's worth of deltas
+    whether they come in one round or in several partial ones (two rounds of share 1/2 decay it
+    as one full round does)."""
+    if not 0 <= momentum < 1 or share < 0:
+        raise ValueError(f"round momentum needs 0 <= momentum < 1 and share >= 0, got {momentum}, {share}")
+    return momentum ** share if momentum > 0 else 0.0
+
+
 def weighted_mean(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
     return np.tensordot(np.asarray(weights, np.float32), np.stack(deltas).astype(np.float32), axes=1)
 

@@ -497,8 +497,8 @@ class Syncer:
                     if cid not in found:
                         raise RebuildError(f"contribution {cid} of v{u} is no longer in the log")
                     m, payload = found[cid]
-                    contribs.append(Pending({"tokens": m.tokens, "steps": m.steps}, 0.0, wanted[cid][:2],
-                                            wanted[cid][2], fused.encoded_delta(m, payload)))
+                    meta = {"tokens": m.tokens, "steps": m.steps, "base_version": m.base_version}
+                    contribs.append(Pending(meta, 0.0, wanted[cid][:2], wanted[cid][2], fused.encoded_delta(m, payload)))
                 _, params, opt_state, update, residual = self._merged(st, p, contribs, rec["share"])
                 if update != self.store.read_update(p, u)[1]:
                     raise RebuildError(f"replaying v{u} does not reproduce its stored update")
@@ -909,13 +909,17 @@ class Syncer:
         sc, metas = self.cfg.syncer, [c.manifest_meta for c in contribs]
         weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
                                            weighted=sc.token_weighting)
+        if sc.staleness_discount:
+            weights = merge_math.staleness_weights(weights, [st.version - m["base_version"] for m in metas],
+                                                   sc.staleness_discount)
         delta = fused.merge([c.deltas for c in contribs], weights, self.run_plan.mean_merged, rule=sc.merge,
                             share=share, threads=sc.merge_threads)
         old = {n: st.params[n] for n in self.plan[p]}
         o = self.cfg.outer
+        momentum = merge_math.round_momentum(o.momentum, share) if o.momentum_per_round else o.momentum
         # raises FloatingPointError on any value that is not finite (int8 codes would launder a NaN)
         update, params, residual, opt_state = fused.outer_update(
-            old, st.opt_state, delta, st.residual, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+            old, st.opt_state, delta, st.residual, lr=o.lr, momentum=momentum, nesterov=o.nesterov,
             scheme=sc.broadcast, threads=sc.merge_threads)
         return weights, params, opt_state, update, residual
 

@@ -124,3 +124,43 @@ def test_a_partial_round_carries_its_share_of_a_full_one():
     assert merge.round_share(2, 4) == 0.5 and merge.round_share(4, 4) == 1.0
     assert merge.round_share(6, 4) == 1.5   # a lagging syncer's round holds more than one delta per learner
     assert merge.round_share(1, 0) == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 100), st.integers(0, 6)), min_size=1, max_size=8), st.floats(0, 3))
+def test_staleness_weights_discount_late_contributions_by_their_age(pairs, discount):
+    w, s = [p[0] for p in pairs], [p[1] for p in pairs]
+    out = merge.staleness_weights(w, s, discount)
+    assert np.isclose(out.sum(), 1.0) and np.all(out > 0)
+    for i in range(len(w)):
+        for j in range(len(w)):   # each pair keeps its weight ratio times the ratio of the age factors
+            np.testing.assert_allclose(out[i] / out[j], w[i] / w[j] * ((1 + s[j]) / (1 + s[i])) ** discount, rtol=1e-9)
+    np.testing.assert_allclose(merge.staleness_weights(w, s, 0.0), np.asarray(w) / sum(w))  # 0 = off
+    np.testing.assert_allclose(merge.staleness_weights(w, [3] * len(w), discount), np.asarray(w) / sum(w))  # all as old
+
+
+def test_staleness_weights_refuse_what_has_no_meaning():
+    for w, s, d in (([1.0], [-1], 1.0), ([1.0, 1.0], [0], 1.0), ([1.0], [0], -0.5)):
+        with pytest.raises(ValueError, match="staleness"):
+            merge.staleness_weights(w, s, d)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(0.05, 0.99), st.integers(1, 6))
+def test_round_momentum_decays_the_trace_per_full_round_however_it_is_split(beta, parts):
+    """With no new delta, n rounds each carrying 1/n of a round decay the outer trace exactly as one
+    full round does; a full round is plain Nesterov momentum."""
+    assert merge.round_momentum(beta, 1.0) == beta and merge.round_momentum(0.0, 0.5) == 0.0
+    params = {"w": np.zeros(4, np.float32)}
+    trace0 = {"w": np.array([1.0, -2.0, 0.5, 3.0], np.float32)}
+    zero = {"w": np.zeros(4, np.float32)}
+
+    def trace_after(shares):
+        state = None
+        for share in shares:
+            opt = merge.outer_optimizer(0.7, merge.round_momentum(beta, share), True)
+            state = state or (opt.init(params)[0]._replace(trace=trace0), *opt.init(params)[1:])
+            _, state = merge.outer_step(opt, params, state, zero)
+        return state[0].trace["w"]
+    np.testing.assert_allclose(trace_after([1.0 / parts] * parts), trace_after([1.0]), rtol=1e-5)
+    np.testing.assert_allclose(trace_after([1.0]), beta * trace0["w"], rtol=1e-6)
