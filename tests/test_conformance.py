@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer
 from confluent_kafka import TopicPartition as CTP
 from confluent_kafka.admin import AdminClient
 from helpers import Harness, run_events
+from kafka.errors import KafkaError
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -159,7 +160,7 @@ def test_a_tiny_runs_fragments_decode_from_the_spec_alone(tiny_config, kafka_boo
 
 
 @pytest.mark.integration
-def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, kafka_bootstrap):
+def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, kafka_bootstrap, monkeypatch, caplog):
     cfg = tiny_config(regions=[{"name": "us", "learners": 1, "max_learners": 2}, {"name": "eu", "learners": 1}],
                       outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
                       syncer={"quorum": 2, "merge": "mean", "token_weighting": False, "broadcast": "fp32"})
@@ -197,3 +198,10 @@ def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, 
         np.testing.assert_allclose(v1[n], want, rtol=1e-5, atol=1e-6)
     assert committed_by_librdkafka(kafka_bootstrap, group)[tp] == h.syncer.consumer.highwater(
         kafka_io.TopicPartition(*tp))
+    # the group is monitoring only: a commit the broker refuses is logged once, and the syncer goes on
+    monkeypatch.setattr(h.syncer.consumer, "commit", lambda *a, **k: (_ for _ in ()).throw(KafkaError("refused")))
+    for _ in range(2):
+        h.syncer.save_offsets(force=True)
+        h.syncer.step()
+    assert [r.message for r in caplog.records].count(
+        "consumer group commit failed (monitoring only; Redis keeps the offsets)") == 1
