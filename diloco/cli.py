@@ -272,6 +272,38 @@ RunConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="the live run
 WaitOpt = Annotated[float, typer.Option(help="seconds to wait for the run's answer")]
 
 
+@app.command()
+def lag(config: RunConfigOpt, set_: SetOpt = None):
+    """The syncer's consumer-group lag per fragments partition: committed offset, end offset, lag.
+
+    The syncer commits its replay offsets (what Redis says is safe to resume from) to the group
+    `<topic_prefix>.<run.id>.syncer` about once a second; the same numbers show in
+    kafka-consumer-groups.sh --describe --group ... (docs/operations.md)."""
+    from rich.table import Table
+
+    from diloco.infra import kafka as kafka_io
+
+    cfg = _config(config, set_)
+    if not cfg.run.id:
+        console.print("[red]error:[/] lag needs run.id (the run's config.yaml has it)")
+        raise typer.Exit(2)
+    topics = kafka_io.Topics.for_run(cfg, cfg.run.id)
+    tps = [tp for t in topics.fragments.values() for tp in kafka_io.partitions_of(t, topics.partitions)]
+    try:
+        rows = kafka_io.group_lag(cfg.transport, topics.syncer_group, tps)
+    except kafka_io.TransportError as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from None
+    t = Table(title=f"group {topics.syncer_group}", title_justify="left")
+    for col in ("topic", "partition", "committed", "end", "lag"):
+        t.add_column(col, justify="left" if col == "topic" else "right")
+    for r in rows:
+        t.add_row(r["topic"], str(r["partition"]), "-" if r["committed"] is None else str(r["committed"]), str(r["end"]),
+                  str(r["lag"]))
+    t.caption = f"total lag {sum(r['lag'] for r in rows)}"
+    Console(width=200).print(t)
+
+
 def _membership(config: Path, op: dict, wait_s: float) -> dict:
     from diloco import membership
 

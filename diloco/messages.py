@@ -109,7 +109,7 @@ class Manifest:
                 raise WireError(f"manifest tensors[{i}].shape is no array's shape: {short(shape)}")
             if t.get("scheme") not in quantize.SCHEMES:
                 raise WireError(f"manifest tensors[{i}].scheme must be one of {quantize.SCHEMES}, got {short(t.get('scheme'))}")
-            if not isinstance(t.get("name"), str) or not isinstance(t.get("nbytes"), int):
+            if not isinstance(t.get("name"), str) or not isinstance(t.get("nbytes"), int) or isinstance(t["nbytes"], bool):
                 raise WireError(f"manifest tensors[{i}] needs a string name and an int nbytes")
             if t["name"] in names:  # two payload slices for one name: which one would merge?
                 raise WireError(f"manifest tensors[{i}].name {short(t['name'])} is repeated")

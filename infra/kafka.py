@@ -31,6 +31,7 @@ class Topics:
     outer: str                  # announcements of new global fragment versions
     events: str                 # heartbeats, merges, rejections
     partitions: int             # partitions of each fragments topic (fragment p -> p % partitions)
+    syncer_group: str           # consumer group the syncer commits its replay offsets to (monitoring only)
 
     @staticmethod
     def for_run(cfg: Config, run_id: str) -> Topics:
@@ -40,6 +41,7 @@ class Topics:
             outer=f"{prefix}.outer",
             events=f"{prefix}.events",
             partitions=cfg.fragments.count,
+            syncer_group=f"{prefix}.syncer",
         )
 
     def partition_of(self, fragment: int) -> int:
@@ -139,11 +141,12 @@ def producer(t: TransportConfig) -> KafkaProducer:
     ), t)
 
 
-def consumer(t: TransportConfig, **kw) -> KafkaConsumer:
-    """A consumer with no group and no auto-commit: callers assign partitions and keep offsets."""
+def consumer(t: TransportConfig, group_id: str | None = None, **kw) -> KafkaConsumer:
+    """A consumer with no auto-commit: callers assign partitions and keep offsets. A `group_id` only
+    names where `commit()` puts offsets for monitoring; the group never subscribes or rebalances."""
     big = t.max_message_bytes + 65536
     return _retry(lambda: KafkaConsumer(
-        **_common(t), enable_auto_commit=False, auto_offset_reset="earliest", group_id=None,
+        **_common(t), enable_auto_commit=False, auto_offset_reset="earliest", group_id=group_id,
         fetch_max_bytes=max(big, 52428800), max_partition_fetch_bytes=big, receive_message_max_bytes=big + 65536,
         **kw,
     ), t)
@@ -200,5 +203,27 @@ def read_to_end(t: TransportConfig, tps: list[TopicPartition], timeout_s: float 
                 return out
             if time.time() > deadline:
                 raise TransportError(f"reading {tps} did not reach the high watermark in {timeout_s}s")
+    finally:
+        c.close()
+
+
+def group_lag(t: TransportConfig, group: str, tps: list[TopicPartition], timeout_s: float = 30.0) -> list[dict]:
+    """Per partition: the group's committed offset (None if it committed none), the end offset and
+    the lag between them (the end offset, from the start, where nothing is committed).
+
+    The end is the high watermark of a fetch from the committed offset: the local broker's
+    end_offsets() reports the start of the last batch, not the end of the partition.
+    """
+    c = consumer(t, group_id=group)
+    try:
+        committed = {tp: c.committed(tp) for tp in tps}
+        assign_from(c, {tp: off or 0 for tp, off in committed.items()})
+        deadline = time.time() + timeout_s
+        while any(c.highwater(tp) is None for tp in tps):
+            if time.time() > deadline:
+                raise TransportError(f"no high watermark for {[tp for tp in tps if c.highwater(tp) is None]} in {timeout_s}s")
+            c.poll(timeout_ms=200, max_records=1)
+        return [{"topic": tp.topic, "partition": tp.partition, "committed": committed[tp], "end": c.highwater(tp),
+                 "lag": c.highwater(tp) - (committed[tp] or 0)} for tp in tps]
     finally:
         c.close()

@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-from kafka import TopicPartition
+from kafka import OffsetAndMetadata, TopicPartition
 from kafka.errors import KafkaError
 from redis.exceptions import ClusterDownError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -236,7 +236,7 @@ class Syncer:
         self.refused: set[str] = set()           # ids already refused (and said so) by this process
         self.below_min: dict[str, bool] = {}     # region -> fewer live learners than regions[].min_learners
         self.stopping = False
-        self._broker_down = False
+        self._broker_down = self._commit_failed = False
         self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
         self.keeper = LeaseKeeper(self, cfg.syncer.stuck_after_s)
         self._reset()
@@ -961,10 +961,27 @@ class Syncer:
         self.state.save_events_offset(self.shard, self.consumed[self.events_tp])
         for p in list(self.fragments):
             self._guarded(p, lambda p=p: self.state.save_offsets(self.replay_offsets([p]), fence={p: self.epochs[p]}))
+        self.commit_group_offsets()
         if now - self._last_prune > 10.0:
             self._last_prune = now
             for p in list(self.fragments):
                 self._guarded(p, lambda p=p: self.prune_statuses(p))
+
+    def commit_group_offsets(self) -> None:
+        """Commit the replay offsets just saved in Redis (those of the fragments still owned) as the
+        consumer group's offsets, so Kafka's own tools show the syncer's lag. Monitoring only: Redis
+        stays the source of truth, and a failed commit is logged (once until one succeeds), never raised."""
+        if self.consumer.config["group_id"] is None or not self.broker.up:
+            return
+        offsets = {TopicPartition(*tp): OffsetAndMetadata(off, "", -1) for tp, off in self.replay_offsets().items()}
+        try:
+            self.consumer.commit(offsets, timeout_ms=2000)
+            self._commit_failed = False
+        except KafkaError as err:
+            if not self._commit_failed:
+                log.warning("consumer group commit failed (monitoring only; Redis keeps the offsets)",
+                            extra={"group": self.consumer.config["group_id"], "error": f"{type(err).__name__}: {err}"})
+            self._commit_failed = True
 
     def prune_statuses(self, p: int) -> None:
         """Forget what finished ids of fragment p replay will never meet again (bounded status)."""
@@ -1066,7 +1083,7 @@ def main(cfg: Config, run_id: str, shard: int = 0) -> None:
     st = SyncerState(r, cfg.state.key_prefix, run_id)
     store = FragmentStore(cfg.store.url, run_id)
     producer = kafka_io.producer(cfg.transport)
-    consumer = kafka_io.consumer(cfg.transport)
+    consumer = kafka_io.consumer(cfg.transport, group_id=kafka_io.Topics.for_run(cfg, run_id).syncer_group)
     Syncer(cfg, run_id, state=st, store=store, producer=producer, consumer=consumer, shard=shard).run()
     producer.close()
 

@@ -87,7 +87,7 @@ class Harness:
         if getattr(self, "syncer", None) is not None and self.syncer.shard == shard:
             self.syncer.close()
         s = Syncer(self.cfg, self.run_id, state=self.state, store=self.store, producer=self.producer,
-                   consumer=kafka_io.consumer(self.cfg.transport), shard=shard)
+                   consumer=kafka_io.consumer(self.cfg.transport, group_id=self.topics.syncer_group), shard=shard)
         s.start()
         return s
 

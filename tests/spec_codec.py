@@ -1,0 +1,140 @@
+"""A second codec of the wire format, written from docs/wire-format.md alone.
+
+It must not import diloco.messages or diloco.quantize: the conformance tests (test_conformance.py)
+hold the project's codec, syncer and Kafka client against this one and against librdkafka.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+import uuid
+
+import crc32c
+import numpy as np
+
+MAGIC, VERSION = b"DLCO", 2
+PREFIX = struct.Struct("<4sHI")       # magic, wire version, header length H
+LEVELS = {"int8": 127, "int4": 7}
+
+
+def frame(header: dict, payload: bytes = b"") -> bytes:
+    head = json.dumps(header).encode()
+    return PREFIX.pack(MAGIC, VERSION, len(head)) + head + payload
+
+
+def unframe(value: bytes) -> tuple[dict, bytes]:
+    magic, version, h = PREFIX.unpack_from(value)
+    assert magic == MAGIC and version == VERSION and PREFIX.size + h <= len(value), value[:16]
+    header = json.loads(value[PREFIX.size:PREFIX.size + h])
+    assert header["kind"] in ("manifest", "chunk"), header
+    return header, value[PREFIX.size + h:]
+
+
+def rows_cols(shape) -> tuple[int, int]:
+    """A 0-d tensor is 1 row of 1; otherwise cols is the last dimension, rows the product of the rest."""
+    if not shape:
+        return 1, 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def nbytes(shape, scheme: str) -> int:
+    n, (rows, cols) = math.prod(shape), rows_cols(shape)
+    return {"fp32": 4 * n, "bf16": 2 * n, "int8": 4 * rows + n, "int4": 4 * rows + rows * ((cols + 1) // 2)}[scheme]
+
+
+def encode(x, scheme: str) -> bytes:
+    x = np.asarray(x, np.float32)
+    if scheme == "fp32":
+        return x.astype("<f4").tobytes()
+    if scheme == "bf16":  # the upper 16 bits, rounded to nearest, ties to even
+        u = x.astype("<f4").view("<u4").astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    rows, cols = rows_cols(x.shape)
+    m, level = x.reshape(rows, cols), LEVELS[scheme]
+    scale = np.array([np.abs(r).max() / level if r.size and np.abs(r).max() > 0 else 1.0 for r in m], "<f4")
+    q = np.clip(np.rint(m / scale[:, None]), -level, level).astype(np.int64)
+    if scheme == "int8":
+        return scale.tobytes() + q.astype("<i1").tobytes()
+    nib = np.full((rows, cols + cols % 2), 8, np.int64)  # an odd row ends with the nibble 8 (code 0)
+    nib[:, :cols] = q + 8
+    return scale.tobytes() + (nib[:, 0::2] | nib[:, 1::2] << 4).astype(np.uint8).tobytes()
+
+
+def decode(buf: bytes, shape, scheme: str) -> np.ndarray:
+    assert len(buf) == nbytes(shape, scheme), (len(buf), shape, scheme)
+    if scheme == "fp32":
+        return np.frombuffer(buf, "<f4").reshape(shape)
+    if scheme == "bf16":
+        return (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    rows, cols = rows_cols(shape)
+    scale = np.frombuffer(buf[:4 * rows], "<f4")
+    if scheme == "int8":
+        q = np.frombuffer(buf[4 * rows:], "<i1").reshape(rows, cols).astype(np.int64)
+    else:
+        packed = np.frombuffer(buf[4 * rows:], np.uint8).reshape(rows, (cols + 1) // 2).astype(np.int64)
+        q = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(rows, 2 * packed.shape[1])[:, :cols] - 8
+    return (q.astype(np.float32) * scale[:, None]).astype(np.float32).reshape(shape)
+
+
+def contribution(*, run: str, learner: str, fragment: int, base_version: int, tokens: int, steps: int,
+                 step_time: float, tensors: dict[str, tuple[np.ndarray, str]], chunk_bytes: int) -> tuple[dict, list[bytes]]:
+    """The manifest header and every frame (manifest first) of one contribution, tensors in name order."""
+    names = sorted(tensors)
+    blobs = [encode(*tensors[n]) for n in names]
+    payload = b"".join(blobs)
+    n_chunks = max(1, -(-len(payload) // chunk_bytes))
+    cid = uuid.uuid4().hex
+    manifest = {
+        "kind": "manifest", "id": cid, "run": run, "learner": learner, "region": learner.rsplit("-", 1)[0],
+        "fragment": fragment, "base_version": base_version, "tokens": tokens, "steps": steps, "step_time": step_time,
+        "tensors": [{"name": n, "shape": list(np.shape(tensors[n][0])), "scheme": tensors[n][1], "nbytes": len(b)}
+                    for n, b in zip(names, blobs)],
+        "total_bytes": len(payload), "n_chunks": n_chunks, "crc32c": crc32c.crc32c(payload), "created": time.time(),
+    }
+    chunks = [frame({"kind": "chunk", "id": cid, "index": i, "count": n_chunks},
+                    payload[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n_chunks)]
+    return manifest, [frame(manifest), *chunks]
+
+
+def assemble(values) -> dict[str, tuple[dict, bytes]]:
+    """Contribution id -> (manifest, payload) for every complete set among frame values (in any order),
+    each payload checked: every chunk index present, `total_bytes` long, CRC-32C as the manifest says."""
+    manifests, chunks = {}, {}
+    for value in values:
+        header, payload = unframe(value)
+        if header["kind"] == "manifest":
+            manifests[header["id"]] = header
+        else:
+            chunks.setdefault(header["id"], {})[header["index"]] = (header["count"], payload)
+    out = {}
+    for cid, m in manifests.items():
+        got = chunks.get(cid, {})
+        assert sorted(got) == list(range(m["n_chunks"])) and {c for c, _ in got.values()} == {m["n_chunks"]}, cid
+        payload = b"".join(got[i][1] for i in range(m["n_chunks"]))
+        assert len(payload) == m["total_bytes"] and crc32c.crc32c(payload) == m["crc32c"], cid
+        out[cid] = (m, payload)
+    return out
+
+
+def tensors_of(manifest: dict, payload: bytes) -> dict[str, np.ndarray]:
+    out, pos = {}, 0
+    for t in manifest["tensors"]:
+        assert t["nbytes"] == nbytes(t["shape"], t["scheme"]), t
+        out[t["name"]] = decode(payload[pos:pos + t["nbytes"]], tuple(t["shape"]), t["scheme"])
+        pos += t["nbytes"]
+    assert pos == len(payload)
+    return out
+
+
+def heartbeat(*, run: str, learner: str, step: int, tokens: int, state: str = "running") -> bytes:
+    """An events-topic heartbeat as the spec's events section lists its fields."""
+    return json.dumps({
+        "schema": 1, "kind": "heartbeat", "eid": uuid.uuid4().hex, "time": time.time(), "run": run,
+        "learner": learner, "region": learner.rsplit("-", 1)[0], "incarnation": "spec-" + uuid.uuid4().hex[:8],
+        "step": step, "start_step": 0, "tokens": tokens, "published": 0, "bytes_sent": 0, "bytes_fetched": 0,
+        "versions_applied": 0, "step_time": 0.01, "compute_s": 0.01, "at": time.time(), "loss": None,
+        "state": state, "versions": {},
+    }).encode()

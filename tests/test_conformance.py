@@ -1,0 +1,207 @@
+"""The wire format from its spec alone: docs/wire-format.md's worked example, a second codec
+(tests/spec_codec.py) and a second Kafka client (librdkafka, through confluent-kafka) against the
+project's codec, syncer and consumer-group offsets."""
+
+from __future__ import annotations
+
+import struct
+import time
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+import spec_codec as spec
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer
+from confluent_kafka import TopicPartition as CTP
+from confluent_kafka.admin import AdminClient
+from helpers import Harness, run_events
+from kafka.errors import KafkaError
+from rich.console import Console
+from typer.testing import CliRunner
+
+from diloco import messages, quantize
+from diloco.cli import app
+from diloco.infra import kafka as kafka_io
+from diloco.run import train
+from diloco.syncer import state as state_mod
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "wire-format.md"
+EXAMPLE = {"b": (np.array([0.7, -0.35, 0.1], np.float32), "int4"),
+           "w": (np.array([[0.5, -1.0, 0.25], [0, 0, 0]], np.float32), "int8")}
+
+
+def test_the_worked_example_is_what_both_codecs_write_and_read():
+    doc = DOC.read_text()
+    payload = bytes.fromhex("cd cc cc 3d 4f 89 04 02 01 3c 00 00 80 3f 40 81 20 00 00 00")
+    assert "payload (20 bytes):  " + payload.hex(" ") in doc and "0xe3069283" in doc.lower()
+    assert crc32c.crc32c(b"123456789") == 0xE3069283 and crc32c.crc32c(payload) == 1609594627
+    kw = dict(run="r1", learner="us-0", fragment=0, base_version=3, tokens=512, steps=4, step_time=0.05)
+    manifest, frames = spec.contribution(**kw, tensors=EXAMPLE, chunk_bytes=16)
+    assert [spec.unframe(f)[1] for f in frames] == [b"", payload[:16], payload[16:]]
+    # the project's decoder reads the spec's frames (spaced JSON, its own ids) ...
+    m = messages.Manifest.from_header(messages.parse_frame(frames[0])[0])
+    assert m.crc32c == manifest["crc32c"] and m.n_chunks == 2
+    ours = messages.decode_payload(m, payload)
+    np.testing.assert_allclose(ours["b"], [0.7, -0.4, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(ours["w"], [[0.503937, -1.0, 0.2519685], [0, 0, 0]], rtol=1e-6)
+    # ... and the spec's decoder the project's, bit for bit the same values
+    m2, frames2 = messages.encode_contribution(**kw, region="us", deltas={n: x for n, (x, _) in EXAMPLE.items()},
+                                               scheme={n: s for n, (_, s) in EXAMPLE.items()}, chunk_bytes=16)
+    assert frames2[0][:6] == bytes.fromhex("44 4c 43 4f 02 00")   # H = 369 with the example's 18-digit `created`
+    assert struct.unpack_from("<I", frames2[0], 6)[0] == 369 - len("1796150688.5899963") + len(repr(m2.created))
+    assert frames2[1][:10] == bytes.fromhex("44 4c 43 4f 02 00 4c 00 00 00")
+    (header, got), = spec.assemble(frames2[::-1]).values()  # chunks before their manifest, in any order
+    assert got == payload
+    for name, x in spec.tensors_of(header, got).items():
+        np.testing.assert_array_equal(x, ours[name])
+
+
+@pytest.mark.parametrize("scheme", quantize.SCHEMES)
+def test_spec_codec_and_project_codec_agree_bit_for_bit(scheme):
+    rng = np.random.default_rng(0)
+    shapes = [(), (1,), (7,), (3, 5), (2, 3, 4), (4, 0), (0, 3), (5, 1)]
+    for shape in shapes:
+        x = rng.normal(size=shape).astype(np.float32)
+        if x.ndim == 2 and x.size:
+            x[1] = 0.0                                    # an all-zero row: scale 1
+        if x.size > 2:
+            x.flat[1] = np.float32(1.00390625)             # a bf16 tie (rounds to even)
+        blob = spec.encode(x, scheme)
+        assert len(blob) == spec.nbytes(shape, scheme) == quantize.encoded_nbytes(shape, scheme), shape
+        assert blob == quantize.encode(x, scheme), (scheme, shape)
+        np.testing.assert_array_equal(spec.decode(blob, shape, scheme), quantize.decode(blob, shape, scheme))
+
+
+def test_the_project_reader_keeps_the_specs_edge_rules():
+    # an empty payload travels as one empty chunk: the one empty chunk the spec allows
+    manifest, frames = spec.contribution(run="r1", learner="us-0", fragment=0, base_version=0, tokens=1, steps=1,
+                                         step_time=0.0, tensors={"e": (np.zeros((0,), np.float32), "fp32")},
+                                         chunk_bytes=16)
+    reader = messages.ChunkAssembler(max_bytes=1 << 20, timeout_s=60)
+    got = [reader.add(*messages.parse_frame(f), now=0.0) for f in frames]
+    assert isinstance(got[-1], messages.Assembled) and got[-1].payload == b"" and manifest["n_chunks"] == 1
+    # JSON true/false are not integers, in a tensor's nbytes too (`false` is the size of an empty fp32 tensor)
+    header = dict(manifest, tensors=[dict(manifest["tensors"][0], nbytes=False)])
+    with pytest.raises(messages.WireError, match="nbytes"):
+        messages.Manifest.from_header(spec.unframe(spec.frame(header))[0])
+
+
+def read_with_librdkafka(bootstrap: str, tps: list[tuple[str, int]], timeout_s: float = 60.0) -> list[tuple]:
+    """(topic, partition, key, value) of every record from offset 0 up to the high watermark that
+    librdkafka's fetches report (the local broker's ListOffsets end is not the partition's end)."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "conformance-reader", "enable.auto.commit": False})
+    try:
+        c.assign([CTP(t, p, 0) for t, p in tps])
+        out, deadline = [], time.time() + timeout_s
+        while True:
+            for msg in c.consume(500, timeout=0.2):
+                assert msg.error() is None, msg.error()
+                out.append((msg.topic(), msg.partition(), msg.key(), msg.value()))
+            ends = {tp: c.get_watermark_offsets(CTP(*tp), cached=True)[1] for tp in tps}
+            at = {(p.topic, p.partition): p.offset for p in c.position([CTP(*tp) for tp in tps])}
+            # an empty partition has no position; its end is 0
+            if all(ends[tp] >= 0 and (ends[tp] == 0 or at[tp] >= ends[tp]) for tp in tps):
+                return out
+            assert time.time() < deadline, (ends, at)
+    finally:
+        c.close()
+
+
+def committed_by_librdkafka(bootstrap: str, group: str) -> dict[tuple[str, int], int]:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    (fut,) = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)]).values()
+    return {(tp.topic, tp.partition): tp.offset for tp in fut.result().topic_partitions}
+
+
+@pytest.mark.integration
+def test_a_tiny_runs_fragments_decode_from_the_spec_alone(tiny_config, kafka_bootstrap):
+    cfg = tiny_config(regions=[{"name": "us", "learners": 1}, {"name": "eu", "learners": 1}], inner={"steps": 40},
+                      fragments={"quantization": "int4"}, outer={"lr": 1.0, "momentum": 0.0})
+    summary = train(cfg, progress=False, console=Console(quiet=True))
+    run_id = summary["run_id"]
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    tps = [(t, p) for t in topics.fragments.values() for p in range(topics.partitions)]
+    records = read_with_librdkafka(kafka_bootstrap, tps)
+    contributions = spec.assemble(v for *_, v in records)
+    events = list({e["eid"]: e for e in run_events(cfg, run_id)}.values())
+    accepted = {e["id"]: e for e in events if e["kind"] == "contribution_accepted"}
+    merged = [cid for e in events if e["kind"] == "merge" for cid in e["ids"]]
+    assert summary["contributions"]["published"] == len(contributions) > 0
+    assert set(contributions) == set(accepted) and sorted(merged) == sorted(accepted)
+    by_id = {}
+    for t, p, key, value in records:
+        by_id.setdefault(spec.unframe(value)[0]["id"], []).append((t, p, key, value))
+    for cid, (m, payload) in contributions.items():
+        ev = accepted[cid]
+        claims = ("learner", "region", "fragment", "base_version", "tokens")
+        assert {k: m[k] for k in claims} == {k: ev[k] for k in claims} and ev["bytes"] == m["total_bytes"]
+        frag = m["fragment"]   # every frame on the fragment's partition of its region's topic, keyed by the fragment
+        assert {(t, p, k) for t, p, k, _ in by_id[cid]} == {(topics.fragments[m["region"]], frag % topics.partitions,
+                                                             str(frag).encode())}
+        # the oracle: the project's own reader of the same records
+        ours = messages.ChunkAssembler(max_bytes=1 << 30, timeout_s=60)
+        for *_, value in by_id[cid]:
+            got = ours.add(*messages.parse_frame(value), now=0.0)
+        theirs = messages.decode_payload(got.manifest, got.payload)
+        decoded = spec.tensors_of(m, payload)
+        assert set(decoded) == set(theirs)
+        for name, x in decoded.items():
+            assert np.isfinite(x).all() and np.abs(x).max() > 0
+            np.testing.assert_array_equal(x, theirs[name])
+    # the syncer's consumer group: committed = its replay offsets in Redis = the end of every partition
+    lag = kafka_io.group_lag(cfg.transport, topics.syncer_group, [kafka_io.TopicPartition(*tp) for tp in tps])
+    assert all(r["lag"] == 0 and r["committed"] == r["end"] for r in lag) and sum(r["end"] for r in lag) > 0, lag
+    state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
+    assert committed_by_librdkafka(kafka_bootstrap, topics.syncer_group) == {tp: r["end"] for tp, r in zip(tps, lag)} \
+        == state.offsets()
+    out = CliRunner().invoke(app, ["lag", "--config", str(Path(cfg.run.dir) / run_id / "config.yaml")])
+    assert out.exit_code == 0 and f"group {topics.syncer_group}" in out.output and "total lag 0" in out.output, out.output
+
+
+@pytest.mark.integration
+def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, kafka_bootstrap, monkeypatch, caplog):
+    cfg = tiny_config(regions=[{"name": "us", "learners": 1, "max_learners": 2}, {"name": "eu", "learners": 1}],
+                      outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+                      syncer={"quorum": 2, "merge": "mean", "token_weighting": False, "broadcast": "fp32"})
+    h = Harness(cfg, f"spec-{time.time_ns() % 10**8}")
+    group, topics = h.topics.syncer_group, h.topics
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(topics.events, spec.heartbeat(run=h.run_id, learner="us-1", step=10, tokens=640), partition=0)
+    producer.flush(10)
+    h.pump(lambda: "us-1" in h.state.members())             # a joiner: admitted on its first heartbeat
+    mine = {n: (0.01 * np.random.default_rng(1).normal(size=h.params[n].shape).astype(np.float32), "int8")
+            for n in h.plan[0]}
+    manifest, frames = spec.contribution(run=h.run_id, learner="us-1", fragment=0, base_version=0, tokens=640,
+                                         steps=10, step_time=0.01, tensors=mine, chunk_bytes=1000)
+    assert len(frames) > 3
+    for f in [frames[0], *frames[:0:-1]]:                     # the manifest, then the chunks last first
+        producer.produce(topics.fragments["us"], f, key=b"0", partition=topics.partition_of(0))
+    producer.flush(10)
+    cid = manifest["id"]
+    h.pump(lambda: h.state.statuses().get(cid) == "pending:0")
+    h.syncer.save_offsets(force=True)                         # its round is open: the group lags behind it
+    tp = (topics.fragments["us"], 0)
+    lag = {(r["topic"], r["partition"]): r for r in kafka_io.group_lag(
+        cfg.transport, group, [kafka_io.TopicPartition(*tp)])}
+    assert lag[tp]["lag"] == len(frames) and committed_by_librdkafka(kafka_bootstrap, group)[tp] == lag[tp]["committed"]
+    other = h.publish("eu-0", 0, base_version=0, deltas=h.deltas(0, seed=2), scheme="fp32")
+    h.pump(lambda: h.state.versions()[0] == 1)
+    h.syncer.save_offsets(force=True)
+    (merge,) = h.state.merges()
+    assert sorted(merge["ids"]) == sorted([cid, other.id]) and h.state.statuses()[cid] == "applied:0:1"
+    assert [e["id"] for e in run_events(cfg, h.run_id) if e["kind"] == "contribution_accepted"].count(cid) == 1
+    v0, v1 = h.store.read(0, 0).params, h.store.read(0, 1).params
+    decoded = spec.tensors_of(manifest, b"".join(spec.unframe(f)[1] for f in frames[1:]))
+    for n in h.plan[0]:  # outer SGD at lr 1 on the plain mean of the two pseudo-gradients (old - new)
+        want = v0[n] - (decoded[n] + h.deltas(0, seed=2)[n]) / 2
+        np.testing.assert_allclose(v1[n], want, rtol=1e-5, atol=1e-6)
+    assert committed_by_librdkafka(kafka_bootstrap, group)[tp] == h.syncer.consumer.highwater(
+        kafka_io.TopicPartition(*tp))
+    # the group is monitoring only: a commit the broker refuses is logged once, and the syncer goes on
+    monkeypatch.setattr(h.syncer.consumer, "commit", lambda *a, **k: (_ for _ in ()).throw(KafkaError("refused")))
+    for _ in range(2):
+        h.syncer.save_offsets(force=True)
+        h.syncer.step()
+    assert [r.message for r in caplog.records].count(
+        "consumer group commit failed (monitoring only; Redis keeps the offsets)") == 1
