@@ -1,5 +1,5 @@
-"""`python -m bench [--methods ...] [--scenarios ...] [--quick] [--output DIR]` runs the side-by-side
-benchmark; `python -m bench merge` runs the merge-path micro-benchmark; `python -m bench sharded`
+"""`python -m bench [--methods ...] [--scenarios ...] [--quick | --size S] [--seeds N] [--output DIR]`
+runs the side-by-side benchmark; `python -m bench merge` runs the merge-path micro-benchmark; `python -m bench sharded`
 compares a learner's parameters replicated and sharded (FSDP) over CPU devices."""
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     default=[s for s in setups.SCENARIOS if s not in setups.SCAVENGE],
                     help=f"comma-separated, of {', '.join(setups.SCENARIOS)} or a group ({', '.join(setups.GROUPS)}: "
                          "its cases); default: all but the scavenge cases")
-    ap.add_argument("--quick", action="store_true", help="the small size (~1 min per DiLoCo run)")
+    ap.add_argument("--size", choices=list(setups.SIZES), default="full",
+                    help="quick (~1 min per DiLoCo run), long (the quick model over 5x the outer steps, ~4 min) "
+                         "or full (closer to the demo)")
+    ap.add_argument("--quick", dest="size", action="store_const", const="quick", help="the same as --size quick")
     ap.add_argument("--output", type=Path, default=Path(".diloco/bench"))
     ap.add_argument("--points", type=int, default=6, help="held-out evaluations per run")
     ap.add_argument("--seeds", type=int, default=1,
@@ -139,7 +142,7 @@ def run_seed(a: argparse.Namespace, seed: int, console: Console, t0: float, done
     from bench import dp as dp_mod
     from bench import ideal, runs
     from diloco.learners.data import corpus_for, eval_batches
-    size = "quick" if a.quick else "full"
+    size = a.size
     base = [*a.set, f"data.seed={seed}", f"model.seed={seed}"]
     any_cfg = setups.build("decoupled", "healthy", size, base)
     corpus = corpus_for(any_cfg)

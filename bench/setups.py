@@ -13,6 +13,14 @@ SIZES = {
         "fragments": {"count": 4, "sync_every": 20, "quantization": "int8"},
         "run": {"heartbeat_s": 0.5, "eval_batches": 8, "eval_batch_size": 16, "timeout_s": 900},
     },
+    # the quick model over 5x the steps: 60 outer steps per fragment instead of 12, so that what the
+    # outer optimizer does over many rounds (momentum, staleness) shows; ~4 min per DiLoCo run here
+    "long": {
+        "model": {"options": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64}},
+        "inner": {"steps": 1200, "batch_size": 8, "lr": 3e-3, "warmup_steps": 20},
+        "fragments": {"count": 4, "sync_every": 20, "quantization": "int8"},
+        "run": {"heartbeat_s": 0.5, "eval_batches": 8, "eval_batch_size": 16, "timeout_s": 2400},
+    },
     "full": {
         "model": {"options": {"d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 128}},
         "inner": {"steps": 600, "batch_size": 8, "lr": 3e-3, "warmup_steps": 50},
@@ -60,7 +68,13 @@ METHODS: dict[str, dict] = {
     "decoupled-bf16": _merge(DECOUPLED, {"fragments": {"quantization": "bf16"}}),
     # int4 both ways: deltas up and the syncer's updates down (quality held in healthy quick runs)
     "decoupled-int4": _merge(DECOUPLED, {"fragments": {"quantization": "int4"}, "syncer": {"broadcast": "int4"}}),
+    # the round policy alone, the paper's comparison on mixed hardware: every learner waited for
+    # (K = M, learners still never block), and K = 1 with and without the grace window
+    "decoupled-kM": _merge(DECOUPLED, {"syncer": {"quorum": sum(r["learners"] for r in REGIONS)}}),
+    "decoupled-k1": _merge(DECOUPLED, {"syncer": {"quorum": 1}}),
+    "decoupled-k1-nograce": _merge(DECOUPLED, {"syncer": {"quorum": 1, "grace_max_s": 0.0}}),
 }
+QUORUM_VARIANTS = ("decoupled-kM", "decoupled-k1", "decoupled-k1-nograce")
 
 # The emulated WAN is scaled to the tiny model: an all-reduce of ~0.5 MB per step on 10 Mbit/s
 # per region costs about what a 2-5 Gbit/s link costs a billion-parameter model.
@@ -96,12 +110,13 @@ GROUPS = {"scavenge": list(SCAVENGE)}
 SCAVENGE_METHODS = ("dp", "decoupled")  # the question is elastic DiLoCo against a growing data-parallel job
 
 # The fragment and quantization variants, and the ideal method (no clock, nothing sent), run only
-# where they matter: quality and bytes.
-VARIANTS_ONLY_IN = "healthy"
+# where they matter: quality and bytes; the quorum variants also where speeds differ.
+VARIANTS_ONLY_IN = {"ideal": ("healthy",), **{m: ("healthy", "mixed") for m in QUORUM_VARIANTS}}
 
 
-def healthy_only(method: str) -> bool:
-    return method.startswith("decoupled-") or method == "ideal"
+def runs_in(method: str, scenario: str) -> bool:
+    where = VARIANTS_ONLY_IN.get(method, ("healthy",) if method.startswith("decoupled-") else None)
+    return where is None or scenario in where
 
 
 def expand(scenarios: list[str]) -> list[str]:
@@ -122,7 +137,6 @@ def build(method: str, scenario: str, size: str = "quick", overrides: list[str] 
 
 
 def plan(methods: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
-    """(method, scenario) pairs to run; variants (decoupled-*) and ideal only in the healthy scenario,
-    the scavenge cases only for SCAVENGE_METHODS."""
-    return [(m, s) for s in scenarios for m in methods if not (healthy_only(m) and s != VARIANTS_ONLY_IN)
-            and not (s in SCAVENGE and m not in SCAVENGE_METHODS)]
+    """(method, scenario) pairs to run; variants (decoupled-*) and ideal only in the healthy scenario
+    (the quorum variants also in mixed), the scavenge cases only for SCAVENGE_METHODS."""
+    return [(m, s) for s in scenarios for m in methods if runs_in(m, s) and not (s in SCAVENGE and m not in SCAVENGE_METHODS)]

@@ -154,6 +154,17 @@ def test_methods_differ_only_in_what_they_name():
     assert setups.build("decoupled", "wan").transport.wan_bandwidth_mbps == setups.WAN["wan_bandwidth_mbps"]
     assert setups.plan(["dp", "decoupled-p1", "ideal"], ["healthy", "wan"]) == [
         ("dp", "healthy"), ("decoupled-p1", "healthy"), ("ideal", "healthy"), ("dp", "wan")]
+    # the quorum variants run where speeds differ too, and differ from decoupled in the round policy alone
+    assert setups.plan(["decoupled-k1", "decoupled-fp32"], ["mixed", "failures"]) == [("decoupled-k1", "mixed")]
+    for name, (k, grace) in {"decoupled-kM": (4, dec.syncer.grace_max_s), "decoupled-k1": (1, dec.syncer.grace_max_s),
+                             "decoupled-k1-nograce": (1, 0.0)}.items():
+        v = setups.build(name, "mixed")
+        assert v.model_copy(update={"syncer": v.syncer.model_copy(update={"quorum": dec.syncer.quorum,
+               "grace_max_s": dec.syncer.grace_max_s}), "run": dec.run}) == setups.build("decoupled", "mixed").model_copy(
+               update={"run": dec.run})
+        assert (v.syncer.quorum, v.syncer.grace_max_s) == (k, grace)
+    long, quick = setups.build("decoupled", "healthy", "long"), setups.build("decoupled", "healthy", "quick")
+    assert long.inner.steps == 5 * quick.inner.steps and long.model == quick.model
 
 
 def test_scavenge_cases_train_the_same_token_budget_with_0_50_and_100_percent_joining_a_third_in():
