@@ -12,8 +12,12 @@ CONFIG ?= configs/local.yaml
 
 install: system-deps $(VENV)/.installed
 
+# Debian packages named as their commands: redis-server for the state; prometheus and chromium for the
+# monitoring tests (tests/test_monitoring.py: a real scrape, the status page in a headless browser)
+SYSTEM_DEPS := redis-server prometheus chromium
 system-deps:
-	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
+	@missing=$$(for d in $(SYSTEM_DEPS); do command -v $$d >/dev/null || echo $$d; done); \
+	[ -z "$$missing" ] || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; }
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from diloco.config import Config, ConfigError, load_config
+from diloco.config import Config, ConfigError, load_config, redact_url
 from diloco.ops.cli import ckpt_app, state_app
 from diloco.ops.cli import topics as topics_cmd
 from diloco.pipelines.cli import PASS_THROUGH, data_app
@@ -317,6 +318,43 @@ def _membership(config: Path, op: dict, wait_s: float) -> dict:
         raise typer.Exit(1) from None
     console.print(result)
     return result
+
+
+@app.command()
+def status(config: RunConfigOpt, set_: SetOpt = None,
+           json_out: Annotated[bool, typer.Option("--json", help="print the status as JSON instead of tables")] = False,
+           events: Annotated[int, typer.Option(help="read about this many of the newest events (rejections)")] = 2000):
+    """The live status of a run: members and their heartbeats, fragment versions and owners, the last
+    rounds (contributors, grace waits), rejections. The syncer serves the same on its status page
+    (monitoring.syncer_port). For the local services themselves: `diloco infra status`."""
+    from diloco import messages
+    from diloco import status as status_mod
+    from diloco.infra import kafka as kafka_io
+    from diloco.syncer import state as state_mod
+
+    cfg = _config(config, set_)
+    if not cfg.run.id:
+        console.print(f"[red]error:[/] {config} has no run.id: give the run's RUN_DIR/config.yaml")
+        raise typer.Exit(2)
+    try:
+        state = state_mod.SyncerState(state_mod.connect(cfg.state, timeout_s=5), cfg.state.key_prefix, cfg.run.id)
+        snap = status_mod.snapshot(state, cfg.fragments.count)
+        topic = kafka_io.Topics.for_run(cfg, cfg.run.id).events
+        recs = kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topic, 1), timeout_s=10, last=events)
+    except (state_mod.StateError, kafka_io.TransportError) as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from None
+    if not snap["versions"]:
+        console.print(f"[red]error:[/] run {cfg.run.id} is not in Redis at {redact_url(cfg.state.redis_url)}")
+        raise typer.Exit(1)
+    evs = [e for e in map(messages.parse_event, (r.value for r in recs)) if e and e.get("run") == cfg.run.id]
+    st = status_mod.build(cfg, cfg.run.id, snap, evs, time.time())
+    if json_out:
+        print(status_mod.to_json(st))
+        return
+    out = Console()
+    for table in status_mod.tables(st):
+        out.print(table)
 
 
 @learners_app.command("add")

@@ -291,6 +291,16 @@ class RunConfig(_Section):
                                           "a share of run.token_budget, as `diloco learners add` would")
 
 
+class MonitoringConfig(_Section):
+    """Prometheus endpoints (/metrics) of the run's processes; the syncer's also serves the status page.
+    Ports are fixed so that an operator can name them: syncer shard i on syncer_port + i, the learner
+    with data shard k (its place in member_ids()) on learner_port_base + k. 0 = no endpoint."""
+    host: str = Field("0.0.0.0", description="address the endpoints listen on")
+    syncer_port: int = Field(0, ge=0, le=65535, description="syncer shard i serves on syncer_port + i; 0 = off")
+    learner_port_base: int = Field(0, ge=0, le=65535, description="learner k (data shard) serves on "
+                                   "learner_port_base + k; 0 = off")
+
+
 class ChaosConfig(_Section):
     """Seeded fault injection for `diloco chaos`: kill processes mid-run and let the run heal."""
     seed: int = 0
@@ -369,6 +379,7 @@ class Config(_Section):
     state: StateConfig = StateConfig()
     store: StoreConfig = StoreConfig()
     chaos: ChaosConfig = ChaosConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
     backend: BackendConfig = BackendConfig()
 
     @model_validator(mode="after")
@@ -400,6 +411,16 @@ class Config(_Section):
         if self.syncer.shards > self.fragments.count:
             raise ValueError(f"syncer.shards ({self.syncer.shards}) exceeds fragments.count ({self.fragments.count}): "
                              "a shard owns whole fragments")
+        m = self.monitoring
+        ports = {"monitoring.syncer_port": (m.syncer_port, self.syncer.shards),
+                 "monitoring.learner_port_base": (m.learner_port_base, self.num_shards)}
+        for key, (first, n) in ports.items():
+            if first and first + n - 1 > 65535:
+                raise ValueError(f"{key}: ports {first}-{first + n - 1} (one per process) pass 65535")
+        (s0, sn), (l0, ln) = ports.values()
+        if s0 and l0 and s0 < l0 + ln and l0 < s0 + sn:
+            raise ValueError(f"monitoring: syncer ports {s0}-{s0 + sn - 1} (one per shard) overlap learner ports "
+                             f"{l0}-{l0 + ln - 1} (one per member, regions[].max_learners included)")
         if self.run.spares and (why := self.spares_unsupported()):
             raise ValueError(f"run.spares ({self.run.spares}): {why}")
         return self
@@ -453,6 +474,14 @@ class Config(_Section):
         joins = {r.name: r.capacity for r in self.regions if r.capacity > r.learners}
         may = f"; ids <region>-<k> below {joins} may join" if joins else "; no region takes joins (regions[].max_learners)"
         return f"unknown learner {learner_id!r}; this run starts with {self.learner_ids()}{may}"
+
+    def syncer_port(self, shard: int) -> int:
+        """The port syncer shard `shard` serves /metrics and the status page on; 0 = none."""
+        return self.monitoring.syncer_port and self.monitoring.syncer_port + shard
+
+    def learner_port(self, learner_id: str) -> int:
+        """The port the learner serves /metrics on (by its data shard); 0 = none."""
+        return self.monitoring.learner_port_base and self.monitoring.learner_port_base + self.shard_index(learner_id)
 
     def learner_steps(self, learner_id: str) -> int:
         """Inner steps this learner takes: inner.steps, or with inner.steps_by_speed its share of the

@@ -109,6 +109,11 @@ def jobset(cfg: Config, name: str, argv: list[str]) -> dict:
                     "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
     if env:
         container["env"] = env
+    pod_meta = {"labels": labels}
+    if port := cfg.learner_port(name) if learner else cfg.syncer_port(cfg.syncer_ids().index(name)):
+        container["ports"] = [{"name": "metrics", "containerPort": port}]
+        pod_meta["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                                   "prometheus.io/path": "/metrics"}
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
         "metadata": {"name": job_name(cfg, name), "namespace": namespace, "labels": labels,
@@ -120,7 +125,7 @@ def jobset(cfg: Config, name: str, argv: list[str]) -> dict:
             "network": {"enableDNSHostnames": True},  # <jobset>-slice-0-<i>.<jobset>: how the hosts find pod 0
             "replicatedJobs": [{"name": "slice" if learner else "syncer", "replicas": 1, "template": {"spec": {
                 "parallelism": hosts, "completions": hosts, "backoffLimit": 0, "completionMode": "Indexed",
-                "template": {"metadata": {"labels": labels}, "spec": pod}}}}],
+                "template": {"metadata": pod_meta, "spec": pod}}}}],
         },
     }
 

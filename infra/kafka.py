@@ -185,15 +185,17 @@ def _retry(make, t: TransportConfig, timeout_s: float = 20.0):
             delay = min(delay * 2, 2.0)
 
 
-def read_to_end(t: TransportConfig, tps: list[TopicPartition], timeout_s: float = 30.0) -> list:
-    """Every record of the given partitions from offset 0 up to their high watermark.
+def read_to_end(t: TransportConfig, tps: list[TopicPartition], timeout_s: float = 30.0, last: int | None = None) -> list:
+    """Every record of the given partitions from offset 0 (or, with `last`, about the last `last`
+    records of each) up to their high watermark.
 
     The end is taken from the high watermark of fetch responses: the local broker's end_offsets()
     reports the start of the last batch, not the end of the partition.
     """
     c = consumer(t)
     try:
-        assign_from(c, {tp: 0 for tp in tps})
+        ends = c.end_offsets(tps) if last is not None else {}
+        assign_from(c, {tp: max(ends.get(tp, 0) - (last or 0), 0) for tp in tps})
         out, deadline = [], time.time() + timeout_s
         while True:
             for records in c.poll(timeout_ms=200).values():

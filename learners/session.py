@@ -44,7 +44,7 @@ import numpy as np
 from kafka import TopicPartition
 from kafka.errors import KafkaError
 
-from diloco import messages, quantize
+from diloco import messages, metrics, quantize
 from diloco.config import Config, ConfigError, load_config
 from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
@@ -177,6 +177,7 @@ class Fetcher(threading.Thread):
         self.held: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}  # newest fetched (whole: its exact global)
         self.ready: dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]] = {}
         self.markers: dict[int, int] = {}  # fragment -> its commit marker, as last read
+        self.announced: dict[int, int] = {}  # fragment -> the newest version announced (versions behind)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -197,6 +198,8 @@ class Fetcher(threading.Thread):
                 for records in self.consumer.poll(timeout_ms=100).values():
                     for rec in records:
                         p, v = self._announced(rec.value)
+                        if p is not None:
+                            self.announced[p] = max(self.announced.get(p, v), v)
                         if (p is not None and v > max(self.held.get(p, (-1,))[0], due.get(p, [-1])[0])
                                 and self._may_be_committed(p, v)):
                             due[p] = [v, 0, 0.0]
@@ -339,6 +342,8 @@ class Session:
         self.plan: Plan = self.store.read_plan()
         self.leader = jax.process_index() == 0  # one host per learner publishes and beats, not one per host
         self.counters = Counters()
+        self.metrics = metrics.LearnerMetrics(learner, self._metric_values)
+        self._endpoint = None
         self.stopping = False
         self.tokens, self.loss, self.step_time, self.compute_s = 0, None, 0.0, 0.0
         self._names = self.plan.fragment_names
@@ -400,6 +405,9 @@ class Session:
         if self.leader:
             self.publisher.start()
             self.heartbeat.start()
+            if port := self.cfg.learner_port(self.id):
+                self._endpoint = metrics.serve(self.metrics.registry, self.cfg.monitoring.host, port)
+                log.info("metrics served", extra={"url": f"http://{self.cfg.monitoring.host}:{port}/metrics"})
         self.fetcher.start()
 
     def join(self, params, timeout_s: float = 120.0):
@@ -503,6 +511,8 @@ class Session:
         finally:
             if self._owns:
                 self.producer.close()
+            if self._endpoint is not None:
+                self._endpoint.shutdown()
         log.info("finished", extra=summary)
         return summary
 
@@ -511,6 +521,14 @@ class Session:
         for err in (self.publisher.error, self.fetcher.error):
             if err:
                 raise err
+
+    def _metric_values(self) -> dict:
+        """What /metrics shows, read when scraped (from the endpoint's thread)."""
+        versions, announced = dict(self._version), dict(self.fetcher.announced)
+        return {"step": self.steps, "tokens": self.tokens, "loss": self.loss, "step_time": self.step_time,
+                "bytes_sent": self.counters.bytes_sent, "bytes_fetched": self.counters.bytes_fetched,
+                "queue": self.publisher.queue.qsize(),
+                "behind": {p: max(announced.get(p, v) - v, 0) for p, v in versions.items()}}
 
     def _beat(self, **fields) -> None:
         with self.counters.lock:

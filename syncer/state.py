@@ -194,8 +194,9 @@ class SyncerState:
     def counters(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.r.hgetall(self.k + "counters").items()}
 
-    def merges(self) -> list[dict]:
-        return [json.loads(m) for m in self.r.lrange(self.k + "merges", 0, -1)]
+    def merges(self, last: int | None = None) -> list[dict]:
+        """Every merge record, oldest first; with `last`, only the newest `last` of them."""
+        return [json.loads(m) for m in self.r.lrange(self.k + "merges", -last if last else 0, -1)]
 
     def registry(self) -> dict[str, dict]:
         return {k: json.loads(v) for k, v in self.r.hgetall(self.k + "registry").items()}
@@ -364,6 +365,19 @@ class SyncerState:
 
     def members(self) -> dict[str, dict]:
         return {k: json.loads(v) for k, v in self.r.hgetall(self.k + "members").items()}
+
+    def outbox_depth(self) -> int:
+        return self.r.llen(self.k + "outbox")
+
+    def pending_counts(self, fragments: int) -> dict[int, int]:
+        """Contributions in each fragment's open round."""
+        p = self.r.pipeline(transaction=False)
+        for f in range(fragments):
+            p.hlen(f"{self.k}round:{f}")
+        return dict(enumerate(p.execute()))
+
+    def lease_holders(self, fragments: int) -> dict[int, str | None]:
+        return dict(enumerate(self.r.mget([self.k + f"lease:{f}" for f in range(fragments)]))) if fragments else {}
 
     def outbox_peek(self, n: int = 500) -> list[str]:
         """The first n outbox records as stored (JSON text): the trim below matches on that text."""

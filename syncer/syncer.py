@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,11 +42,14 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from diloco import messages
+from diloco import status as status_mod
 from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError, StoreFenced, is_snapshot
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
+from diloco import metrics as metrics_mod
+from diloco.metrics import SyncerMetrics
 from diloco.plan import Plan
 from diloco.syncer import durability, fused
 from diloco.syncer import merge as merge_math
@@ -239,6 +242,8 @@ class Syncer:
         self._broker_down = self._commit_failed = False
         self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
         self.keeper = LeaseKeeper(self, cfg.syncer.stuck_after_s)
+        self.metrics = SyncerMetrics(shard)
+        self.recent: deque[dict] = deque(maxlen=200)  # the newest events other than heartbeats (status page)
         self._reset()
 
     def _reset(self) -> None:
@@ -256,6 +261,7 @@ class Syncer:
         self.coordinator = False
         self._replaying = False
         self._last_offsets_save = self._last_registry_check = self._last_lease = self._last_prune = 0.0
+        self._last_observed = 0.0
 
     # --- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -391,6 +397,7 @@ class Syncer:
         self.relay()
         self.save_offsets()
         self.rebalance()
+        self.observe()
 
     def _handle(self, key: TP, rec) -> None:
         try:
@@ -593,6 +600,32 @@ class Syncer:
             if not self.state.outbox_trim(raw):
                 return  # another shard relayed the same records first: they went out twice, not zero times
 
+    def observe(self) -> None:
+        """Set the gauges that describe what this shard holds now (once a second): versions, leases,
+        open rounds, consumer lag, outbox, learners by liveness. Fragments it no longer owns leave."""
+        now = self.clock()
+        if now - self._last_observed < 1.0:
+            return
+        self._last_observed = now
+        m, owned = self.metrics, self.fragments
+        for p in range(len(self.plan)):
+            m.lease.labels(p).set(p in owned)
+        metrics_mod.set_all(m.version, {(p,): st.version for p, st in owned.items()})
+        metrics_mod.set_all(m.pending, {(p,): len(st.round) for p, st in owned.items()})
+        metrics_mod.set_all(m.epoch, {(p,): self.epochs[p] for p in owned})
+        metrics_mod.set_all(m.lag, {(tp.topic, tp.partition): hw - self.consumer.position(tp)
+                                    for tp in self.consumer.assignment()
+                                    if (hw := self.consumer.highwater(tp)) is not None})
+        m.outbox.set(self.state.outbox_depth())
+        by_status = Counter(hb["status"] for hb in self.registry.values())
+        for s in ("alive", "silent", "finished", "left", "dropped"):
+            m.learners.labels(s).set(by_status[s])
+
+    def live_status(self) -> dict:
+        """The run's live status (diloco/status.py) as this shard sees it: Redis and its recent events."""
+        snap = status_mod.snapshot(self.state, len(self.plan))
+        return status_mod.build(self.cfg, self.run_id, snap, list(self.recent), time.time())
+
     def caught_up(self) -> bool:
         for tp in self.consumer.assignment():
             hw = self.consumer.highwater(tp)
@@ -603,6 +636,8 @@ class Syncer:
     # --- records -------------------------------------------------------------------------------
     def handle_event(self, raw: bytes) -> None:
         ev = messages.parse_event(raw)
+        if ev and ev["kind"] != "heartbeat":
+            self.recent.append(ev)
         if not (ev and ev["kind"] == "heartbeat" and isinstance(ev.get("learner"), str)):
             return
         try:
@@ -865,7 +900,8 @@ class Syncer:
                   "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
                   "share": share,  # exact, with "where": what a rebuild since the last snapshot replays
                   "where": [[m["topic"], m["partition"], m["offset"]] for m in metas],
-                  "missing": sorted(live - contributors), "time": self.clock()}
+                  "missing": sorted(live - contributors), "time": self.clock(),
+                  "waited_s": round(self.clock() - min(c.arrival for c in contribs), 4)}  # quorum and grace
         version = st.version + 1
         snapshot = version if version % self.cfg.store.snapshot_every == 0 else st.snapshot_at
         try:
@@ -900,6 +936,12 @@ class Syncer:
         for cid in ids:
             self.status[cid] = f"applied:{p}:{st.version}"
         self.store.mark_committed(p, st.version)
+        m, committed_at = self.metrics, self.clock()
+        m.round_size.labels(p).set(len(ids))
+        m.merges.labels(p).inc()
+        m.merge_seconds.labels(p).observe(sync_time)
+        for c in contribs:
+            m.accept_to_merge.labels(p).observe(max(committed_at - c.arrival, 0.0))
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": st.version, "contributions": len(ids), "late": late,
                                   "reason": reason, "seconds": round(sync_time, 4)})
 
@@ -1064,6 +1106,7 @@ class Syncer:
                           where=(where[0], int(where[1]), where[2]) if where is not None else None)
         if cid is not None:
             self.status[cid] = f"rejected:{reason}"
+        self.metrics.rejections.labels("-" if about is None else about, reason).inc()
         log.warning("rejected contribution", extra=fields)
 
     def _outbox_event(self, kind: str, **fields) -> dict:
@@ -1084,8 +1127,20 @@ def main(cfg: Config, run_id: str, shard: int = 0) -> None:
     store = FragmentStore(cfg.store.url, run_id)
     producer = kafka_io.producer(cfg.transport)
     consumer = kafka_io.consumer(cfg.transport, group_id=kafka_io.Topics.for_run(cfg, run_id).syncer_group)
-    Syncer(cfg, run_id, state=st, store=store, producer=producer, consumer=consumer, shard=shard).run()
+    syncer = Syncer(cfg, run_id, state=st, store=store, producer=producer, consumer=consumer, shard=shard)
+    if port := cfg.syncer_port(shard):
+        serve(syncer, cfg.monitoring.host, port)
+    syncer.run()
     producer.close()
+
+
+def serve(syncer: Syncer, host: str, port: int):
+    """The shard's endpoint: /metrics, the status page at / and /status.json (diloco/status.py)."""
+    server = metrics_mod.serve(syncer.metrics.registry, host, port, pages={
+        "/": ("text/html", lambda: status_mod.html(syncer.live_status())),
+        "/status.json": ("application/json", lambda: status_mod.to_json(syncer.live_status()))})
+    log.info("metrics and status page served", extra={"url": f"http://{host}:{port}/", "shard": syncer.shard})
+    return server
 
 
 __all__ = ["Syncer", "provision", "announce", "main", "TopicPartition"]

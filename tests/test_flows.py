@@ -344,6 +344,24 @@ def test_gke_plan_starts_one_jobset_per_syncer_shard(tmp_path):
         assert c["command"] == ["diloco", "syncer", "--config", "/cfg/config.yaml", "--shard", str(i)]
 
 
+def test_gke_pods_expose_their_metrics_ports_to_prometheus(tmp_path):
+    def pods(cfg):
+        docs = yaml.safe_load_all((tpu.write_plan(cfg, dump_config(cfg), tmp_path)[0]).read_text())
+        return {d["metadata"]["labels"]["diloco/job"]: d["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+                for d in docs if d["kind"] == "JobSet"}
+    assert all("annotations" not in p["metadata"] for p in pods(tpu_config()).values())  # monitoring off
+    cfg = build_config({**tpu_config().model_dump(mode="json"), "syncer": {"shards": 2},
+                        "monitoring": {"syncer_port": 9400, "learner_port_base": 9500}})
+    want = {"syncer-0": 9400, "syncer-1": 9401, **{lid: 9500 + cfg.shard_index(lid) for lid in cfg.learner_ids()}}
+    got = pods(cfg)
+    assert set(got) == set(want)
+    for job, pod in got.items():
+        assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": str(want[job]),
+                                                  "prometheus.io/path": "/metrics"}
+        (c,) = pod["spec"]["containers"]
+        assert c["ports"] == [{"name": "metrics", "containerPort": want[job]}]
+
+
 def test_queued_resource_requests_carry_every_config_field(tmp_path):
     cfg = tpu_config()
     plan = json.loads(tpu.write_plan(cfg, dump_config(cfg), tmp_path)[1].read_text())
