@@ -193,7 +193,7 @@ def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(ti
 
     from diloco.flows.training import run_tag
 
-    cfg = tiny_config(run={"max_restarts": 0})
+    cfg = tiny_config(run={"max_restarts": 0}, fragments={"count": 2})  # more versions per fragment: more events
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     killed: list[str] = []
 
