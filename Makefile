@@ -37,9 +37,11 @@ status:
 demo: up
 	$(BIN)/diloco train --config $(CONFIG) --summary-json .diloco/demo-summary.json
 
-# The Prefect recipe of docs/prefect.md, start to end: server, process pool, worker, deployment, a tiny run,
-# its artifacts. Everything Prefect keeps goes under .diloco/prefect; the server and worker stop at the end.
+# The Prefect recipe of docs/prefect.md, start to end: server, four process pools (the run flow's, one per
+# region: us and eu, the triggered evals') with a worker each, deployments, a tiny run, its artifacts.
+# Everything Prefect keeps goes under .diloco/prefect; the server and workers stop at the end.
 PREFECT_PORT ?= 4200
+PREFECT_POOLS := diloco-local diloco-us diloco-eu diloco-evals
 PREFECT_ENV  := PREFECT_HOME=$(CURDIR)/.diloco/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api \
                 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 COLUMNS=200
 
@@ -48,12 +50,14 @@ prefect-demo: up
 	@set -e; export $(PREFECT_ENV); \
 	! curl -s $$PREFECT_API_URL/health >/dev/null || { echo "port $(PREFECT_PORT) is taken: PREFECT_PORT=..."; exit 1; }; \
 	$(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > .diloco/prefect/server.log 2>&1 & server=$$!; \
-	worker=; trap 'rc=$$?; for p in $$worker $$server; do kill $$p 2>/dev/null || true; sleep 3; kill -9 $$p 2>/dev/null || true; done; exit $$rc' EXIT; \
+	workers=; trap 'rc=$$?; for p in $$workers $$server; do kill $$p 2>/dev/null || true; sleep 3; kill -9 $$p 2>/dev/null || true; done; exit $$rc' EXIT; \
 	for i in $$(seq 180); do curl -sf $$PREFECT_API_URL/health >/dev/null && break; sleep 1; done; \
 	curl -sf $$PREFECT_API_URL/health >/dev/null || { echo 'prefect server not healthy: .diloco/prefect/server.log'; exit 1; }; \
-	$(BIN)/prefect work-pool create diloco-local --type process --overwrite >/dev/null; \
+	for pool in $(PREFECT_POOLS); do $(BIN)/prefect work-pool create $$pool --type process --overwrite >/dev/null; done; \
+	$(BIN)/prefect work-pool set-concurrency-limit diloco-evals 1 >/dev/null; \
 	$(BIN)/prefect --no-prompt deploy --all; \
-	$(BIN)/prefect worker start --pool diloco-local > .diloco/prefect/worker.log 2>&1 & worker=$$!; \
+	for pool in $(PREFECT_POOLS); do \
+	  $(BIN)/prefect worker start --pool $$pool > .diloco/prefect/worker-$$pool.log 2>&1 & workers="$$workers $$!"; done; \
 	$(BIN)/prefect deployment run 'decoupled-diloco/local' --watch; \
 	$(BIN)/python -m diloco.flows.show
 

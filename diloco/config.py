@@ -91,6 +91,9 @@ class RegionConfig(_Section):
     min_learners: int = Field(0, ge=0, description="`diloco learners remove` refuses to take the region below this; "
                               "the syncer warns (region_below_min) when fewer are live")
     speed: float = Field(1.0, gt=0, le=1, description="1 = full speed; 0.5 = steps take twice as long")
+    work_pool: str | None = Field(None, pattern=_ID, description="the Prefect work pool whose worker runs this "
+                                  "region's learners (the `diloco-region` flow, docs/prefect.md); default "
+                                  "diloco-<name>")
 
     @model_validator(mode="after")
     def _bounds(self) -> RegionConfig:
@@ -105,6 +108,10 @@ class RegionConfig(_Section):
     def capacity(self) -> int:
         """Learners this region may ever have (max_learners, or learners when joins are off)."""
         return self.max_learners or self.learners
+
+    @property
+    def pool(self) -> str:
+        return self.work_pool or f"diloco-{self.name}"
 
 
 class InnerConfig(_Section):

@@ -200,12 +200,17 @@ def provision_run(cfg: Config, run_id: str, *, state: state_mod.SyncerState, sto
     return spec, plan, template
 
 
-def open_run(setup: RunSetup, jobs, console: Console, kills: list[chaos.Kill]) -> LocalRun:
-    """A LocalRun on `jobs` that reads the run's events topic from its start."""
-    cfg = setup.cfg
+def events_from_start(cfg: Config):
+    """A consumer of the run's events topic from its first record."""
     events = kafka_io.consumer(cfg.transport)
     kafka_io.assign_from(events, {TopicPartition(kafka_io.Topics.for_run(cfg, cfg.run.id).events, 0): 0})
-    return LocalRun(cfg, setup.cfg_path, setup.corpus, jobs, events, console, kills)
+    return events
+
+
+def open_run(setup: RunSetup, jobs, console: Console, kills: list[chaos.Kill], **which) -> LocalRun:
+    """A LocalRun on `jobs` that reads the run's events topic from its start; `which`: its regions and
+    syncer (LocalRun)."""
+    return LocalRun(setup.cfg, setup.cfg_path, setup.corpus, jobs, events_from_start(setup.cfg), console, kills, **which)
 
 
 def finish(setup: RunSetup, run: LocalRun, console: Console, summary_json: str | Path | None = None) -> dict:
@@ -243,12 +248,21 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
 
 class LocalRun:
     """Watches a run's processes and events: restarts what fails, applies the chaos schedule, and
-    records the outages and compute time that goodput is computed from."""
+    records the outages and compute time that goodput is computed from.
+
+    `regions`: the regions whose learners this runner starts and watches (None: all of them; a
+    `diloco-region` flow run has one, the `decoupled-diloco` flow run none); `syncer`: whether it runs
+    the syncer shards. A runner with the syncer but not every region's learners stops the syncer once
+    its own learners are done and `elsewhere` (the other runners it waits for) is empty."""
 
     def __init__(self, cfg: Config, cfg_path: Path, corpus, jobs: LocalJobs, events, console,
-                 kills: list[chaos.Kill]):
+                 kills: list[chaos.Kill], regions: tuple[str, ...] | None = None, syncer: bool = True):
         self.cfg, self.cfg_path, self.corpus, self.jobs, self.events = cfg, cfg_path, corpus, jobs, events
-        self.console, self.kills = console, list(kills)
+        self.console, self.regions = console, regions
+        self.elsewhere: set[str] = set()
+        self.syncers = cfg.syncer_ids() if syncer else []
+        self.members = [lid for lid in cfg.learner_ids() if self._ours(cfg.region_of(lid).name)]
+        self.kills = [k for k in kills if k.target in self.syncers or k.target in self.members]
         self.prog = Progress()
         self.finished: set[str] = set()
         self.restart_at: dict[str, float] = {}
@@ -257,10 +271,9 @@ class LocalRun:
         self.outages: list[list] = []          # [name, start, end or None]
         self.compute: dict[tuple[str, str], dict] = {}   # (learner, incarnation) -> last heartbeat figures
         self.tails_s: dict[str, float] = {}     # compute after a killed incarnation's last heartbeat
-        self.syncers = cfg.syncer_ids()
-        self.members = list(cfg.learner_ids())  # the learners this runner started (and restarts), in order
+        # self.members: the learners this runner started (and restarts), in order
         self.removing: set[str] = set()          # asked to leave: not restarted, whatever their exit
-        self.joins = list(cfg.run.joins)          # run.joins not carried out yet
+        self.joins = [j for j in cfg.run.joins if self._ours(j.region)]  # run.joins not carried out yet
         self.join_step: dict[str, int] = {}       # joiner -> the step it entered the schedule at
         self.spans: dict[str, list] = {}         # learner -> [since, until]: added or removed ones (wall clock)
         self.bad_events = 0  # events skipped as malformed (the topic is writable by every learner)
@@ -273,6 +286,9 @@ class LocalRun:
         self.spares_owed = 0                    # replacements to start once no handover is still warming up
         self.handovers: list[dict] = []          # each learner a spare took the place of
         self.replaced: dict[str, str | None] = {}  # learner -> the incarnation its spare replaced
+
+    def _ours(self, region: str | None) -> bool:
+        return self.regions is None or region in self.regions
 
     # --- processes -----------------------------------------------------------------------------
     def start(self, name: str) -> None:
@@ -295,7 +311,7 @@ class LocalRun:
 
     # --- warm spares ---------------------------------------------------------------------------
     def _start_spare(self) -> None:
-        name = f"spare-{self.spares_started}"
+        name = f"{self.regions[0]}-spare-{self.spares_started}" if self.regions else f"spare-{self.spares_started}"
         self.spares_started += 1
         self.jobs.start(name, ["learner", "--config", str(self.cfg_path), "--spare", "--corpus", str(self.corpus.dir)],
                         stdin_pipe=True)
@@ -395,7 +411,18 @@ class LocalRun:
     def serve_requests(self, now: float) -> None:
         """Carry out the operator's membership requests (`diloco learners add/remove`, diloco.membership)."""
         for path, op in membership.pending(self.cfg_path.parent):
-            membership.answer(path, self._request(op, now))
+            owner = self._region_asked(op)
+            if self._ours(owner) or (owner is None and self.syncers):  # the syncer's runner refuses the rest
+                membership.answer(path, self._request(op, now))
+
+    def _region_asked(self, op: dict | None) -> str | None:
+        """The region a request is for (its runner answers it); None for one that names none of the run's."""
+        if not isinstance(op, dict):
+            return None
+        if op.get("op") == "add":
+            return op.get("region") if op.get("region") in {r.name for r in self.cfg.regions} else None
+        lid = op.get("learner")
+        return self.cfg.region_of(lid).name if isinstance(lid, str) and self.cfg.is_member_id(lid) else None
 
     def _request(self, op: dict | None, now: float) -> dict:
         """Carry out one membership request; its answer, {"ok": True, ...} or {"ok": False, "error": why}."""
@@ -499,7 +526,7 @@ class LocalRun:
                 self._pump(200)
         for lid in self.members:  # learners start once the syncer consumes: deltas would only pile up
             self.start(lid)
-        for _ in range(cfg.run.spares):
+        for _ in range(cfg.run.spares if self.members else 0):  # spares stand in for this runner's learners
             self._start_spare()
         deadline = t0 + cfg.run.timeout_s
         stop_sent, last_line = False, 0.0
@@ -541,7 +568,7 @@ class LocalRun:
                         self.start(name)
                 if on_tick:
                     on_tick(self)
-                learners_done = all(lid in self.finished for lid in self.members)
+                learners_done = all(lid in self.finished for lid in self.members) and not self.elsewhere
                 if learners_done and self.learners_done_at is None:
                     self.learners_done_at = now
                 if learners_done and not stop_sent and self.syncers_up == set(self.syncers) \
@@ -550,7 +577,7 @@ class LocalRun:
                         self.jobs.signal(name, signal.SIGTERM)  # drain, flush open rounds, exit
                     stop_sent = True
                     deadline = min(deadline, now + 180)
-                if set(self.syncers) <= self.finished:
+                if stop_sent and set(self.syncers) <= self.finished:
                     self._pump(500)  # the syncer's last events
                     return
                 if now > deadline:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from diloco.checkpoint import latest_versions, read_global
@@ -33,6 +35,23 @@ def evaluate_versions(cfg: Config, versions: list[int]) -> dict:
             "loss": loss, "perplexity": math.exp(loss)}
 
 
+def eval_path(cfg: Config, versions: list[int]) -> Path:
+    """Where a run keeps its eval of `versions`: RUN_DIR/evals/v<p0>-<p1>-....json."""
+    return Path(cfg.run.dir) / cfg.run.id / "evals" / ("v" + "-".join(str(v) for v in versions) + ".json")
+
+
+def record_eval(cfg: Config, figures: dict) -> None:
+    path = eval_path(cfg, figures["versions"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures))
+
+
+def recorded_evals(cfg: Config) -> list[dict]:
+    """The run's evals so far, by tokens seen."""
+    folder = Path(cfg.run.dir) / cfg.run.id / "evals"
+    return sorted((json.loads(p.read_text()) for p in folder.glob("v*.json")), key=lambda e: (e["tokens"], e["version"]))
+
+
 @task(retries=2, retry_delay_seconds=[2, 8], cache_policy=NO_CACHE)
 def read_versions(cfg: Config) -> list[int]:
     store = FragmentStore(cfg.store.url, cfg.run.id)
@@ -52,8 +71,15 @@ def report_eval(run_id: str, figures: dict) -> None:
 @flow(name="diloco-eval")
 def evaluate_checkpoint(config: str, versions: list[int] | None = None) -> dict:
     """Evaluate a run's checkpoint: `config` is the run's own config.yaml (it names the run); `versions`
-    one per fragment, default the latest committed version of each."""
+    one per fragment, default the latest committed version of each. Versions the run has an eval of
+    already (RUN_DIR/evals) are not evaluated again: that eval is returned."""
     cfg = load_config(config)
-    figures = measure(cfg, versions if versions is not None else read_versions(cfg))
+    versions = versions if versions is not None else read_versions(cfg)
+    done = eval_path(cfg, versions)
+    if done.is_file():
+        get_run_logger().info(f"versions {versions} of {cfg.run.id} are evaluated already ({done})")
+        return json.loads(done.read_text())
+    figures = measure(cfg, versions)
+    record_eval(cfg, figures)
     report_eval(cfg.run.id, figures)
     return figures

@@ -6,8 +6,8 @@ cluster (`backend.context`, `backend.namespace`). Two kinds:
 - `gke`: `GkeJobs` applies a ConfigMap and one JobSet per job with kubectl, in one region's cluster;
 - `tpu-vm`: `TpuVmJobs` requests one queued resource per learner with gcloud, waits for it to be
   ACTIVE, copies the config to every host and runs the learner's container there over ssh.
-`jobs_for` gives the backend of one region (or of the syncer); `RegionJobs` puts them behind the one
-job interface of `LocalJobs` that `LocalRun` drives. The command line inside is the same `diloco
+`jobs_for` gives the backend of one region (what its region flow's `LocalRun` drives, with the job
+interface of `LocalJobs`) or of the syncer (the run flow's). The command line inside is the same `diloco
 learner` / `diloco syncer` that the local backend starts; only the paths of the config and the corpus
 change.
 """
@@ -406,51 +406,6 @@ def jobs_for(cfg: Config, region: str | None, config_file: Path, logs: Path, run
     if region is None or kind == "gke":
         return GkeJobs(cfg, config_file.read_text(), region, run=run)
     return TpuVmJobs(cfg, region, config_file, logs / region, run=run, popen=popen)
-
-
-class RegionJobs:
-    """The syncer's backend and each region's, as one job interface: a job goes to its region's."""
-
-    def __init__(self, cfg: Config, backends: dict[str | None, GkeJobs | TpuVmJobs]):
-        self.cfg, self.backends = cfg, backends
-
-    @classmethod
-    def of(cls, cfg: Config, config_file: Path, logs: Path, **inject) -> RegionJobs:
-        return cls(cfg, {region: jobs_for(cfg, region, config_file, logs, **inject)
-                         for region in [None, *(r.name for r in cfg.regions)]})
-
-    @property
-    def jobs(self) -> dict:
-        return {name: job for b in self.backends.values() for name, job in b.jobs.items()}
-
-    def _of(self, name: str) -> GkeJobs | TpuVmJobs:
-        return self.backends[job_region(self.cfg, name)]
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1):
-        return self._of(name).start(name, argv, env, processes)
-
-    def poll(self, name: str) -> int | None:
-        return self._of(name).poll(name)
-
-    def signal(self, name: str, sig: int = signal.SIGTERM) -> None:
-        self._of(name).signal(name, sig)
-
-    def wait(self, name: str, timeout: float | None = None) -> int:
-        return self._of(name).wait(name, timeout)
-
-    def tail(self, name: str, lines: int = 20) -> str:
-        return self._of(name).tail(name, lines)
-
-    def stop_all(self, timeout: float = 10.0) -> None:
-        """Every region's, then the syncer's (it outlives the learners); one that fails does not stop the others."""
-        errors = []
-        for region in [*(r for r in self.backends if r is not None), None]:
-            try:
-                self.backends[region].stop_all(timeout)
-            except (RuntimeError, subprocess.CalledProcessError) as err:
-                errors.append(f"{region or 'home'}: {err}")
-        if errors:
-            raise RuntimeError("stop_all: " + "; ".join(errors))
 
 
 def write_plan(cfg: Config, config_text: str, out: Path) -> list[Path]:

@@ -84,7 +84,9 @@ def test_every_kubectl_call_goes_to_its_regions_cluster_and_namespace(tmp_path):
     cfg = regional_config()
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     kubectl = Kubectl()
-    jobs = tpu.RegionJobs.of(cfg, tmp_path / "config.yaml", tmp_path / "logs", run=kubectl)
+    # the run flow's backend (the syncer's, region None) and each region flow's
+    backends = {r: tpu.jobs_for(cfg, r, tmp_path / "config.yaml", tmp_path / "logs", run=kubectl)
+                for r in (None, "us", "eu")}
     home = ["kubectl", "--context", "gke_acme-train_us-central1_home", "--namespace", "pretrain"]
     us = ["kubectl", "--context", "gke_acme-train_us-east5_train-us", "--namespace", "train-us"]
     eu = ["kubectl", "--context", "gke_acme-eu_europe-west4_train-eu", "--namespace", "pretrain"]
@@ -96,10 +98,14 @@ def test_every_kubectl_call_goes_to_its_regions_cluster_and_namespace(tmp_path):
     for name, argv in [("syncer", ["syncer", "--config", "c.yaml", "--shard", "0"]),
                        ("us-0", ["learner", "--config", "c.yaml", "--learner", "us-0", "--corpus", "x"]),
                        ("eu-0", ["learner", "--config", "c.yaml", "--learner", "eu-0", "--corpus", "x"])]:
+        jobs = backends[tpu.job_region(cfg, name)]
         jobs.start(name, argv)
         assert jobs.poll(name) is None
-    jobs.signal("us-0")
-    jobs.stop_all()
+    with pytest.raises(ValueError, match="region"):   # a region's backend runs its own learners only
+        backends["us"].start("eu-0", ["learner", "--config", "c.yaml", "--learner", "eu-0", "--corpus", "x"])
+    backends["us"].signal("us-0")
+    for region in ("us", "eu", None):
+        backends[region].stop_all()
     calls = [a for a, _ in kubectl.calls]
     assert calls == [
         [*home, "delete", "jobset", "dl-prod-run-7-syncer", "--ignore-not-found", "--wait=true"],
@@ -120,7 +126,7 @@ def test_every_kubectl_call_goes_to_its_regions_cluster_and_namespace(tmp_path):
     applied = {m["metadata"]["name"]: m for a, m in kubectl.calls if m}
     assert [applied[f"dl-prod-run-7-{n}"]["metadata"]["namespace"] for n in ("syncer", "us-0", "eu-0")] == \
         ["pretrain", "train-us", "pretrain"]
-    assert jobs.jobs["us-0"].log == "kubectl logs -l diloco/job=us-0 --context gke_acme-train_us-east5_train-us -n train-us"
+    assert backends["us"].jobs["us-0"].log == "kubectl logs -l diloco/job=us-0 --context gke_acme-train_us-east5_train-us -n train-us"
 
 
 def test_a_regions_backend_refuses_another_regions_job(tmp_path):

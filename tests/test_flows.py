@@ -29,7 +29,7 @@ from rich.console import Console
 
 from diloco.config import ConfigError, build_config, dump_config, load_config
 from diloco.flows import reports, tpu
-from diloco.flows.evals import evaluate_checkpoint
+from diloco.flows.evals import eval_path, evaluate_checkpoint
 from diloco.flows.training import decoupled_diloco
 from diloco.infra import services
 from diloco.run import prepare
@@ -76,6 +76,41 @@ def prefect_env(prefect_api, tmp_path):
         yield {**os.environ, "PREFECT_API_URL": prefect_api, "PREFECT_HOME": str(home)}
 
 
+POOLS = ("diloco-local", "diloco-us", "diloco-eu", "diloco-evals")
+
+
+@pytest.fixture(scope="session")
+def region_workers(prefect_api, tmp_path_factory):
+    """prefect.yaml deployed, and a process worker for each region's pool (diloco-us, diloco-eu) and the
+    evals pool (one eval at a time: the run's learners keep the cores)."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    home = tmp_path_factory.mktemp("prefect-workers")
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PREFECT_HOME": str(home), "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api, PREFECT_HOME: str(home)}):
+        with get_client(sync_client=True) as client:
+            for pool in POOLS:
+                client.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                                       concurrency_limit=1 if pool == "diloco-evals" else None),
+                                        overwrite=True)
+    prefect = str(Path(sys.executable).parent / "prefect")
+    subprocess.run([prefect, "--no-prompt", "deploy", "--all"], env=env, cwd=ROOT, check=True, capture_output=True)
+    workers = []
+    for pool in POOLS[1:]:
+        with open(home / f"{pool}.log", "wb") as log:
+            workers.append(subprocess.Popen([prefect, "worker", "start", "--pool", pool], env=env, cwd=ROOT,
+                                            stdout=log, stderr=subprocess.STDOUT))
+    yield home
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        try:
+            w.wait(20)
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait()
+
+
 def run_processes(marker: str) -> dict[int, str]:
     """pid -> command line of every process whose command line mentions `marker` (a run's directory)."""
     out = {}
@@ -97,7 +132,7 @@ def artifacts(key: str) -> list:
 
 
 @pytest.mark.integration
-def test_flow_trains_restarts_a_killed_learner_and_reports(tiny_config, tmp_path, prefect_env):
+def test_flow_trains_restarts_a_killed_learner_and_reports(tiny_config, tmp_path, prefect_env, region_workers):
     cfg = tiny_config()
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     killed: list[int] = []
@@ -140,6 +175,73 @@ def test_flow_trains_restarts_a_killed_learner_and_reports(tiny_config, tmp_path
     assert plot.data.startswith("![held-out loss against tokens](data:image/png;base64,iVBORw0KGgo")
     (text,) = artifacts(reports.artifact_key(summary["run_id"], "summary"))
     assert f"| contributions published | {c['published']} |" in text.data and "| restarts | us-0 1 |" in text.data
+
+
+def flow_runs(**filters) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(**filters))
+
+
+@pytest.mark.integration
+def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(tiny_config, tmp_path, prefect_env,
+                                                                               region_workers):
+    """Region eu loses every learner for good (run.max_restarts=0): its flow run fails, region us trains to
+    the end, and the run completes; version events trigger evals on the evals pool."""
+    from prefect.client.schemas.filters import FlowRunFilterTags
+
+    from diloco.flows.training import run_tag
+
+    cfg = tiny_config(run={"max_restarts": 0}, fragments={"count": 2})  # more versions per fragment: more events
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    killed: list[str] = []
+
+    def kill_eu_once_it_contributed():
+        deadline = time.time() + 240
+        while time.time() < deadline and not killed:
+            runs = list(Path(cfg.run.dir).glob("*/config.yaml"))
+            if runs:
+                state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, runs[0].parent.name)
+                if state.counters().get("accepted", 0) >= 4:
+                    for pid, cmd in run_processes(str(runs[0])).items():
+                        if " learner " in cmd and "--learner eu-" in cmd:
+                            os.kill(pid, signal.SIGKILL)
+                            killed.append(cmd.split("--learner ")[1].split()[0])
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_eu_once_it_contributed, daemon=True)
+    killer.start()
+    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=1)
+    killer.join()
+    assert sorted(killed) == ["eu-0", "eu-1"]
+    assert summary["regions"] == {"us": "Completed", "eu": "Failed"}
+    assert {lid: row["step"] for lid, row in summary["learners"].items() if lid.startswith("us-")} == {"us-0": 80, "us-1": 80}
+    assert all(row["step"] < 80 for lid, row in summary["learners"].items() if lid.startswith("eu-"))
+    assert not run_processes(summary["run_dir"])
+
+    regions = {fr.parameters["region"]: fr for fr in flow_runs(tags=FlowRunFilterTags(all_=[run_tag(summary["run_id"])]))}
+    assert {r: fr.work_pool_name for r, fr in regions.items()} == {"us": "diloco-us", "eu": "diloco-eu"}
+    assert regions["eu"].state.is_failed() and "eu-" in regions["eu"].state.message
+    (eu,) = artifacts(reports.artifact_key(summary["run_id"], "region-eu"))
+    assert eu.description.startswith(f"region eu of {summary['run_id']}: failed")
+
+    with get_client(sync_client=True) as client:
+        eval_dep = client.read_deployment_by_name("diloco-eval/eval")
+    deadline = time.time() + 120
+    while True:  # the evals worker runs one at a time: the last may still be going
+        evals = [fr for fr in flow_runs() if fr.deployment_id == eval_dep.id
+                 and fr.parameters.get("config") == str(Path(summary["run_dir"]) / "config.yaml")]
+        if len(evals) >= 2 and all(fr.state.is_final() for fr in evals):
+            break
+        assert time.time() < deadline, [(fr.name, fr.state.name, fr.parameters) for fr in evals]
+        time.sleep(1)
+    assert all(fr.state.is_completed() and fr.work_pool_name == "diloco-evals" for fr in evals)
+    assert all(fr.created_by.type == "AUTOMATION" for fr in evals), [fr.created_by for fr in evals]
+    versions = [fr.parameters["versions"] for fr in evals]
+    assert len({tuple(v) for v in versions}) == len(versions) and all(min(v) >= 1 for v in versions)
+    run_cfg = load_config(Path(summary["run_dir"]) / "config.yaml")
+    assert all(eval_path(run_cfg, v).is_file() for v in versions)   # each evaluated (or found evaluated)
 
 
 @pytest.mark.integration
@@ -195,7 +297,7 @@ def test_every_deployment_in_prefect_yaml_names_a_flow():
 
 
 @pytest.mark.integration
-def test_cancelled_flow_run_leaves_no_processes(tiny_config, tmp_path, prefect_env):
+def test_cancelled_flow_run_leaves_no_processes(tiny_config, tmp_path, prefect_env, region_workers):
     cfg = tiny_config(inner={"steps": 2000})
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     serve = "from diloco.flows.training import decoupled_diloco; decoupled_diloco.serve(name='cancel-test')"
@@ -398,14 +500,18 @@ def test_adding_and_removing_learners_of_a_live_run_applies_and_deletes_their_jo
         return subprocess.CompletedProcess(argv, 0, json.dumps({"status": {}}) if argv[-1] == "json" else "", "")
 
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
-    jobs = tpu.RegionJobs.of(cfg, tmp_path / "config.yaml", tmp_path / "logs", run=fake)
-    run = LocalRun(cfg, tmp_path / "config.yaml", type("Corpus", (), {"dir": Path("/x")})(), jobs, None,
-                   Console(quiet=True), [])
+
+    def region_runner(region):  # what a region's flow run drives: its region's backend alone
+        jobs = tpu.jobs_for(cfg, region, tmp_path / "config.yaml", tmp_path / "logs", run=fake)
+        return jobs, LocalRun(cfg, tmp_path / "config.yaml", type("Corpus", (), {"dir": Path("/x")})(), jobs, None,
+                              Console(quiet=True), [], regions=(region,), syncer=False)
+    _, run = region_runner("eu")
     assert run._carry_out({"op": "add", "region": "eu"}, 0.0) == {"added": ["eu-1"], "start_step": 0}
     applied = [m for a, m in calls if a[3:4] == ["apply"] and m["kind"] == "JobSet"]
     assert applied[-1]["metadata"]["name"] == "dl-prod-run-7-eu-1"
     assert "--learner eu-1" in " ".join(applied[-1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
                                         ["spec"]["containers"][0]["command"])
+    jobs, run = region_runner("us")
     assert run._carry_out({"op": "remove", "learner": "us-1"}, 1.0) == {"removed": "us-1"}
     ns = ["kubectl", "--namespace", "pretrain"]
     assert calls[-1][0] == [*ns, "delete", "jobset", "dl-prod-run-7-us-1", "--ignore-not-found", "--wait=false"]
