@@ -101,7 +101,7 @@ def test_every_kubectl_call_goes_to_its_regions_cluster_and_namespace(tmp_path):
         jobs = backends[tpu.job_region(cfg, name)]
         jobs.start(name, argv)
         assert jobs.poll(name) is None
-    with pytest.raises(ValueError, match="region"):   # a region's backend runs its own learners only
+    with pytest.raises(ValueError, match="runs in eu, not in this backend.s us"):   # a region's backend runs its own learners only
         backends["us"].start("eu-0", ["learner", "--config", "c.yaml", "--learner", "eu-0", "--corpus", "x"])
     backends["us"].signal("us-0")
     for region in ("us", "eu", None):
