@@ -75,6 +75,13 @@ METHODS: dict[str, dict] = {
     "decoupled-k1-nograce": _merge(DECOUPLED, {"syncer": {"quorum": 1, "grace_max_s": 0.0}}),
 }
 QUORUM_VARIANTS = ("decoupled-kM", "decoupled-k1", "decoupled-k1-nograce")
+# the staleness-aware outer loop (syncer/merge.py): a delta one version late weighs half a fresh one
+METHODS["decoupled-staleness"] = _merge(DECOUPLED, {"syncer": {"staleness_discount": 1.0}})
+# DiLoCo's outer Nesterov (lr 0.7, momentum 0.9); decoupled's trace decays per full round's worth of
+# deltas (outer.momentum_per_round), however many partial rounds bring them
+NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+METHODS["sync-nesterov"] = _merge(METHODS["sync"], {"outer": NESTEROV})
+METHODS["decoupled-nesterov"] = _merge(DECOUPLED, {"outer": {**NESTEROV, "momentum_per_round": True}})
 
 # The emulated WAN is scaled to the tiny model: an all-reduce of ~0.5 MB per step on 10 Mbit/s
 # per region costs about what a 2-5 Gbit/s link costs a billion-parameter model.
@@ -111,7 +118,8 @@ SCAVENGE_METHODS = ("dp", "decoupled")  # the question is elastic DiLoCo against
 
 # The fragment and quantization variants, and the ideal method (no clock, nothing sent), run only
 # where they matter: quality and bytes; the quorum variants also where speeds differ.
-VARIANTS_ONLY_IN = {"ideal": ("healthy",), **{m: ("healthy", "mixed") for m in QUORUM_VARIANTS}}
+VARIANTS_ONLY_IN = {"ideal": ("healthy",), "sync-nesterov": ("healthy",),
+                    **{m: ("healthy", "mixed") for m in QUORUM_VARIANTS}}
 
 
 def runs_in(method: str, scenario: str) -> bool:

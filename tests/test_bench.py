@@ -163,6 +163,10 @@ def test_methods_differ_only_in_what_they_name():
                "grace_max_s": dec.syncer.grace_max_s}), "run": dec.run}) == setups.build("decoupled", "mixed").model_copy(
                update={"run": dec.run})
         assert (v.syncer.quorum, v.syncer.grace_max_s) == (k, grace)
+    nest = setups.build("decoupled-nesterov", "healthy")
+    assert (nest.outer.momentum, nest.outer.momentum_per_round, setups.build("sync-nesterov", "healthy").outer.momentum) == (
+        0.9, True, 0.9) and setups.build("decoupled-staleness", "healthy").syncer.staleness_discount == 1.0
+    assert setups.plan(["sync-nesterov", "decoupled-nesterov"], ["mixed"]) == []
     long, quick = setups.build("decoupled", "healthy", "long"), setups.build("decoupled", "healthy", "quick")
     assert long.inner.steps == 5 * quick.inner.steps and long.model == quick.model
 
