@@ -510,6 +510,17 @@ class LocalRun:
                 self._start_spare()
             self.spares_owed = 0
 
+    def _catch_up(self, t0: float) -> None:
+        """Read the events topic to its end, so that a runner joining a live run (a region flow run
+        started again by hand) resumes its learners where their last heartbeats left off, not at step 0."""
+        while True:
+            self._pump(200)
+            tps = self.events.assignment()
+            if all((hw := self.events.highwater(tp)) is not None and self.events.position(tp) >= hw for tp in tps):
+                return
+            if time.time() - t0 > self.cfg.run.timeout_s:
+                raise RunError(f"the events topic {sorted(tp.topic for tp in tps)} was not read to its end in time")
+
     # --- the loop ------------------------------------------------------------------------------
     def watch(self, progress: bool, t0: float, on_tick=None) -> None:
         """Until the syncer drained; `on_tick(self)` runs once per loop (evals, reports) and may take a while."""
@@ -524,6 +535,8 @@ class LocalRun:
                 if time.time() - t0 > cfg.run.timeout_s:
                     raise RunError("the syncer did not start in time:\n" + self.jobs.tail(self.syncers[0]))
                 self._pump(200)
+        if self.members:
+            self._catch_up(t0)
         for lid in self.members:  # learners start once the syncer consumes: deltas would only pile up
             self.start(lid)
         for _ in range(cfg.run.spares if self.members else 0):  # spares stand in for this runner's learners

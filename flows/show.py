@@ -1,6 +1,6 @@
-"""Print the latest `decoupled-diloco` flow run, its region flow runs and the evals its version events
-triggered, with their artifacts (`python -m diloco.flows.show`). Waits up to `--wait-s` for the
-triggered evals still running."""
+"""Print the latest `decoupled-diloco` flow run, its region flow runs (those run again by hand too) and
+the evals its version events triggered, with their artifacts (`python -m diloco.flows.show`). Waits up
+to `--wait-s` for the triggered evals still running."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from prefect.client.schemas.filters import (
     FlowFilterName,
     FlowRunFilter,
     FlowRunFilterParentFlowRunId,
+    FlowRunFilterTags,
 )
 from prefect.client.schemas.sorting import FlowRunSort
 
@@ -43,12 +44,15 @@ def main() -> None:
     with get_client(sync_client=True) as client:
         (run,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["decoupled-diloco"])),
                                        sort=FlowRunSort.START_TIME_DESC, limit=1)
-        print(f"flow run {run.name} ({run.id}): {run.state.name}")
-        regions = [fr for fr in client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))) if "region" in fr.parameters]
+        print(f"flow run {run.name} ({run.id}) on pool {run.work_pool_name}: {run.state.name}")
+        # the region flow runs it submitted, and any run again by hand with their tag (docs/prefect.md)
+        tags = sorted({t for fr in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))) for t in fr.tags if t.startswith("diloco-run:")})
+        regions = sorted(client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(any_=tags))),
+                         key=lambda fr: fr.created) if tags else []
         for fr in regions:
-            print(f"  region {fr.parameters['region']}: flow run {fr.name} on pool {fr.work_pool_name}: "
-                  f"{fr.state.name} {fr.state.message or ''}".rstrip())
+            print(f"  region {fr.parameters['region']}: flow run {fr.name} on pool {fr.work_pool_name}, "
+                  f"tags {sorted(fr.tags)}: {fr.state.name} {fr.state.message or ''}".rstrip())
         config = regions[0].parameters["config"] if regions else None
         deadline = time.time() + args.wait_s
         while True:

@@ -3,6 +3,7 @@ cancellation through the API, evals against a direct evaluation, and the TPU bac
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ os.environ["DO_NOT_TRACK"] = "1"
 
 import pytest
 import yaml
-from helpers import assert_exact_accounting
+from helpers import assert_exact_accounting, run_events
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.deployments import run_deployment
@@ -187,17 +188,21 @@ def flow_runs(**filters) -> list:
 @pytest.mark.integration
 def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(tiny_config, tmp_path, prefect_env,
                                                                                region_workers):
-    """Region eu loses every learner for good (run.max_restarts=0): its flow run fails, region us trains to
-    the end, and the run completes; version events trigger evals on the evals pool."""
+    """Region eu loses every learner for good (run.max_restarts=0): its flow run fails, region us trains on,
+    and the eu deployment run again by hand with the run's tag (as docs/prefect.md says) is followed: its
+    learners resume where they left off and the run waits for them; version events trigger evals on the
+    evals pool."""
     from prefect.client.schemas.filters import FlowRunFilterTags
 
     from diloco.flows.training import run_tag
 
-    cfg = tiny_config(run={"max_restarts": 0}, fragments={"count": 2})  # more versions per fragment: more events
+    cfg = tiny_config(run={"max_restarts": 0}, fragments={"count": 2},  # more versions per fragment: more events
+                      regions=[{"name": "us", "speed": 0.25}, {"name": "eu"}])  # us still trains when eu is rerun
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     killed: list[str] = []
+    rerun: list = []
 
-    def kill_eu_once_it_contributed():
+    def kill_eu_once_it_contributed_then_run_it_again():
         deadline = time.time() + 240
         while time.time() < deadline and not killed:
             runs = list(Path(cfg.run.dir).glob("*/config.yaml"))
@@ -209,22 +214,43 @@ def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(ti
                             os.kill(pid, signal.SIGKILL)
                             killed.append(cmd.split("--learner ")[1].split()[0])
             time.sleep(0.2)
+        tag = run_tag(runs[0].parent.name)
+        while time.time() < deadline and not rerun:
+            if any(fr.state.is_failed() for fr in flow_runs(tags=FlowRunFilterTags(all_=[tag]))):
+                rerun.append(run_deployment("diloco-region/diloco-eu", timeout=0, tags=[tag],
+                                            parameters={"config": str(runs[0]), "region": "eu"}))
+            time.sleep(0.2)
 
-    killer = threading.Thread(target=kill_eu_once_it_contributed, daemon=True)
+    # the thread's Prefect client: this test's settings (a context variable)
+    killer = threading.Thread(target=contextvars.copy_context().run, args=(kill_eu_once_it_contributed_then_run_it_again,),
+                              daemon=True)
     killer.start()
     summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=1)
     killer.join()
-    assert sorted(killed) == ["eu-0", "eu-1"]
-    assert summary["regions"] == {"us": "Completed", "eu": "Failed"}
-    assert {lid: row["step"] for lid, row in summary["learners"].items() if lid.startswith("us-")} == {"us-0": 80, "us-1": 80}
-    assert all(row["step"] < 80 for lid, row in summary["learners"].items() if lid.startswith("eu-"))
+    assert sorted(killed) == ["eu-0", "eu-1"] and len(rerun) == 1
+    assert summary["regions"] == {"us": "Completed", "eu": "Completed"}
+    assert {lid: row["step"] for lid, row in summary["learners"].items()} == {f"{r}-{i}": 80 for r in ("us", "eu")
+                                                                             for i in (0, 1)}
     assert not run_processes(summary["run_dir"])
 
-    regions = {fr.parameters["region"]: fr for fr in flow_runs(tags=FlowRunFilterTags(all_=[run_tag(summary["run_id"])]))}
-    assert {r: fr.work_pool_name for r, fr in regions.items()} == {"us": "diloco-us", "eu": "diloco-eu"}
-    assert regions["eu"].state.is_failed() and "eu-" in regions["eu"].state.message
-    (eu,) = artifacts(reports.artifact_key(summary["run_id"], "region-eu"))
-    assert eu.description.startswith(f"region eu of {summary['run_id']}: failed")
+    runs_by_region: dict[str, list] = {}
+    for fr in sorted(flow_runs(tags=FlowRunFilterTags(all_=[run_tag(summary["run_id"])])), key=lambda f: f.created):
+        runs_by_region.setdefault(fr.parameters["region"], []).append(fr)
+    assert {r: [fr.work_pool_name for fr in frs] for r, frs in runs_by_region.items()} == {
+        "us": ["diloco-us"], "eu": ["diloco-eu", "diloco-eu"]}
+    first, again = runs_by_region["eu"]
+    assert first.state.is_failed() and "eu-" in first.state.message
+    assert again.id == rerun[0].id and again.state.is_completed()
+    report = json.loads((Path(summary["run_dir"]) / "regions" / "eu.json").read_text())  # the rerun's
+    assert report["state"] == "completed" and [row["step"] for row in report["learners"]] == [80, 80]
+    # each eu learner's second incarnation started at the last step its first one reported
+    beats = [e for e in run_events(cfg, summary["run_id"]) if e["kind"] == "heartbeat" and e["learner"].startswith("eu-")]
+    for lid in ("eu-0", "eu-1"):
+        incarnations = list(dict.fromkeys(e["incarnation"] for e in beats if e["learner"] == lid))
+        assert len(incarnations) == 2, (lid, incarnations)
+        last_step = max(e["step"] for e in beats if e["incarnation"] == incarnations[0])
+        assert {e["start_step"] for e in beats if e["incarnation"] == incarnations[1]} == {last_step} != {0}
+    assert artifacts(reports.artifact_key(summary["run_id"], "region-eu"))
 
     with get_client(sync_client=True) as client:
         eval_dep = client.read_deployment_by_name("diloco-eval/eval")
