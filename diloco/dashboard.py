@@ -4,6 +4,7 @@ to a Prometheus server's /api/v1/query_range and come back as a grid of small li
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from PIL import Image
 
 DEFAULT_DASHBOARD = Path(__file__).resolve().parent.parent / "infra" / "grafana" / "diloco.json"
 POINTS = 200                # about this many points per series, as Grafana asks for a panel's width
@@ -172,7 +174,8 @@ def render(prometheus: str, output: Path, start: float, end: float, *, dashboard
     times = [datetime.fromtimestamp(t, timezone.utc) for t in grid]
     cols = 2
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 2.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 2.6 * rows), squeeze=False,
+                             layout="constrained")
     drawn = {}
     for ax, panel in zip(axes.flat, panels):
         series = 0
@@ -206,7 +209,10 @@ def render(prometheus: str, output: Path, start: float, end: float, *, dashboard
         ax.set_visible(False)
     fig.suptitle(f"{title}: {prometheus}, {times[0]:%Y-%m-%d %H:%M:%S} to {times[-1]:%H:%M:%S} UTC, "
                  f"step {step_s:g}s", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(output, dpi=dpi)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi)
     plt.close(fig)
+    buf.seek(0)
+    with Image.open(buf) as im:  # line plots need few colours: a 256-colour palette PNG is far smaller
+        im.convert("RGB").quantize(256).save(output, optimize=True)
     return drawn
