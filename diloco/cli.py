@@ -357,6 +357,42 @@ def status(config: RunConfigOpt, set_: SetOpt = None,
         out.print(table)
 
 
+@app.command()
+def dashboard(prometheus: Annotated[str, typer.Option(help="the Prometheus server, e.g. http://127.0.0.1:9090")],
+              output: Annotated[Path, typer.Option("--output", "-o", help="the PNG to write")],
+              board: Annotated[Optional[Path], typer.Option(
+                  "--dashboard", help="Grafana dashboard JSON (default: infra/grafana/diloco.json)")] = None,
+              since: Annotated[Optional[str], typer.Option(
+                  help="draw the last DURATION (30s, 10m, 1h30m) (default: 10m); not with --start")] = None,
+              start: Annotated[Optional[str], typer.Option(help="range start: unix seconds or ISO 8601 (UTC if no zone)")] = None,
+              end: Annotated[Optional[str], typer.Option(help="range end, as --start (default: now)")] = None,
+              scrape_interval: Annotated[Optional[str], typer.Option(
+                  help="for $__rate_interval (default: the server's global scrape_interval)")] = None,
+              dpi: Annotated[int, typer.Option(min=20, help="PNG resolution")] = 80):
+    """Draw a Grafana dashboard's panels from a Prometheus server, without Grafana.
+
+    Every panel's queries go to Prometheus's /api/v1/query_range (about 200 points over the range;
+    $__interval and $__rate_interval filled as Grafana fills them); each panel becomes a small line
+    plot titled as in Grafana, one line per series named by its legendFormat. A panel whose
+    queries return nothing says "no data". Prints each panel and how many series it drew."""
+    from diloco import dashboard as dash
+
+    try:
+        if since is not None and start is not None:
+            raise dash.DashboardError("give --since or --start, not both")
+        t1 = time.time() if end is None else dash.parse_time(end)
+        t0 = dash.parse_time(start) if start is not None else t1 - dash.parse_duration(since or "10m")
+        scrape_s = None if scrape_interval is None else dash.parse_duration(scrape_interval)
+        drawn = dash.render(prometheus, output, t0, t1, dashboard=board or dash.DEFAULT_DASHBOARD, scrape_s=scrape_s,
+                            dpi=dpi)
+    except dash.DashboardError as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from None
+    for title, n in drawn.items():
+        console.print(f"{title}: {n} series" if n else f"{title}: [yellow]no data[/]")
+    console.print(f"wrote {output} ({sum(1 for n in drawn.values() if n)} of {len(drawn)} panels with data)")
+
+
 @learners_app.command("add")
 def learners_add(config: RunConfigOpt,
                  region: Annotated[str, typer.Option(help="the region the learners join")],

@@ -23,8 +23,10 @@ import pytest
 import yaml
 from conftest import TINY
 from rich.console import Console
+from typer.testing import CliRunner
 
-from diloco import metrics, status
+from diloco import dashboard, metrics, status
+from diloco.cli import app
 from diloco.config import build_config, dump_config
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.services import free_port
@@ -99,6 +101,7 @@ def live_run(tmp_path_factory, kafka_bootstrap, redis_url, data_dir, prometheus_
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
     provision_run(cfg, run_id, state=state)
     jobs = LocalJobs(tmp / "logs", _child_env(cfg))
+    started = time.time()
     try:
         deadline = time.time() + 60
         while True:
@@ -120,7 +123,8 @@ def live_run(tmp_path_factory, kafka_bootstrap, redis_url, data_dir, prometheus_
             assert jobs.wait(lid, timeout=300) == 0, jobs.tail(lid, 40)
         time.sleep(2.5)  # two more scrapes of the syncer (the last rounds wait for the final flush at its stop)
         yield {"cfg": cfg, "conf": conf, "syncer": f"http://127.0.0.1:{syncer_port}",
-               "prometheus": f"http://127.0.0.1:{prom_port}", "jobs": jobs, "tmp": tmp}
+               "prometheus": f"http://127.0.0.1:{prom_port}", "jobs": jobs, "tmp": tmp,
+               "started": started}
     finally:
         jobs.stop_all()
         prom.terminate()
@@ -152,6 +156,36 @@ def test_prometheus_scrapes_the_syncer_and_every_learner(live_run):
     assert set(steps) == set(cfg.learner_ids()) and all(0 < s <= cfg.inner.steps for s in steps.values())
     sent = query(prom, "max_over_time(diloco_learner_sent_bytes_total[10m])")
     assert len(sent) == 2 and all(float(r["value"][1]) > 0 for r in sent)
+
+
+@pytest.mark.integration
+def test_dashboard_is_drawn_from_the_scrape_without_grafana(live_run):
+    cfg, prom, tmp = live_run["cfg"], live_run["prometheus"], live_run["tmp"]
+    png = tmp / "dashboard.png"
+    drawn = dashboard.render(prom, png, live_run["started"], time.time(), dashboard=DASHBOARD)
+    assert list(drawn) == [p["title"] for p in sorted(json.loads(DASHBOARD.read_text())["panels"],
+                                                      key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))]
+    # what the run exported is drawn: one line per fragment, per learner, ...
+    assert drawn["Fragment versions"] == cfg.fragments.count
+    assert drawn["Learner step"] == drawn["Learner loss"] == len(cfg.learner_ids())
+    assert drawn["Tokens per second"] == len(cfg.learner_ids()) + 1  # and the sum over them
+    assert drawn["Bytes up / down per second"] == 2 * len(cfg.learner_ids())
+    assert drawn["Leases and learners"] == 1 + 5          # one shard's leases; learners by each of 5 statuses
+    assert drawn["Round size and outbox"] == 2 * cfg.fragments.count + 1
+    assert drawn["Merge time p50 / p99"] >= 2 and drawn["Step time, queue, versions behind"] >= 2 * len(cfg.learner_ids())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(png)
+    assert min(pixels.shape[:2]) > 500 and float(np.std(pixels[..., :3])) > 0.05
+    if os.environ.get("DILOCO_DOCS_DASHBOARD"):  # how docs/dashboard.png was made
+        shutil.copy(png, os.environ["DILOCO_DOCS_DASHBOARD"])
+    # a query that matches nothing is a panel saying so; one Prometheus refuses is an error naming it
+    board = tmp / "board.json"
+    board.write_text(json.dumps({"panels": [{"title": "none", "targets": [{"expr": "diloco_no_such_metric"}]}]}))
+    assert dashboard.render(prom, tmp / "none.png", time.time() - 60, time.time(), dashboard=board) == {"none": 0}
+    board.write_text(json.dumps({"panels": [{"title": "bad", "targets": [{"expr": "sum(diloco_syncer_version"}]}]}))
+    with pytest.raises(dashboard.DashboardError, match=re.escape(f"Prometheus at {prom}: query 'sum(diloco_syncer_version'")
+                       + ".*parse error"):
+        dashboard.render(prom, tmp / "bad.png", time.time() - 60, time.time(), dashboard=board)
 
 
 @pytest.mark.integration
@@ -217,6 +251,38 @@ def test_dashboard_asks_only_for_exported_metrics():
         "diloco_syncer_version", "diloco_syncer_merge_seconds", "diloco_syncer_rejections",
         "diloco_syncer_consumer_lag", "diloco_learner_step", "diloco_learner_loss", "diloco_learner_tokens",
         "diloco_learner_sent_bytes", "diloco_learner_fetched_bytes"}
+
+
+def test_dashboard_queries_and_legends_are_filled_as_grafana_fills_them():
+    assert dashboard.step_for(10) == 1 and dashboard.step_for(600) == 3 and dashboard.step_for(3600) == 18
+    rate = "rate(x[$__rate_interval])"
+    assert dashboard.substitute(rate, 1, 15) == "rate(x[60s])"              # 4 scrapes
+    assert dashboard.substitute(rate, 120, 15) == "rate(x[135s])"           # a step and a scrape
+    assert dashboard.substitute(rate, 1, 0.25) == "rate(x[1250ms])"
+    assert dashboard.substitute("avg_over_time(x[${__interval}])", 18, 15) == "avg_over_time(x[18s])"
+    with pytest.raises(dashboard.DashboardError, match=r"\$fragment, which only Grafana can fill"):
+        dashboard.substitute('x{fragment="$fragment"}', 1, 15)
+    _, panels = dashboard.load(DASHBOARD)  # every query of ours is one this tool can send
+    assert all("$" not in dashboard.substitute(t.expr, 1, 15) for p in panels for t in p.targets)
+    assert dashboard.legend("fragment {{fragment}}", {"fragment": "0"}) == "fragment 0"
+    assert dashboard.legend("{{ topic }} / {{partition}}", {"topic": "t", "partition": "3"}) == "t / 3"
+    assert dashboard.legend("up {{learner}}", {}) == "up "
+    assert dashboard.legend("", {"__name__": "up", "job": "syncer", "instance": "h:1"}) == 'up{instance="h:1", job="syncer"}'
+    assert dashboard.parse_duration("1h30m") == 5400 and dashboard.parse_duration("500ms") == 0.5
+    with pytest.raises(dashboard.DashboardError, match="not a duration"):
+        dashboard.parse_duration("10 minutes")
+    assert dashboard.parse_time("2026-01-02T03:04:05") == dashboard.parse_time("2026-01-02T03:04:05+00:00") == 1767323045
+
+
+def test_dashboard_command_names_the_server_and_query_it_could_not_ask(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    res = CliRunner().invoke(app, ["dashboard", "--prometheus", url, "--scrape-interval", "15s", "-o", str(tmp_path / "d.png")])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1 and f"Prometheus at {url}: query 'diloco_syncer_version': unreachable" in out, out
+    assert not (tmp_path / "d.png").exists()
+    res = CliRunner().invoke(app, ["dashboard", "--prometheus", url, "--since", "5m", "--start", "0", "-o", "d.png"])
+    assert res.exit_code == 1 and "give --since or --start, not both" in res.output
+    assert "legendFormat" in CliRunner().invoke(app, ["dashboard", "--help"]).output
 
 
 def test_status_is_built_from_redis_and_recent_events():
