@@ -47,14 +47,20 @@ def dp_comm_s(allreduce_bytes_per_worker: float, bandwidth_mbps: float | None, l
 
 def merge_stats(events: Sequence[Mapping]) -> dict:
     """Syncer throughput and latency from a run's events: MB of accepted contributions merged per
-    second of merge work, merge durations, and the wait from acceptance to the merge that applied it."""
+    second of merge work, merge durations, the wait from acceptance to the merge that applied it,
+    and the rounds' mean size and share of late contributions."""
     accepted = {e["id"]: e for e in events if e["kind"] == "contribution_accepted"}
     merges = [e for e in events if e["kind"] == "merge"]
     merged_bytes = sum(accepted[i]["bytes"] for m in merges for i in m["ids"] if i in accepted)
     seconds = [float(m["seconds"]) for m in merges]
     waits = [m["time"] - accepted[i]["time"] for m in merges for i in m["ids"] if i in accepted]
     busy = sum(seconds)
+    merged = sum(len(m["ids"]) for m in merges)
     return {"merges": len(merges), "merged_mb": merged_bytes / 1e6,
+            # how full and how fresh the rounds were: contributions per merge, and the share merged
+            # onto a newer version than their base (late)
+            "round_size": merged / len(merges) if merges else math.nan,
+            "late_share": sum(m.get("late", 0) for m in merges) / merged if merged else math.nan,
             "merge_mb_per_s": merged_bytes / 1e6 / busy if busy else math.nan,
             "merge_s": percentiles(seconds), "accept_to_merge_s": percentiles(waits)}
 

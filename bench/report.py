@@ -149,7 +149,7 @@ def group_markdown(name: str, results: list[dict], cases: list[str]) -> str:
 
 
 SEED_COLUMNS = ["scenario", "method", "seeds", "held-out loss per seed", "mean ± sd", "vs sync (mean)",
-                "vs DP (mean)", "time to target, mean ± sd", "goodput, mean"]
+                "vs DP (mean)", "time to target, mean ± sd", "goodput, mean", "contributions per merge", "late"]
 
 
 def _mean_sd(xs: Sequence[float], spec: str, suffix: str = "") -> str:
@@ -180,7 +180,9 @@ def seeds_markdown(results: list[dict]) -> str:
             sc, method, str(len(rs)), ", ".join(f"{r['loss_end']:.4f}" for r in rs),
             _mean_sd([r["loss_end"] for r in rs], ".4f"), *gaps, _mean_sd(tts, ".1f", " s"),
             _fmt(_pct(statistics.fmean(r["goodput"] for r in rs) if all(r["goodput"] is not None for r in rs) else None),
-                 ".1f", "%")]) + " |")
+                 ".1f", "%"),
+            *(_mean_sd([r["merge"].get(k) for r in rs if r.get("merge")], spec, suffix) if any(r.get("merge") for r in rs)
+              else "–" for k, spec, suffix in (("round_size", ".2f", ""), ("late_share", ".0%", "")))]) + " |")
     return (f"**Over seeds {', '.join(map(str, seeds))}** (`--seeds`; the table above and the plots are seed "
             f"{seeds[0]}'s)\n\n" + "\n".join(lines) + "\n")
 

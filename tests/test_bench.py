@@ -97,8 +97,10 @@ def test_merge_stats_from_events():
           {"kind": "merge", "ids": ["a", "b"], "seconds": 0.5, "time": 3.0},
           {"kind": "contribution_accepted", "id": "c", "bytes": 1_000_000, "time": 3.0},
           {"kind": "merge", "ids": ["c"], "seconds": 0.5, "time": 3.5}]
+    ev[2]["late"] = 1                                       # b was trained on an older version
     s = metrics.merge_stats(ev)
     assert (s["merges"], s["merged_mb"], s["merge_mb_per_s"]) == (2, 4.0, 4.0)
+    assert (s["round_size"], s["late_share"]) == (1.5, pytest.approx(1 / 3))
     assert s["merge_s"]["p50"] == 0.5
     assert s["accept_to_merge_s"]["p50"] == pytest.approx(1.0)
 
@@ -410,4 +412,8 @@ def test_several_seeds_give_a_mean_and_spread_per_method_and_the_gap_to_sync(tmp
     assert "| healthy | sync | 2 | 2.2000, 2.4000 | 2.3000 ± 0.1414 | +0.00% | +12.20% |" in text
     # each seed's target is its worst final loss (2.3, then 2.4): decoupled reaches it at 10 s, then at
     # 5 + 5 * (3 - 2.4) / (3 - 2.3) = 9.29 s
-    assert "| +0.00% | +12.20% | 9.6 ± 0.5 s | 90.0% |" in text
+    assert "| +0.00% | +12.20% | 9.6 ± 0.5 s | 90.0% | – | – |" in text   # no merge figures in these rows
+    ms = metrics.merge_stats([{"kind": "contribution_accepted", "id": "a", "bytes": 10, "time": 0.0},
+                              {"kind": "merge", "ids": ["a"], "seconds": 0.01, "time": 0.5}])
+    merged = [{**r, "merge": {**ms, "round_size": 2.0 + r["seed"], "late_share": 0.25}} for r in results]
+    assert "| 90.0% | 2.50 ± 0.71 | 25% ± 0% |" in report.write(merged, tmp_path / "m").read_text()
