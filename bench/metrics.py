@@ -99,19 +99,23 @@ def learner_time(events: Sequence[Mapping], learners: Sequence[str]) -> dict:
 
 
 def tokens_at(events: Sequence[Mapping], t: float) -> int:
-    """Tokens all learners had processed by time t (latest heartbeat of each learner at or before t)."""
-    latest: dict[str, int] = {}
+    """Tokens all learners had processed by time t: the latest heartbeat at or before t of each
+    incarnation (a restarted learner counts from zero again), summed."""
+    latest: dict[tuple[str, str], int] = {}
     for e in events:
         if e["kind"] == "heartbeat" and e["time"] <= t:
-            latest[e["learner"]] = max(latest.get(e["learner"], 0), int(e.get("tokens", 0)))
+            key = (e["learner"], e.get("incarnation", ""))
+            latest[key] = max(latest.get(key, 0), int(e.get("tokens", 0)))
     return sum(latest.values())
 
 
 def time_at_tokens(events: Sequence[Mapping], tokens: float) -> float:
-    """First heartbeat time at which all learners together had processed `tokens`; inf if never."""
-    latest: dict[str, int] = {}
+    """First heartbeat time at which all learners together had processed `tokens` (every incarnation's
+    latest beat, summed); inf if never."""
+    latest: dict[tuple[str, str], int] = {}
     for e in sorted((e for e in events if e["kind"] == "heartbeat"), key=lambda e: e["time"]):
-        latest[e["learner"]] = max(latest.get(e["learner"], 0), int(e.get("tokens", 0)))
+        key = (e["learner"], e.get("incarnation", ""))
+        latest[key] = max(latest.get(key, 0), int(e.get("tokens", 0)))
         if sum(latest.values()) >= tokens:
             return float(e["time"])
     return math.inf

@@ -69,11 +69,13 @@ class Progress:
     kinds_seen: set[str] = field(default_factory=set)
     eids: set[str] = field(default_factory=set)
     fetched: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
+    trained: dict[tuple[str, str], int] = field(default_factory=dict)  # tokens per (learner, incarnation)
     membership: list[dict] = field(default_factory=list)  # learner_admitted, _left, _finished, ... events
 
     def tokens(self) -> int:
-        """Tokens all learners trained, by their latest heartbeats."""
-        return sum(hb.get("tokens", 0) for hb in self.learners.values())
+        """Tokens all learners trained: each incarnation counts from zero (a restarted learner resumes at
+        its last heartbeat's step), so the latest beat of every incarnation is summed."""
+        return sum(self.trained.values())
 
     def apply(self, ev: dict) -> None:
         if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
@@ -82,6 +84,7 @@ class Progress:
         if ev["kind"] == "heartbeat":  # a restarted learner counts from zero: keep every incarnation's
             key = (ev["learner"], ev.get("incarnation", ""))
             self.fetched[key] = max(self.fetched.get(key, 0), ev.get("bytes_fetched", 0))
+            self.trained[key] = max(self.trained.get(key, 0), ev.get("tokens", 0))
         if ev["kind"] == "heartbeat" and ev.get("step", 0) < self.learners.get(ev["learner"], {}).get("step", 0):
             return  # a late beat of a killed incarnation: the restarted one resumed further on
         kind = ev["kind"]

@@ -179,7 +179,7 @@ def learner_row(element, fragments: int) -> dict:
     outs = g["outcomes"]
     last = hbs[-1] if hbs else {}
     merged = [o for o in outs if o["status"] == "merged"]
-    trained = max((h.get("tokens", 0) for h in hbs), default=0)
+    trained = over_incarnations(hbs, "tokens")
     tokens_merged = sum(o["tokens"] for o in merged)
     return {
         "learner": learner,

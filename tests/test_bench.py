@@ -127,9 +127,9 @@ def test_time_at_tokens_and_step_time_in_a_window_from_heartbeats():
               "step": 1},
              {"kind": "heartbeat", "learner": "a", "incarnation": "1", "time": 3.0, "compute_s": 5.0, "tokens": 50,
               "step": 5},
-             {"kind": "heartbeat", "learner": "a", "incarnation": "2", "time": 4.0, "compute_s": 1.0, "tokens": 60,
-              "step": 6},   # restarted: compute_s counts from zero again
-             {"kind": "heartbeat", "learner": "a", "incarnation": "2", "time": 6.0, "compute_s": 5.0, "tokens": 100,
+             {"kind": "heartbeat", "learner": "a", "incarnation": "2", "time": 4.0, "compute_s": 1.0, "tokens": 10,
+              "step": 6},   # restarted at step 5: compute_s and tokens count from zero again
+             {"kind": "heartbeat", "learner": "a", "incarnation": "2", "time": 6.0, "compute_s": 5.0, "tokens": 50,
               "step": 10},
              {"kind": "heartbeat", "learner": "b", "incarnation": "1", "time": 6.0, "compute_s": 20.0, "tokens": 40,
               "step": 4}]

@@ -106,12 +106,14 @@ def test_gcs_store_round_trips_through_the_emulator(gcs_emulator):
         np.testing.assert_array_equal(got.opt["0.trace." + k], opt["0.trace." + k])
 
 
-def test_bytes_fetched_add_up_over_a_learners_incarnations():
+def test_bytes_fetched_and_tokens_add_up_over_a_learners_incarnations():
     prog = Progress()
     beat = lambda eid, inc, step, fetched: {"kind": "heartbeat", "eid": eid, "learner": "us-0",  # noqa: E731
-                                            "incarnation": inc, "step": step, "bytes_fetched": fetched}
+                                            "incarnation": inc, "step": step, "bytes_fetched": fetched,
+                                            "tokens": 10 * (step - (15 if inc == "two" else 0))}  # each counts from 0
     for ev in (beat("a", "one", 10, 100), beat("b", "one", 20, 300), beat("c", "two", 15, 50),
                beat("d", "one", 21, 320), beat("e", "two", 30, 90), beat("e", "two", 30, 90)):
         prog.apply(ev)  # "d": a late beat of the killed incarnation; "e" twice: delivered again
     assert prog.fetched == {("us-0", "one"): 320, ("us-0", "two"): 90}
     assert prog.learners["us-0"]["incarnation"] == "two"
+    assert prog.tokens() == 210 + 150  # every incarnation's tokens (the summary's and run.token_budget's count)

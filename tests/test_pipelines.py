@@ -271,16 +271,17 @@ def test_contribution_outcomes_join_acceptances_rejections_and_merges():
 
 
 def test_learner_counters_add_up_over_incarnations():
-    """A learner killed and restarted counts its sends and reads from zero again: both lives count."""
+    """A learner killed and restarted counts its tokens, sends and reads from zero again: both lives
+    count. Its steps go on from where it resumed."""
     beats = [{"time": 1.0, "incarnation": "a", "step": 5, "tokens": 50, "bytes_sent": 100, "bytes_fetched": 10,
               "versions_applied": 1},
              {"time": 2.0, "incarnation": "a", "step": 9, "tokens": 90, "bytes_sent": 300, "bytes_fetched": 40,
               "versions_applied": 3},
-             {"time": 5.0, "incarnation": "b", "step": 12, "tokens": 120, "bytes_sent": 50, "bytes_fetched": 70,
+             {"time": 5.0, "incarnation": "b", "step": 12, "tokens": 30, "bytes_sent": 50, "bytes_fetched": 70,
               "versions_applied": 2, "state": "finished"}]
     row = tm.learner_row(("us-0", {"heartbeats": beats, "outcomes": []}), fragments=2)
     assert (row["bytes_sent"], row["bytes_fetched"], row["versions_applied"]) == (350, 110, 5)
-    assert (row["steps"], row["tokens_trained"], row["finished"]) == (12, 120, True)  # these continue across lives
+    assert (row["steps"], row["tokens_trained"], row["finished"]) == (12, 120, True)  # 90 + 30 tokens, step 12
 
 
 def test_report_figures_match_the_events(run_report):
