@@ -188,10 +188,69 @@ def flow_runs(**filters) -> list:
 @pytest.mark.integration
 def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(tiny_config, tmp_path, prefect_env,
                                                                                region_workers):
+    """Region eu loses every learner for good (run.max_restarts=0): its flow run fails, region us trains to
+    the end, and the run completes; version events trigger evals on the evals pool."""
+    from prefect.client.schemas.filters import FlowRunFilterTags
+
+    from diloco.flows.training import run_tag
+
+    cfg = tiny_config(run={"max_restarts": 0}, fragments={"count": 2})  # more versions per fragment: more events
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    killed: list[str] = []
+
+    def kill_eu_once_it_contributed():
+        deadline = time.time() + 240
+        while time.time() < deadline and not killed:
+            runs = list(Path(cfg.run.dir).glob("*/config.yaml"))
+            if runs:
+                state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, runs[0].parent.name)
+                if state.counters().get("accepted", 0) >= 4:
+                    for pid, cmd in run_processes(str(runs[0])).items():
+                        if " learner " in cmd and "--learner eu-" in cmd:
+                            os.kill(pid, signal.SIGKILL)
+                            killed.append(cmd.split("--learner ")[1].split()[0])
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_eu_once_it_contributed, daemon=True)
+    killer.start()
+    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=1)
+    killer.join()
+    assert sorted(killed) == ["eu-0", "eu-1"]
+    assert summary["regions"] == {"us": "Completed", "eu": "Failed"}
+    assert {lid: row["step"] for lid, row in summary["learners"].items() if lid.startswith("us-")} == {"us-0": 80, "us-1": 80}
+    assert all(row["step"] < 80 for lid, row in summary["learners"].items() if lid.startswith("eu-"))
+    assert not run_processes(summary["run_dir"])
+
+    regions = {fr.parameters["region"]: fr for fr in flow_runs(tags=FlowRunFilterTags(all_=[run_tag(summary["run_id"])]))}
+    assert {r: fr.work_pool_name for r, fr in regions.items()} == {"us": "diloco-us", "eu": "diloco-eu"}
+    assert regions["eu"].state.is_failed() and "eu-" in regions["eu"].state.message
+    (eu,) = artifacts(reports.artifact_key(summary["run_id"], "region-eu"))
+    assert eu.description.startswith(f"region eu of {summary['run_id']}: failed")
+
+    with get_client(sync_client=True) as client:
+        eval_dep = client.read_deployment_by_name("diloco-eval/eval")
+    deadline = time.time() + 120
+    while True:  # the evals worker runs one at a time: the last may still be going
+        evals = [fr for fr in flow_runs() if fr.deployment_id == eval_dep.id
+                 and fr.parameters.get("config") == str(Path(summary["run_dir"]) / "config.yaml")]
+        if len(evals) >= 2 and all(fr.state.is_final() for fr in evals):
+            break
+        assert time.time() < deadline, [(fr.name, fr.state.name, fr.parameters) for fr in evals]
+        time.sleep(1)
+    assert all(fr.state.is_completed() and fr.work_pool_name == "diloco-evals" for fr in evals)
+    assert all(fr.created_by.type == "AUTOMATION" for fr in evals), [fr.created_by for fr in evals]
+    versions = [fr.parameters["versions"] for fr in evals]
+    assert len({tuple(v) for v in versions}) == len(versions) and all(min(v) >= 1 for v in versions)
+    run_cfg = load_config(Path(summary["run_dir"]) / "config.yaml")
+    assert all(eval_path(run_cfg, v).is_file() for v in versions)   # each evaluated (or found evaluated)
+
+
+@pytest.mark.integration
+def test_a_failed_region_run_again_by_hand_is_followed_and_resumes_its_learners(tiny_config, tmp_path, prefect_env,
+                                                                                 region_workers):
     """Region eu loses every learner for good (run.max_restarts=0): its flow run fails, region us trains on,
     and the eu deployment run again by hand with the run's tag (as docs/prefect.md says) is followed: its
-    learners resume where they left off and the run waits for them; version events trigger evals on the
-    evals pool."""
+    learners resume where they left off and the run waits for them."""
     from prefect.client.schemas.filters import FlowRunFilterTags
 
     from diloco.flows.training import run_tag
@@ -251,23 +310,6 @@ def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(ti
         last_step = max(e["step"] for e in beats if e["incarnation"] == incarnations[0])
         assert {e["start_step"] for e in beats if e["incarnation"] == incarnations[1]} == {last_step} != {0}
     assert artifacts(reports.artifact_key(summary["run_id"], "region-eu"))
-
-    with get_client(sync_client=True) as client:
-        eval_dep = client.read_deployment_by_name("diloco-eval/eval")
-    deadline = time.time() + 120
-    while True:  # the evals worker runs one at a time: the last may still be going
-        evals = [fr for fr in flow_runs() if fr.deployment_id == eval_dep.id
-                 and fr.parameters.get("config") == str(Path(summary["run_dir"]) / "config.yaml")]
-        if len(evals) >= 2 and all(fr.state.is_final() for fr in evals):
-            break
-        assert time.time() < deadline, [(fr.name, fr.state.name, fr.parameters) for fr in evals]
-        time.sleep(1)
-    assert all(fr.state.is_completed() and fr.work_pool_name == "diloco-evals" for fr in evals)
-    assert all(fr.created_by.type == "AUTOMATION" for fr in evals), [fr.created_by for fr in evals]
-    versions = [fr.parameters["versions"] for fr in evals]
-    assert len({tuple(v) for v in versions}) == len(versions) and all(min(v) >= 1 for v in versions)
-    run_cfg = load_config(Path(summary["run_dir"]) / "config.yaml")
-    assert all(eval_path(run_cfg, v).is_file() for v in versions)   # each evaluated (or found evaluated)
 
 
 @pytest.mark.integration
