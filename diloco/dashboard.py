@@ -19,7 +19,9 @@ import numpy as np
 import yaml
 from PIL import Image
 
-DEFAULT_DASHBOARD = Path(__file__).resolve().parent.parent / "infra" / "grafana" / "diloco.json"
+from diloco import infra
+
+DEFAULT_DASHBOARD = Path(infra.__file__).resolve().parent / "grafana" / "diloco.json"  # package data of diloco.infra
 POINTS = 200                # about this many points per series, as Grafana asks for a panel's width
 GRAFANA_SCRAPE_S = 15.0     # Grafana's scrape interval for a Prometheus data source that names none
 UNITS = {"s": "seconds", "Bps": "bytes/s"}  # Grafana unit ids worth an axis label; none and short say nothing
