@@ -264,6 +264,7 @@ class LocalRun:
         self.console, self.regions = console, regions
         self.elsewhere: set[str] = set()
         self.syncers = cfg.syncer_ids() if syncer else []
+        # the learners this runner starts (and restarts), in order; joiners are appended
         self.members = [lid for lid in cfg.learner_ids() if self._ours(cfg.region_of(lid).name)]
         self.kills = [k for k in kills if k.target in self.syncers or k.target in self.members]
         self.prog = Progress()
@@ -274,7 +275,6 @@ class LocalRun:
         self.outages: list[list] = []          # [name, start, end or None]
         self.compute: dict[tuple[str, str], dict] = {}   # (learner, incarnation) -> last heartbeat figures
         self.tails_s: dict[str, float] = {}     # compute after a killed incarnation's last heartbeat
-        # self.members: the learners this runner started (and restarts), in order
         self.removing: set[str] = set()          # asked to leave: not restarted, whatever their exit
         self.joins = [j for j in cfg.run.joins if self._ours(j.region)]  # run.joins not carried out yet
         self.join_step: dict[str, int] = {}       # joiner -> the step it entered the schedule at

@@ -166,10 +166,14 @@ class Regions:
 
     def __init__(self, setup: RunSetup, every: int, logger):
         self.setup, self.every, self.logger = setup, every, logger
-        self.states: dict[str, str] = {}   # region -> state name of its latest flow run
-        self.flow_runs: dict[str, object] = {}
+        self.flow_runs: dict[str, object] = {}  # region -> its latest flow run, as last read
         self.announced = [0] * setup.cfg.fragments.count
         self.checked = 0.0
+
+    @property
+    def states(self) -> dict[str, str]:
+        """Region -> the state name of its latest flow run."""
+        return {region: fr.state.name for region, fr in self.flow_runs.items()}
 
     def submit(self) -> None:
         cfg = self.setup.cfg
@@ -177,7 +181,7 @@ class Regions:
             fr = run_deployment(f"diloco-region/{r.pool}", timeout=0, tags=[run_tag(cfg.run.id)],
                                 flow_run_name=f"{cfg.run.id}-{r.name}",
                                 parameters={"config": str(self.setup.cfg_path), "region": r.name})
-            self.flow_runs[r.name], self.states[r.name] = fr, fr.state.name
+            self.flow_runs[r.name] = fr
             self.logger.info(f"region {r.name}: flow run {fr.name} on work pool {r.pool}")
 
     def __call__(self, run: LocalRun) -> None:
@@ -201,12 +205,12 @@ class Regions:
                     tags=FlowRunFilterTags(all_=[run_tag(run.cfg.run.id)]))), key=lambda f: f.created):
                 latest[fr.parameters.get("region")] = fr
         for region, fr in latest.items():
-            if region not in self.states:
+            if region not in self.flow_runs:
                 continue
-            if fr.state.is_final() and fr.state.name != self.states[region]:
+            if fr.state.is_final() and fr.state.name != self.flow_runs[region].state.name:
                 log = self.logger.info if fr.state.is_completed() else self.logger.error
                 log(f"region {region}: {fr.state.name}" + (f" ({fr.state.message})" if fr.state.message else ""))
-            self.flow_runs[region], self.states[region] = fr, fr.state.name
+            self.flow_runs[region] = fr
         run.elsewhere = {region for region, fr in self.flow_runs.items() if not fr.state.is_final()}
 
     def cancel_unfinished(self) -> None:

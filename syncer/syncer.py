@@ -42,14 +42,13 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from diloco import messages
+from diloco import metrics as metrics_mod
 from diloco import status as status_mod
 from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError, StoreFenced, is_snapshot
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
-from diloco import metrics as metrics_mod
-from diloco.metrics import SyncerMetrics
 from diloco.plan import Plan
 from diloco.syncer import durability, fused
 from diloco.syncer import merge as merge_math
@@ -242,7 +241,7 @@ class Syncer:
         self._broker_down = self._commit_failed = False
         self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
         self.keeper = LeaseKeeper(self, cfg.syncer.stuck_after_s)
-        self.metrics = SyncerMetrics(shard)
+        self.metrics = metrics_mod.SyncerMetrics(shard)
         self.recent: deque[dict] = deque(maxlen=200)  # the newest events other than heartbeats (status page)
         self._reset()
 

@@ -185,6 +185,25 @@ def flow_runs(**filters) -> list:
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(**filters))
 
 
+def kill_region_once_it_contributed(cfg, region: str, deadline: float) -> tuple[Path, list[str]]:
+    """SIGKILL every learner of `region` once the run (the first under cfg.run.dir) accepted 4
+    contributions; (the run's config.yaml, the learners killed)."""
+    killed: list[str] = []
+    while time.time() < deadline:
+        runs = list(Path(cfg.run.dir).glob("*/config.yaml"))
+        if runs:
+            state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, runs[0].parent.name)
+            if state.counters().get("accepted", 0) >= 4:
+                for pid, cmd in run_processes(str(runs[0])).items():
+                    if " learner " in cmd and f"--learner {region}-" in cmd:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(cmd.split("--learner ")[1].split()[0])
+                if killed:
+                    return runs[0], killed
+        time.sleep(0.2)
+    raise AssertionError(f"no learner of {region} was killed in time")
+
+
 @pytest.mark.integration
 def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(tiny_config, tmp_path, prefect_env,
                                                                                region_workers):
@@ -194,22 +213,13 @@ def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(ti
 
     from diloco.flows.training import run_tag
 
-    cfg = tiny_config(run={"max_restarts": 0}, fragments={"count": 2})  # more versions per fragment: more events
+    cfg = tiny_config(run={"max_restarts": 0}, fragments={"count": 2},  # more versions per fragment: more events
+                      regions=[{"name": "us"}, {"name": "eu", "speed": 0.25}])  # eu is killed well before its end
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     killed: list[str] = []
 
     def kill_eu_once_it_contributed():
-        deadline = time.time() + 240
-        while time.time() < deadline and not killed:
-            runs = list(Path(cfg.run.dir).glob("*/config.yaml"))
-            if runs:
-                state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, runs[0].parent.name)
-                if state.counters().get("accepted", 0) >= 4:
-                    for pid, cmd in run_processes(str(runs[0])).items():
-                        if " learner " in cmd and "--learner eu-" in cmd:
-                            os.kill(pid, signal.SIGKILL)
-                            killed.append(cmd.split("--learner ")[1].split()[0])
-            time.sleep(0.2)
+        killed.extend(kill_region_once_it_contributed(cfg, "eu", time.time() + 240)[1])
 
     killer = threading.Thread(target=kill_eu_once_it_contributed, daemon=True)
     killer.start()
@@ -263,21 +273,13 @@ def test_a_failed_region_run_again_by_hand_is_followed_and_resumes_its_learners(
 
     def kill_eu_once_it_contributed_then_run_it_again():
         deadline = time.time() + 240
-        while time.time() < deadline and not killed:
-            runs = list(Path(cfg.run.dir).glob("*/config.yaml"))
-            if runs:
-                state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, runs[0].parent.name)
-                if state.counters().get("accepted", 0) >= 4:
-                    for pid, cmd in run_processes(str(runs[0])).items():
-                        if " learner " in cmd and "--learner eu-" in cmd:
-                            os.kill(pid, signal.SIGKILL)
-                            killed.append(cmd.split("--learner ")[1].split()[0])
-            time.sleep(0.2)
-        tag = run_tag(runs[0].parent.name)
+        run_cfg, gone = kill_region_once_it_contributed(cfg, "eu", deadline)
+        killed.extend(gone)
+        tag = run_tag(run_cfg.parent.name)
         while time.time() < deadline and not rerun:
             if any(fr.state.is_failed() for fr in flow_runs(tags=FlowRunFilterTags(all_=[tag]))):
                 rerun.append(run_deployment("diloco-region/diloco-eu", timeout=0, tags=[tag],
-                                            parameters={"config": str(runs[0]), "region": "eu"}))
+                                            parameters={"config": str(run_cfg), "region": "eu"}))
             time.sleep(0.2)
 
     # the thread's Prefect client: this test's settings (a context variable)
