@@ -160,10 +160,26 @@ class FragmentsConfig(_Section):
                                                     "fragment, stop until its next global version arrives")
     wait_timeout_s: float = Field(60.0, gt=0, description="give up waiting for a merge after this long "
                                                           "(a delta lost in a crash leaves its round short)")
+    one_delta_per_version: bool = Field(False, description="a learner sends at most one delta of a fragment from "
+                                        "each of its versions: one due again before the version it sent from has "
+                                        "moved on keeps training and sends once the next version is applied (fresh, "
+                                        "with more steps), so a learner ahead of the others never sends a delta that "
+                                        "would arrive stale; needs apply=rebase")
+
+    @model_validator(mode="after")
+    def _held_deltas_need_rebase(self):
+        if self.one_delta_per_version and self.apply != "rebase":
+            raise ValueError(f"fragments.one_delta_per_version needs fragments.apply=rebase (got {self.apply!r}): "
+                             "the steps held back would be thrown away when a new version is applied")
+        return self
 
 
 class SyncerConfig(_Section):
     quorum: int = Field(2, ge=1, description="K: contributions needed before a round may close")
+    quorum_of_fresh: bool = Field(False, description="only contributions trained from the fragment's current "
+                                  "version count towards K and the grace window: a late one waits for the next "
+                                  "round with fresh ones (where staleness_discount weighs it) instead of closing "
+                                  "a round of late deltas alone")
     overlap_steps: int = Field(8, ge=0, description="tau: inner steps of slack that overlap hides")
     grace_gamma: float = Field(0.5, ge=0)
     grace_max_s: float = Field(3.0, ge=0)

@@ -69,6 +69,7 @@ class Counters:
 
 
 PUBLISH_QUEUE = 2  # contributions waiting to be sent; one more means the link is behind and the loop waits
+HOLD_PERIODS = 4  # one_delta_per_version: a held fragment is sent anyway after this many sync periods of steps
 
 
 class Publisher(threading.Thread):
@@ -350,6 +351,8 @@ class Session:
         P = self.plan.fragments
         self._since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
         self._waits: dict[int, tuple[int, int]] = {}  # fragment -> (step at which to wait, version to wait for)
+        self._sent_from: dict[int, int] = {}  # fragment -> the version its last delta was trained from
+        self._held: set[int] = set()  # fragments due but held until a new version (one_delta_per_version)
         self._base: dict[str, Any] = {}  # float32 reference each next delta starts from, placed like its leaf
         self._version: dict[int, int] = {}
         self._last_t: float | None = None
@@ -462,6 +465,8 @@ class Session:
         (self.stopping,), self.compute_s, chosen = self._agree(self.stopping, compute_s=compute_s)
         P, H = self.plan.fragments, self.cfg.fragments.sync_every
         for p in fragments_due(self.steps, P, H):
+            if self._hold(p):
+                continue
             self._sync(p, params)
             if self.cfg.fragments.wait_for_merge:  # round n of p is merged once p reaches version n
                 self._waits[p] = (self.steps + self.cfg.syncer.overlap_steps, syncs_through(self.steps, p, P, H))
@@ -471,6 +476,8 @@ class Session:
         if self.steps == self.start_step + 1:  # this incarnation trains: say so now
             self.heartbeat.beat_now()
         params = self._apply(params, chosen)
+        for p in [p for p in sorted(self._held) if not self._hold(p)]:  # its version moved on: send, fresh
+            self._sync(p, params)
         for p in [p for p, (at, _) in self._waits.items() if self.steps + 1 >= at]:
             params = self._wait_for_merge(p, self._waits.pop(p)[1], params)
         self._params = params
@@ -563,6 +570,19 @@ class Session:
                 common[p] = (v, ready[p][v])
         return [bool(rows[:, i].max() > 0) for i in range(F)], float(rows[:, F].max()), common
 
+    def _hold(self, p: int) -> bool:
+        """Whether fragment p's delta waits for a new version (fragments.one_delta_per_version): this
+        learner already sent one from the version it holds, and has not held more than HOLD_PERIODS
+        sync periods of steps (a syncer that is down does not keep unbounded work unsent)."""
+        if not self.cfg.fragments.one_delta_per_version or self._sent_from.get(p) != self._version[p]:
+            return False
+        if self._since[p]["steps"] >= HOLD_PERIODS * self.cfg.fragments.sync_every:
+            log.info("held too long; sending anyway", extra={"fragment": p, "version": self._version[p],
+                                                             "steps": self._since[p]["steps"]})
+            return False
+        self._held.add(p)
+        return True
+
     def _sync(self, p: int, params) -> None:
         names = self._names[p]
         deltas = outer_deltas(self._base, flatten(params, self.plan), names, self._schemes)
@@ -581,6 +601,8 @@ class Session:
                 except queue.Full:
                     continue
         self._since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
+        self._sent_from[p] = self._version[p]
+        self._held.discard(p)
 
     def _wait_for_merge(self, p: int, version: int, params):
         """Synchronous DiLoCo's barrier: no step until fragment p reaches `version`, the round this

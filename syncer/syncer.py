@@ -858,11 +858,14 @@ class Syncer:
         st = self.fragments[p]
         if not st.round or any(c.deltas is None for c in st.round.values()):
             return
+        live = self.live_learners()
+        fresh_only = self.cfg.syncer.quorum_of_fresh and bool(live)  # with nobody left to train, late ones close it
         first_by_learner: dict[str, float] = {}
         for c in st.round.values():
+            if fresh_only and c.manifest_meta["base_version"] < st.version:
+                continue  # late: it rides with the next fresh ones, it does not make a round
             lrn = c.manifest_meta["learner"]
             first_by_learner[lrn] = min(first_by_learner.get(lrn, math.inf), c.arrival)
-        live = self.live_learners()
         d = decide(self.policy, list(first_by_learner.values()), now=self.clock(),
                    expected=len(live | set(first_by_learner)), step_time_s=self.step_time_s(),
                    sync_time_s=self.sync_time_s, members=len(self.present_learners() | set(first_by_learner)))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,6 +52,39 @@ def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_pa
     registry = state.registry()
     assert set(registry) == set(cfg.learner_ids()) and all(r.get("step_time", 0) > 0 for r in registry.values())
     assert (tmp_path / "summary.json").is_file()
+
+
+def test_a_learner_ahead_sends_one_delta_per_version_and_every_token_is_merged(tiny_config):
+    """fragments.one_delta_per_version: every learner waited for (K = M) and eu at half us's speed, so
+    us is due again before the version it sent from has moved on. It holds that delta, training on,
+    and sends it once the next version is applied: no two of its deltas of a fragment come from one
+    version (the hand-in at the end aside), it sends fewer and longer ones than eu, and every token
+    trained is in some merge."""
+    cfg = tiny_config(regions=[{"name": "us", "learners": 1, "speed": 0.5}, {"name": "eu", "learners": 1, "speed": 0.25}],
+                      outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase", "one_delta_per_version": True},
+                      syncer={"quorum": 2, "scale_partial_rounds": True})
+    summary = train(cfg, progress=False, console=Console(quiet=True))
+    c = summary["contributions"]
+    assert c["applied_twice"] == 0 and c["rejected"] == 0 and c["pending"] == 0 and c["published"] == c["applied"]
+    store = FragmentStore(cfg.store.url, summary["run_id"])
+    bases = {(lrn, p): [] for lrn in cfg.learner_ids() for p in range(cfg.fragments.count)}
+    for p in range(cfg.fragments.count):
+        merged_tokens = 0
+        for v in sorted(store.versions(p))[1:]:
+            meta = store.read_meta(p, v)
+            merged_tokens += meta["tokens"]
+            for lrn, base in zip(meta["learners"], meta["base_versions"]):
+                bases[(lrn, p)].append(base)
+        assert merged_tokens == summary["tokens"]  # held steps travel in a later delta; none is lost
+    # a learner holds a delta HOLD_PERIODS sync periods at most (eu may start seconds after us) and says so
+    log = (Path(summary["run_dir"]) / "logs" / "us-0.log").read_text(errors="replace").splitlines()
+    capped = Counter(json.loads(line)["fragment"] for line in log if "held too long; sending anyway" in line)
+    for p in range(cfg.fragments.count):
+        held = bases[("us-0", p)][:-1]  # the last is the hand-in, from whatever version it ended on
+        assert held == sorted(held) and len(held) - len(set(held)) <= capped[p], (
+            f"fragment {p}: us-0 sent two deltas from one version: {bases[('us-0', p)]}")
+    sent = {lrn: sum(len(bases[(lrn, p)]) for p in range(cfg.fragments.count)) for lrn in ("us-0", "eu-0")}
+    assert sent["us-0"] < sent["eu-0"] <= cfg.fragments.count * cfg.inner.steps // cfg.fragments.sync_every
 
 
 def test_syncer_killed_mid_run_resumes_and_applies_nothing_twice(tiny_config, tmp_path):

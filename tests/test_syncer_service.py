@@ -262,3 +262,29 @@ def test_a_stale_contribution_is_discounted_and_momentum_decays_per_full_round(t
     h.syncer.relay()
     assert not [e for e in h.events() if e["kind"] == "fragment_state_approximate"]
     h.producer.close()
+
+
+@pytest.mark.parametrize("fresh_only", [False, True])
+def test_late_deltas_wait_for_fresh_ones_with_quorum_of_fresh(tiny_config, fresh_only):
+    """syncer.quorum_of_fresh: two deltas one version late are a quorum of K = 2 by themselves
+    without it, and wait for the next fresh ones with it, so that the round that merges them also
+    holds deltas trained from the current version (where staleness_discount can weigh them)."""
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2, "norm_outlier_factor": 0,
+                              "quorum_of_fresh": fresh_only})
+    h = Harness(cfg, f"svc-fresh-{int(fresh_only)}-{time.time_ns() % 10**6}")
+    h.publish("us-0", 0, deltas=h.deltas(0, seed=0))
+    h.publish("us-1", 0, deltas=h.deltas(0, seed=1))
+    h.pump(lambda: h.state.versions()[0] == 1)
+    late = [h.publish(lrn, 0, base_version=0, deltas=h.deltas(0, seed=s)).id for lrn, s in (("eu-0", 2), ("eu-1", 3))]
+    h.pump(lambda: h.state.counters().get("accepted") == 4)
+    for _ in range(20):  # with no grace window a round that may close closes at the next step
+        h.syncer.step()
+    if not fresh_only:
+        assert h.state.versions()[0] == 2 and sorted(h.store.read(0, 2).meta["ids"]) == sorted(late)
+        return
+    assert h.state.versions()[0] == 1 and sorted(h.syncer.fragments[0].round) == sorted(late)
+    fresh = [h.publish(lrn, 0, base_version=1, deltas=h.deltas(0, seed=s)).id for lrn, s in (("us-0", 4), ("us-1", 5))]
+    h.pump(lambda: h.state.versions()[0] == 2)
+    meta = h.store.read(0, 2).meta
+    assert sorted(meta["ids"]) == sorted(late + fresh) and meta["base_versions"] == [0, 0, 1, 1] and meta["late"] == 2
+    h.producer.close()
