@@ -158,8 +158,9 @@ def run_seed(a: argparse.Namespace, seed: int, console: Console, t0: float, done
             key = (cfg.num_shards, tuple(dp_mod.phases(cfg)))  # the same training: the scenarios without joins
             dps[key] = dps.get(key) or dp_mod.train_dp(cfg, corpus_for(cfg), held, evals=a.points)
             r = runs.dp_in_scenario(cfg, scenario, dps[key], by_key.get(("decoupled", scenario)))
-        elif method == "ideal":
-            r = ideal.as_result(cfg, ideal.train_ideal(cfg, corpus, held, evals=a.points))
+        elif method in setups.IDEAL_LATE_SHARE:
+            r = ideal.as_result(cfg, ideal.train_ideal(cfg, corpus, held, evals=a.points,
+                                                       late_share=setups.IDEAL_LATE_SHARE[method]))
         else:
             r = runs.run_diloco(cfg, scenario, held, a.points, console)
         r |= {"method": method, "scenario": scenario, "seed": seed}

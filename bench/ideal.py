@@ -5,6 +5,12 @@ data-parallel). At each fragment's sync point every learner's fp32 delta is merg
 (RDA or plain mean, token weights) and the outer step applied at once: no quorum, no grace window,
 no quantization, no merge latency. Its gap to data-parallel is what the method itself costs at this
 size; a DiLoCo run's gap beyond it is what quorum, staleness and compression add.
+
+With `late_share` > 0 it also plays the one thing asynchrony does to the math: each learner's delta
+misses its round with that probability (seeded; at least K per round still arrive) and is merged into
+its fragment's next round, one version late, weighed by syncer.staleness_discount. Meanwhile every
+learner goes on from the new global without its late delta, as a real learner does. This separates
+what staleness costs from what the testbed adds (docs/bench.md, issue 21).
 """
 
 from __future__ import annotations
@@ -27,18 +33,31 @@ from diloco.syncer import merge
 
 
 def outer_round(cfg: Config, plan: Plan, glob: dict[str, np.ndarray], names: list[str],
-                local: dict[str, np.ndarray], opt: optax.GradientTransformation, state: optax.OptState, steps: int):
-    """Merge every learner's delta of one fragment (local[n] stacked by learner), each `steps`
-    inner steps long, and take the outer step; returns (new global tensors of the fragment, outer state)."""
-    M = cfg.num_learners
-    deltas = [{n: glob[n] - local[n][i] for n in names} for i in range(M)]
-    tokens = steps * cfg.inner.batch_size * cfg.model.transformer.seq_len
-    weights = merge.token_weights([tokens] * M, [steps] * M, cfg.syncer.token_weighting)
-    merged = merge.merge_deltas(deltas, weights, plan.mean_merged, rule=cfg.syncer.merge)
-    return merge.outer_step(opt, {n: glob[n] for n in names}, state, merged)
+                contributions: list[tuple[dict[str, np.ndarray], int, int]], opt: optax.GradientTransformation,
+                state: optax.OptState):
+    """Merge one fragment's round, each contribution (delta tensors, inner steps, staleness in
+    versions), by the run's rule and weights, and take the outer step, as the syncer does;
+    returns (new global tensors of the fragment, outer state)."""
+    sc, per_step = cfg.syncer, cfg.inner.batch_size * cfg.model.transformer.seq_len
+    steps = [s for _, s, _ in contributions]
+    weights = merge.token_weights([s * per_step for s in steps], steps, sc.token_weighting)
+    weights = merge.staleness_weights(weights, [a for *_, a in contributions], sc.staleness_discount)
+    merged = merge.merge_deltas([d for d, _, _ in contributions], weights, plan.mean_merged, rule=sc.merge)
+    share = merge.round_share(len(contributions), cfg.num_learners) if sc.scale_partial_rounds else 1.0
+    return merge.outer_step(opt, {n: glob[n] for n in names}, state, {n: share * d for n, d in merged.items()})
 
 
-def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8) -> dict:
+def late_mask(rng: np.random.Generator, learners: int, quorum: int, late_share: float) -> np.ndarray:
+    """Which learners' deltas miss this round: each with probability late_share, but never so many
+    that fewer than `quorum` arrive (a round does not close without them)."""
+    late = rng.random(learners) < late_share
+    extra = int(late.sum()) - (learners - min(quorum, learners))
+    if extra > 0:
+        late[rng.permutation(np.flatnonzero(late))[:extra]] = False
+    return late
+
+
+def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8, late_share: float = 0.0) -> dict:
     """Run cfg.inner.steps inner steps on every learner; the held-out loss of the global model at
     `evals` points, against tokens (all learners)."""
     M, P, H, steps = cfg.num_learners, cfg.fragments.count, cfg.fragments.sync_every, cfg.inner.steps
@@ -57,14 +76,20 @@ def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8) -
     eval_at = set(np.linspace(0, steps, evals + 1).astype(int).tolist())
     curve = {"step": [0], "tokens": [0], "loss": [evaluate(glob, held, opts)]}
     last = {p: 0 for p in range(P)}
+    held_back: dict[int, list] = {p: [] for p in range(P)}  # late deltas, merged in the fragment's next round
+    rng, late_seen = np.random.default_rng(cfg.data.seed), 0
     for s in range(1, steps + 1):
         local, inner_state, _ = step_fn(local, inner_state, jnp.asarray(np.stack([next(st) for st in streams])))
         # at the end every fragment hands in its steps since its last sync, as the learners do
-        due = fragments_due(s, P, H) if s < steps else [p for p in range(P) if last[p] < s]
+        due = fragments_due(s, P, H) if s < steps else [p for p in range(P) if last[p] < s or held_back[p]]
         for p in due:
             names = plan[p]
-            new, outer_state[p] = outer_round(cfg, run_plan, glob, names, {n: np.asarray(local[n]) for n in names},
-                                              outer, outer_state[p], s - last[p])
+            fresh = [({n: glob[n] - np.asarray(local[n][i]) for n in names}, s - last[p], 0) for i in range(M)]
+            late = late_mask(rng, M, cfg.syncer.quorum, late_share) if s < steps else np.zeros(M, bool)
+            late_seen += int(late.sum())
+            now = [c for c, missed in zip(fresh, late) if not missed] + [(d, n, 1) for d, n, _ in held_back[p]]
+            held_back[p] = [c for c, missed in zip(fresh, late) if missed]
+            new, outer_state[p] = outer_round(cfg, run_plan, glob, names, now, outer, outer_state[p])
             glob.update(new)
             local = {**local, **{n: jnp.stack([jnp.asarray(new[n])] * M) for n in names}}
             last[p] = s
@@ -72,7 +97,7 @@ def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8) -
             curve["step"].append(s)
             curve["tokens"].append(s * tokens_per_step)
             curve["loss"].append(evaluate(glob, held, opts))
-    return {"curve": curve, "steps": steps, "tokens": steps * tokens_per_step}
+    return {"curve": curve, "steps": steps, "tokens": steps * tokens_per_step, "late": late_seen}
 
 
 def as_result(cfg: Config, ideal: dict) -> dict:

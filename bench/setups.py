@@ -46,18 +46,23 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-# Decoupled's learning rates are the best of healthy quick runs on a grid (docs/bench.md): inner 2e-3
-# of {2, 3, 5}e-3 (data-parallel's best is 3e-3, sync ties), outer 0.8 of {0.4, 0.6, 0.8, 1, 1.5}: RDA
-# keeps the mean norm of the deltas, so its step is longer than sync's plain mean. Its learners do not
-# share the step budget by speed (inner.steps_by_speed): on this CPU-bound machine that made the mixed
-# run slower and worse (2.667 at 19.0 s against 2.638 at 17.4 s; docs/bench.md).
-DECOUPLED = {"syncer": {"quorum": 2}, "inner": {"lr": 2e-3}, "outer": {"lr": 0.8}}
+# Decoupled: K = 2, the inner lr of every method (3e-3) and outer lr 0.8 (RDA keeps the mean norm of
+# the deltas, so its step is longer than sync's plain mean). A late delta waits for a round with fresh
+# ones (syncer.quorum_of_fresh) and weighs (1 + staleness) ** -2 there (syncer.staleness_discount), a
+# quarter of a fresh one when one version late: over five seeds of ideal DiLoCo with half the deltas
+# one round late that recovers all the loss lateness costs (bench.ideal; docs/bench.md, issue 21).
+# Its learners do not share the step budget by speed (inner.steps_by_speed): on this CPU-bound machine
+# that made the mixed run slower and worse (2.667 at 19.0 s against 2.638 at 17.4 s; docs/bench.md).
+DECOUPLED = {"syncer": {"quorum": 2, "quorum_of_fresh": True, "staleness_discount": 2.0}, "outer": {"lr": 0.8},
+             "fragments": {"one_delta_per_version": True}}
 
 # Each DiLoCo method: overrides of the syncer / fragments sections. "dp" runs in bench.dp and
-# "ideal" (decoupled's settings, no system: bench.ideal) in-process instead.
+# "ideal" (decoupled's settings, no system: bench.ideal) in-process instead; "ideal-late" is ideal with
+# IDEAL_LATE_SHARE of the deltas merged one round late, about what decoupled's healthy runs see.
 METHODS: dict[str, dict] = {
     "dp": {},
     "ideal": DECOUPLED,
+    "ideal-late": DECOUPLED,
     # OpenDiLoCo / torchft style: wait for every learner, no grace, equal-weight plain mean, and
     # learners stop (overlap_steps after each send, as streaming DiLoCo) until the merge is back.
     "sync": {"syncer": {"quorum": sum(r["learners"] for r in REGIONS), "grace_max_s": 0.0, "merge": "mean",
@@ -75,13 +80,17 @@ METHODS: dict[str, dict] = {
     "decoupled-k1-nograce": _merge(DECOUPLED, {"syncer": {"quorum": 1, "grace_max_s": 0.0}}),
 }
 QUORUM_VARIANTS = ("decoupled-kM", "decoupled-k1", "decoupled-k1-nograce")
-# the staleness-aware outer loop (syncer/merge.py): a delta one version late weighs half a fresh one
-METHODS["decoupled-staleness"] = _merge(DECOUPLED, {"syncer": {"staleness_discount": 1.0}})
+# decoupled without its staleness-aware pieces: late deltas make rounds of their own and weigh as fresh
+# ones, and a learner ahead sends every H steps whatever version it holds
+METHODS["decoupled-plain"] = _merge(DECOUPLED, {"syncer": {"quorum_of_fresh": False, "staleness_discount": 0.0},
+                                                "fragments": {"one_delta_per_version": False}})
 # DiLoCo's outer Nesterov (lr 0.7, momentum 0.9); decoupled's trace decays per full round's worth of
 # deltas (outer.momentum_per_round), however many partial rounds bring them
 NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 METHODS["sync-nesterov"] = _merge(METHODS["sync"], {"outer": NESTEROV})
 METHODS["decoupled-nesterov"] = _merge(DECOUPLED, {"outer": {**NESTEROV, "momentum_per_round": True}})
+
+IDEAL_LATE_SHARE = {"ideal": 0.0, "ideal-late": 0.5}
 
 # The emulated WAN is scaled to the tiny model: an all-reduce of ~0.5 MB per step on 10 Mbit/s
 # per region costs about what a 2-5 Gbit/s link costs a billion-parameter model.
@@ -118,7 +127,7 @@ SCAVENGE_METHODS = ("dp", "decoupled")  # the question is elastic DiLoCo against
 
 # The fragment and quantization variants, and the ideal method (no clock, nothing sent), run only
 # where they matter: quality and bytes; the quorum variants also where speeds differ.
-VARIANTS_ONLY_IN = {"ideal": ("healthy",), "sync-nesterov": ("healthy",),
+VARIANTS_ONLY_IN = {"ideal": ("healthy",), "ideal-late": ("healthy",), "sync-nesterov": ("healthy",),
                     **{m: ("healthy", "mixed") for m in QUORUM_VARIANTS}}
 
 

@@ -31,8 +31,9 @@ def test_the_readme_quick_start_trains_a_users_flax_model(tiny_config, tmp_path,
     monkeypatch.syspath_prepend(str(tmp_path))
     demo = load_config(ROOT / "configs/local.yaml")                # the README runs with the demo's method settings
     cfg = tiny_config(model={"entry": "my_model:spec", "options": {}}, inner={"steps": 60, "warmup_steps": 5},
-                      outer=demo.outer.model_dump(), syncer={"scale_partial_rounds": True},
-                      fragments={"apply": demo.fragments.apply}, regions=[{"name": "us", "learners": 2, "speed": 0.25}, {"name": "eu", "learners": 2, "speed": 0.25}])  # steps ~30 ms (see test_end_to_end)
+                      outer=demo.outer.model_dump(), syncer={k: getattr(demo.syncer, k) for k in (
+                          "scale_partial_rounds", "quorum_of_fresh", "staleness_discount")},
+                      fragments={k: getattr(demo.fragments, k) for k in ("apply", "one_delta_per_version")}, regions=[{"name": "us", "learners": 2, "speed": 0.25}, {"name": "eu", "learners": 2, "speed": 0.25}])  # steps ~30 ms (see test_end_to_end)
     s = train(cfg, progress=False, console=Console(quiet=True))
     c = s["contributions"]
     assert c["applied"] == c["published"] > 0 and c["applied_twice"] == 0
