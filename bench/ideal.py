@@ -77,7 +77,7 @@ def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8, l
     curve = {"step": [0], "tokens": [0], "loss": [evaluate(glob, held, opts)]}
     last = {p: 0 for p in range(P)}
     held_back: dict[int, list] = {p: [] for p in range(P)}  # late deltas, merged in the fragment's next round
-    rng, late_seen = np.random.default_rng(cfg.data.seed), 0
+    rng = np.random.default_rng(cfg.data.seed)
     for s in range(1, steps + 1):
         local, inner_state, _ = step_fn(local, inner_state, jnp.asarray(np.stack([next(st) for st in streams])))
         # at the end every fragment hands in its steps since its last sync, as the learners do
@@ -86,7 +86,6 @@ def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8, l
             names = plan[p]
             fresh = [({n: glob[n] - np.asarray(local[n][i]) for n in names}, s - last[p], 0) for i in range(M)]
             late = late_mask(rng, M, cfg.syncer.quorum, late_share) if s < steps else np.zeros(M, bool)
-            late_seen += int(late.sum())
             now = [c for c, missed in zip(fresh, late) if not missed] + [(d, n, 1) for d, n, _ in held_back[p]]
             held_back[p] = [c for c, missed in zip(fresh, late) if missed]
             new, outer_state[p] = outer_round(cfg, run_plan, glob, names, now, outer, outer_state[p])
@@ -97,7 +96,7 @@ def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8, l
             curve["step"].append(s)
             curve["tokens"].append(s * tokens_per_step)
             curve["loss"].append(evaluate(glob, held, opts))
-    return {"curve": curve, "steps": steps, "tokens": steps * tokens_per_step, "late": late_seen}
+    return {"curve": curve, "steps": steps, "tokens": steps * tokens_per_step}
 
 
 def as_result(cfg: Config, ideal: dict) -> dict:

@@ -465,7 +465,8 @@ class Session:
         (self.stopping,), self.compute_s, chosen = self._agree(self.stopping, compute_s=compute_s)
         P, H = self.plan.fragments, self.cfg.fragments.sync_every
         for p in fragments_due(self.steps, P, H):
-            if self._hold(p):
+            if self._must_hold(p):
+                self._held.add(p)
                 continue
             self._sync(p, params)
             if self.cfg.fragments.wait_for_merge:  # round n of p is merged once p reaches version n
@@ -476,7 +477,7 @@ class Session:
         if self.steps == self.start_step + 1:  # this incarnation trains: say so now
             self.heartbeat.beat_now()
         params = self._apply(params, chosen)
-        for p in [p for p in sorted(self._held) if not self._hold(p)]:  # its version moved on: send, fresh
+        for p in [p for p in sorted(self._held) if not self._must_hold(p)]:  # its version moved on: send, fresh
             self._sync(p, params)
         for p in [p for p, (at, _) in self._waits.items() if self.steps + 1 >= at]:
             params = self._wait_for_merge(p, self._waits.pop(p)[1], params)
@@ -570,7 +571,7 @@ class Session:
                 common[p] = (v, ready[p][v])
         return [bool(rows[:, i].max() > 0) for i in range(F)], float(rows[:, F].max()), common
 
-    def _hold(self, p: int) -> bool:
+    def _must_hold(self, p: int) -> bool:
         """Whether fragment p's delta waits for a new version (fragments.one_delta_per_version): this
         learner already sent one from the version it holds, and has not held more than HOLD_PERIODS
         sync periods of steps (a syncer that is down does not keep unbounded work unsent)."""
@@ -580,7 +581,6 @@ class Session:
             log.info("held too long; sending anyway", extra={"fragment": p, "version": self._version[p],
                                                              "steps": self._since[p]["steps"]})
             return False
-        self._held.add(p)
         return True
 
     def _sync(self, p: int, params) -> None:
