@@ -42,6 +42,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=1,
                     help="run every method and scenario with seeds 0..N-1 (data.seed and model.seed: the corpus "
                          "split, batch order and initial parameters); the report adds their mean and spread")
+    ap.add_argument("--first-seed", type=int, default=0, metavar="S",
+                    help="start the seeds at S (S..S+N-1): more seeds for a figure measured before, without rerunning it")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="base config override for every run (e.g. transport.bootstrap_servers=host:9092)")
     return ap.parse_args(argv)
@@ -176,7 +178,7 @@ def main(argv: list[str]) -> Path:
     a.output.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     results: list[dict] = []
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         results += run_seed(a, seed, console, t0, results, a.output)
     order = {s: i for i, s in enumerate(a.scenarios)}
     results.sort(key=lambda r: (r["seed"], order[r["scenario"]], a.methods.index(r["method"])))
