@@ -648,6 +648,8 @@ class Session:
             self._version[p] = v
             with self.counters.lock:
                 self.counters.versions_applied += 1
+            # the steps trained since p was last sent: how late merged versions reach this learner
+            log.info("applied", extra={"fragment": p, "version": v, "steps_since_send": self._since[p]["steps"]})
         return with_leaves(params, self.plan, values)
 
     def _blocks_for(self, p: int, v: int, n: str, leaf, blocks) -> dict[Region, np.ndarray]:

@@ -79,6 +79,11 @@ def test_a_learner_ahead_sends_one_delta_per_version_and_every_token_is_merged(t
     # a learner holds a delta HOLD_PERIODS sync periods at most (eu may start seconds after us) and says so
     log = (Path(summary["run_dir"]) / "logs" / "us-0.log").read_text(errors="replace").splitlines()
     capped = Counter(json.loads(line)["fragment"] for line in log if "held too long; sending anyway" in line)
+    applied = [json.loads(line) for line in log if '"msg": "applied"' in line]  # each version once, in order
+    for p in range(cfg.fragments.count):
+        versions = [a["version"] for a in applied if a["fragment"] == p]
+        assert versions and versions == sorted(set(versions)), f"fragment {p}: applied {versions}"
+    assert all(a["steps_since_send"] >= 0 for a in applied)
     for p in range(cfg.fragments.count):
         held = bases[("us-0", p)][:-1]  # the last is the hand-in, from whatever version it ended on
         assert held == sorted(held) and len(held) - len(set(held)) <= capped[p], (
