@@ -30,7 +30,7 @@ SIZES = {
 }
 REGIONS = [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2}]  # M = 4
 # Both DiLoCo methods rebase learners on new global fragments, scale partial rounds by n/M and take
-# an outer step without momentum (lr 1 here; decoupled sets its own below): at these short horizons
+# an outer step without momentum (lr 1): at these short horizons
 # (~12 outer steps per fragment) that beat DiLoCo's lr 0.7 / Nesterov 0.9 in the healthy quick run for
 # both (2026-11-29: sync 2.72-2.76 vs 2.84, decoupled 2.77-2.80 vs 3.25 held-out loss; docs/bench.md).
 for _size in SIZES.values():
@@ -46,14 +46,18 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-# Decoupled: K = 2, the inner lr of every method (3e-3) and outer lr 0.8 (RDA keeps the mean norm of
-# the deltas, so its step is longer than sync's plain mean). A late delta waits for a round with fresh
+# Decoupled: K = 2, the inner lr of every method (3e-3), and the token-weighted plain mean with outer
+# lr 1 (sync's merge math): rounds here hold 2-4 deltas, and RDA's step grows with a round's size
+# (about sqrt(n) times the mean's for near-orthogonal deltas), so how a period's deltas split into
+# rounds changed how far the global moved; the mean with the n/M share counts every delta 1/M
+# wherever it lands. Over twenty seeds of the quick healthy run the mean with lr 1 is 0.7% better
+# than RDA with lr 0.8 (docs/bench.md, issue 21). A late delta waits for a round with fresh
 # ones (syncer.quorum_of_fresh) and weighs (1 + staleness) ** -2 there (syncer.staleness_discount), a
 # quarter of a fresh one when one version late: over five seeds of ideal DiLoCo with half the deltas
 # one round late that recovers all the loss lateness costs (bench.ideal; docs/bench.md, issue 21).
 # Its learners do not share the step budget by speed (inner.steps_by_speed): on this CPU-bound machine
 # that made the mixed run slower and worse (2.667 at 19.0 s against 2.638 at 17.4 s; docs/bench.md).
-DECOUPLED = {"syncer": {"quorum": 2, "quorum_of_fresh": True, "staleness_discount": 2.0}, "outer": {"lr": 0.8},
+DECOUPLED = {"syncer": {"quorum": 2, "quorum_of_fresh": True, "staleness_discount": 2.0, "merge": "mean"},
              "fragments": {"one_delta_per_version": True}}
 
 # Each DiLoCo method: overrides of the syncer / fragments sections. "dp" runs in bench.dp and
@@ -82,6 +86,8 @@ METHODS: dict[str, dict] = {
 QUORUM_VARIANTS = ("decoupled-kM", "decoupled-k1", "decoupled-k1-nograce")
 # decoupled without its staleness-aware pieces: late deltas make rounds of their own and weigh as fresh
 # ones, and a learner ahead sends every H steps whatever version it holds
+# decoupled with RDA and outer lr 0.8, as it was until 2026-12-02: the merge rule alone
+METHODS["decoupled-rda"] = _merge(DECOUPLED, {"syncer": {"merge": "rda"}, "outer": {"lr": 0.8}})
 METHODS["decoupled-plain"] = _merge(DECOUPLED, {"syncer": {"quorum_of_fresh": False, "staleness_discount": 0.0},
                                                 "fragments": {"one_delta_per_version": False}})
 # DiLoCo's outer Nesterov (lr 0.7, momentum 0.9); decoupled's trace decays per full round's worth of

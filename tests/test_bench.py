@@ -146,13 +146,15 @@ def test_methods_differ_only_in_what_they_name():
     sync, dec = setups.build("sync", "healthy"), setups.build("decoupled", "healthy")
     assert (sync.syncer.quorum, sync.syncer.merge, sync.syncer.token_weighting, sync.syncer.grace_max_s) == (
         sync.num_learners, "mean", False, 0.0)
-    assert dec.syncer.quorum < dec.num_learners and dec.syncer.merge == "rda"
+    assert dec.syncer.quorum < dec.num_learners and (dec.syncer.merge, dec.syncer.token_weighting) == ("mean", True)
+    rda = setups.build("decoupled-rda", "healthy")  # the merge rule and its outer lr alone
+    assert rda.model_copy(update={"syncer": dec.syncer, "outer": dec.outer, "run": dec.run}) == dec
+    assert (rda.syncer.merge, rda.outer.lr) == ("rda", 0.8)
     assert sync.model == dec.model and sync.fragments.model_copy(
         update={"wait_for_merge": False, "one_delta_per_version": True}) == dec.fragments
     assert sync.fragments.wait_for_merge and not dec.fragments.wait_for_merge
-    # the same inner loop and token budget; decoupled has its own outer lr
-    assert sync.inner == dec.inner
-    assert sync.outer.model_copy(update={"lr": dec.outer.lr}) == dec.outer
+    # the same inner loop, token budget and outer step
+    assert sync.inner == dec.inner and sync.outer == dec.outer
     assert setups.build("decoupled", "mixed").regions[1].speed == 0.5
     assert setups.build("decoupled", "wan").transport.wan_bandwidth_mbps == setups.WAN["wan_bandwidth_mbps"]
     assert setups.plan(["dp", "decoupled-p1", "ideal"], ["healthy", "wan"]) == [
