@@ -50,7 +50,7 @@ def _merge(base: dict, top: dict) -> dict:
 # lr 1 (sync's merge math): rounds here hold 2-4 deltas, and RDA's step grows with a round's size
 # (about sqrt(n) times the mean's for near-orthogonal deltas), so how a period's deltas split into
 # rounds changed how far the global moved; the mean with the n/M share counts every delta 1/M
-# wherever it lands. Over twenty seeds of the quick healthy run the mean with lr 1 is 0.7% better
+# wherever it lands. Over twenty seeds of the quick healthy run the mean with lr 1 is 0.55% better
 # than RDA with lr 0.8 (docs/bench.md, issue 21). A late delta waits for a round with fresh
 # ones (syncer.quorum_of_fresh) and weighs (1 + staleness) ** -2 there (syncer.staleness_discount), a
 # quarter of a fresh one when one version late: over five seeds of ideal DiLoCo with half the deltas
@@ -84,10 +84,10 @@ METHODS: dict[str, dict] = {
     "decoupled-k1-nograce": _merge(DECOUPLED, {"syncer": {"quorum": 1, "grace_max_s": 0.0}}),
 }
 QUORUM_VARIANTS = ("decoupled-kM", "decoupled-k1", "decoupled-k1-nograce")
-# decoupled without its staleness-aware pieces: late deltas make rounds of their own and weigh as fresh
-# ones, and a learner ahead sends every H steps whatever version it holds
 # decoupled with RDA and outer lr 0.8, as it was until 2026-12-02: the merge rule alone
 METHODS["decoupled-rda"] = _merge(DECOUPLED, {"syncer": {"merge": "rda"}, "outer": {"lr": 0.8}})
+# decoupled without its staleness-aware pieces: late deltas make rounds of their own and weigh as fresh
+# ones, and a learner ahead sends every H steps whatever version it holds
 METHODS["decoupled-plain"] = _merge(DECOUPLED, {"syncer": {"quorum_of_fresh": False, "staleness_discount": 0.0},
                                                 "fragments": {"one_delta_per_version": False}})
 # DiLoCo's outer Nesterov (lr 0.7, momentum 0.9); decoupled's trace decays per full round's worth of

@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_exact_accounting
 from rich.console import Console
 
-from diloco.fragments import sync_offset, syncs_through
+from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
@@ -93,7 +93,7 @@ def test_a_learner_ahead_sends_one_delta_per_version_and_every_token_is_merged(t
     # one; us, twice eu's speed, must hold some of them. (Not "fewer than eu": eu holds too while it
     # trains before us has started or after us has finished, and the two counts may then tie.)
     P, H, S = cfg.fragments.count, cfg.fragments.sync_every, cfg.inner.steps
-    unheld = sum(syncs_through(S, p, P, H) + (S % H != sync_offset(p, P, H) % H) for p in range(P))
+    unheld = sum(syncs_through(S, p, P, H) + (p not in fragments_due(S, P, H)) for p in range(P))
     sent = {lrn: sum(len(bases[(lrn, p)]) for p in range(P)) for lrn in ("us-0", "eu-0")}
     assert sent["us-0"] < unheld and sent["eu-0"] <= unheld, (sent, unheld)
 
