@@ -21,7 +21,7 @@ import numpy as np
 from diloco import quantize
 from diloco.messages import Manifest, WireError
 from diloco.syncer import kernels
-from diloco.syncer.merge import _CANCELLED
+from diloco.syncer.merge import _CANCELLED, learner_share
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,10 @@ def axpy(acc: np.ndarray, e: Encoded, coef: float) -> None:
 
 
 def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.ndarray, *, plain: bool,
-                 share: float = 1.0) -> np.ndarray:
-    """One tensor's merged delta: RDA (merge.rda) or, if `plain`, the weighted mean (merge.weighted_mean);
-    times `share`. `norms` are the parts' norms, `weights` sum to 1."""
+                 share: float = 1.0, learners: Sequence[str] | None = None) -> np.ndarray:
+    """One tensor's merged delta: RDA over `learners` (merge.rda) times learner_share, or, if `plain`,
+    the weighted mean (merge.weighted_mean) times `share`. `norms` are the parts' norms, `weights`
+    sum to 1."""
     acc = np.zeros(parts[0].shape, np.float32)
     w = np.asarray(weights, np.float64)
     if plain:
@@ -128,15 +129,44 @@ def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.n
         if share != 1.0:
             kernels.scale_into(acc.reshape(-1), acc.reshape(-1), share)
         return acc
-    radius = float(np.sum(w * np.asarray(norms)) / np.sum(w))
-    for e, wm, nm in zip(parts, w / np.sum(w), norms):
+    groups, gw, gnorms = _by_learner(parts, norms, w, learners)
+    radius = float(np.sum(gw * np.asarray(gnorms)) / np.sum(gw))
+    for group, wm, nm in zip(groups, gw / np.sum(gw), gnorms):
         if nm > 0:  # an all-zero delta has no direction and adds none
-            axpy(acc, e, float(wm / nm))
+            if isinstance(group, Encoded):
+                axpy(acc, group, float(wm / nm))
+            else:
+                kernels.axpy_f32(acc.reshape(-1), group.reshape(-1), float(wm / nm))
     dnorm = math.sqrt(kernels.sumsq(acc.reshape(-1)))
     if dnorm < _CANCELLED:  # the deltas cancel: no direction to move in
         return np.zeros_like(acc)
-    kernels.scale_into(acc.reshape(-1), acc.reshape(-1), radius / dnorm * share)
+    kernels.scale_into(acc.reshape(-1), acc.reshape(-1), radius / dnorm * learner_share(share, learners))
     return acc
+
+
+def _by_learner(parts: Sequence[Encoded], norms: Sequence[float], w: np.ndarray, learners: Sequence[str] | None):
+    """merge.by_learner on encoded parts: ([a learner's one Encoded part, or its parts summed in
+    float32], weights, norms), learners in order of first appearance."""
+    if learners is None or len(set(learners)) == len(learners):
+        return list(parts), w, list(norms)
+    if len(learners) != len(parts):
+        raise ValueError(f"{len(learners)} learner names for {len(parts)} deltas")
+    index: dict[str, list[int]] = {}
+    for i, lid in enumerate(learners):
+        index.setdefault(lid, []).append(i)
+    groups, gw, gnorms = [], [], []
+    for members in index.values():
+        if len(members) == 1:
+            groups.append(parts[members[0]])
+            gnorms.append(norms[members[0]])
+        else:
+            total = np.zeros(parts[0].shape, np.float32)
+            for i in members:
+                axpy(total, parts[i], 1.0)
+            groups.append(total)
+            gnorms.append(math.sqrt(kernels.sumsq(total.reshape(-1))))
+        gw.append(float(sum(w[i] for i in members)))
+    return groups, np.array(gw), gnorms
 
 
 def _threaded(one, names: list[str], threads: int) -> list:
@@ -154,15 +184,16 @@ def _pack_int4(q: np.ndarray, cols: int) -> np.ndarray:
 
 
 def merge(contributions: Sequence[EncodedDelta], weights: np.ndarray, mean_names: Sequence[str] = (),
-          rule: str = "rda", share: float = 1.0, threads: int = 1) -> dict[str, np.ndarray]:
-    """`merge.merge_deltas` (then times `share`) on encoded contributions, tensors in `threads` threads."""
+          rule: str = "rda", share: float = 1.0, threads: int = 1,
+          learners: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """`merge.merge_deltas` on encoded contributions, tensors in `threads` threads."""
     if rule not in ("rda", "mean"):
         raise ValueError(f"unknown merge rule {rule!r}")
     names = list(contributions[0].tensors)
 
     def one(name: str) -> np.ndarray:
         return merge_tensor([c.tensors[name] for c in contributions], [c.norms[name] for c in contributions],
-                            weights, plain=rule == "mean" or name in mean_names, share=share)
+                            weights, plain=rule == "mean" or name in mean_names, share=share, learners=learners)
 
     return dict(zip(names, _threaded(one, names, threads)))
 
@@ -191,13 +222,16 @@ def outer_sgd(params: Mapping[str, np.ndarray], state, delta: Mapping[str, np.nd
 
 
 def encode_update(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], residual: Mapping[str, np.ndarray],
-                  scheme: str, threads: int = 1) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, np.ndarray]]:
+                  scheme: str, threads: int = 1, base: Mapping[str, np.ndarray] | None = None
+                  ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`quantize.encode_update`, bit for bit, one fused pass per row for int8 / int4 float32 tensors
     (other schemes and dtypes take the NumPy path)."""
     def one(n: str):
         o, x = np.asarray(old[n]), np.asarray(new[n])
+        b = o if base is None else np.asarray(base[n])
         if scheme not in quantize.LEVELS or o.dtype != np.float32 or x.dtype != np.float32:
-            wire, pub, car = quantize.encode_update({n: o}, {n: x}, {n: residual[n]} if n in residual else {}, scheme)
+            wire, pub, car = quantize.encode_update({n: o}, {n: x}, {n: residual[n]} if n in residual else {}, scheme,
+                                                    base=None if base is None else {n: b})
             return wire[n], pub[n], car[n]
         rows, cols = quantize._rows(x.shape)
         res = residual.get(n)
@@ -206,8 +240,8 @@ def encode_update(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], 
         scale = np.empty(rows, "<f4")
         published = np.empty((rows, cols), np.float32)
         carried = np.empty((rows, cols), np.float32)
-        kernels.update_q(x.reshape(rows, cols), o.reshape(rows, cols), res, quantize.LEVELS[scheme], q, scale,
-                         published, carried)
+        kernels.update_q(x.reshape(rows, cols), o.reshape(rows, cols), res, b.reshape(rows, cols), base is not None,
+                         quantize.LEVELS[scheme], q, scale, published, carried)
         if scheme == "int4":
             q = _pack_int4(q, cols)
         return scale.tobytes() + q.tobytes(), published.reshape(x.shape), carried.reshape(x.shape)
@@ -227,9 +261,11 @@ NOT_FINITE = ((1, "merged values"), (2, "published values or broadcast residual"
 
 def outer_update(old: Mapping[str, np.ndarray], state, delta: Mapping[str, np.ndarray],
                  residual: Mapping[str, np.ndarray], *, lr: float, momentum: float, nesterov: bool, scheme: str,
-                 scales: Mapping[str, float] | None = None, threads: int = 1):
-    """`outer_sgd` then `encode_update` (the delta of tensor n times `scales[n]`, default 1): (encoded
-    update, published values, residual, outer state), bit for bit as those two would give. For int8
+                 scales: Mapping[str, float] | None = None, threads: int = 1,
+                 base: Mapping[str, np.ndarray] | None = None):
+    """`outer_sgd` then `encode_update` relative to `base` (default `old`; the delta of tensor n
+    times `scales[n]`, default 1): (encoded update, published values, residual, outer state), bit
+    for bit as those two would give. For int8
     / int4 float32 tensors both are one pass per row (`kernels.step_update_q`): the stepped values are
     never stored. Raises FloatingPointError naming the tensors whose stepped values, published
     values or residual are not finite (int8 codes would launder a NaN), so none is ever written."""
@@ -238,13 +274,15 @@ def outer_update(old: Mapping[str, np.ndarray], state, delta: Mapping[str, np.nd
 
     def one(n: str):
         o, d = np.asarray(old[n]), np.ascontiguousarray(delta[n], np.float32)
+        b = o if base is None else np.asarray(base[n])
         k = float(scales.get(n, 1.0))
         if scheme not in quantize.LEVELS or o.dtype != np.float32:  # bf16 parameters, fp32 / bf16 updates
             if k != 1.0:
                 d = np.float32(k) * d
             sub = (trace_state._replace(trace={n: trace_state.trace[n]}), *state[1:]) if trace_state else state
             new, sub = outer_sgd({n: o}, sub, {n: d}, lr=lr, momentum=momentum, nesterov=nesterov)
-            wire, pub, car = encode_update({n: o}, new, {n: residual[n]} if n in residual else {}, scheme)
+            wire, pub, car = encode_update({n: o}, new, {n: residual[n]} if n in residual else {}, scheme,
+                                           base=None if base is None else {n: b})
             flags = (0 if _finite(new[n]) else 1) | (0 if _finite(pub[n]) and _finite(car[n]) else 2)
             return wire[n], pub[n], car[n], sub[0].trace[n] if trace_state else None, flags
         rows, cols = quantize._rows(o.shape)
@@ -255,8 +293,8 @@ def outer_update(old: Mapping[str, np.ndarray], state, delta: Mapping[str, np.nd
         q, scale = np.empty((rows, cols), np.int8), np.empty(rows, "<f4")
         published, carried = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
         flags = kernels.step_update_q(o.reshape(rows, cols), d.reshape(rows, cols), k, trace_in, trace_out, lr,
-                                      momentum, nesterov and momentum > 0, res, quantize.LEVELS[scheme], q, scale,
-                                      published, carried)
+                                      momentum, nesterov and momentum > 0, res, b.reshape(rows, cols), base is not None,
+                                      quantize.LEVELS[scheme], q, scale, published, carried)
         if scheme == "int4":
             q = _pack_int4(q, cols)
         return (scale.tobytes() + q.tobytes(), published.reshape(o.shape), carried.reshape(o.shape),
@@ -297,8 +335,12 @@ def warm_up() -> None:
         for old in (params, frozen):
             encode_update(old, new, {}, scheme)
             encode_update(old, new, {n: np.zeros_like(a) for n, a in params.items()}, scheme)
+            encode_update(old, new, {n: np.zeros_like(a) for n, a in params.items()}, scheme, base=frozen)
         for momentum in (0.0, 0.9):  # twice: the state of a later merge (its own trace, residual) types anew
             opt = merge_math.outer_optimizer(0.5, momentum, True)
             _, pub, res, state = outer_update(frozen, opt.init(params), merged, {}, lr=0.5, momentum=momentum,
                                               nesterov=True, scheme=scheme, scales={"m": 0.5})
             outer_update(pub, state, merged, res, lr=0.5, momentum=momentum, nesterov=True, scheme=scheme)
+            for base in (frozen, pub):  # updates relative to a snapshot held read-only (rebuilt) or not
+                outer_update(pub, state, merged, res, lr=0.5, momentum=momentum, nesterov=True, scheme=scheme,
+                             base=base)

@@ -155,17 +155,19 @@ def sumsq(x):
 # --- the broadcast update, fused ---------------------------------------------------------------------
 
 @nb.njit(**_JIT)
-def update_q(new, old, residual, levels, q, scale, published, carried):
-    """Per row r of (rows, cols) float32 arrays: want = new - old + residual; scale = max|want| / levels
-    (1 where the row is zero); q = clip(rint(want / scale)); published = old + q * scale (float32);
-    carried = want - (published - old). The same arithmetic as diloco.quantize.encode_update for
-    int8 / int4 (before packing) on float32 parameters."""
+def update_q(new, old, residual, base, rebased, levels, q, scale, published, carried):
+    """Per row r of (rows, cols) float32 arrays: want = new - old + residual (+ old - base when
+    `rebased`, else `base` is `old`); scale = max|want| / levels (1 where the row is zero); q = clip(rint(want / scale));
+    published = base + q * scale (float32); carried = want - (published - base). The same arithmetic
+    as diloco.quantize.encode_update for int8 / int4 (before packing) on float32 parameters."""
     rows, cols = new.shape
     want = np.empty(cols, np.float32)
     for r in range(rows):
         m = np.float32(0.0)
         for c in range(cols):
             w = (new[r, c] - old[r, c]) + residual[r, c]
+            if rebased:
+                w = w + (old[r, c] - base[r, c])
             want[c] = w
             a = abs(w)
             if a > m:
@@ -181,9 +183,9 @@ def update_q(new, old, residual, levels, q, scale, published, carried):
             elif v < -levels:
                 v = -levels
             q[r, c] = np.int8(v)
-            p = old[r, c] + np.float32(v) * s
+            p = base[r, c] + np.float32(v) * s
             published[r, c] = p
-            carried[r, c] = want[c] - (p - old[r, c])
+            carried[r, c] = want[c] - (p - base[r, c])
 
 
 _EXP = np.uint32(0x7F800000)     # float32 exponent bits: all ones for inf and nan
@@ -191,9 +193,10 @@ _ABS = np.uint32(0x7FFFFFFF)
 
 
 @nb.njit(**_JIT)
-def step_update_q(old, delta, k, trace_in, trace_out, lr, momentum, nesterov, residual, levels, q, scale, published,
-                  carried):
-    """`sgd_step` on the gradient k * delta, then `update_q` of its result, in one pass per row with
+def step_update_q(old, delta, k, trace_in, trace_out, lr, momentum, nesterov, residual, base, rebased, levels, q, scale,
+                  published, carried):
+    """`sgd_step` on the gradient k * delta, then `update_q` of its result relative to `base` (`old`
+    itself unless `rebased`), in one pass per row with
     the same float32 arithmetic (bit for bit): the stepped parameters are never stored, only what
     the syncer keeps (published values, residual, new momentum trace) and the broadcast codes.
     Returns bit flags: 1 if a stepped value, 2 a published value or residual, is not finite.
@@ -210,7 +213,7 @@ def step_update_q(old, delta, k, trace_in, trace_out, lr, momentum, nesterov, re
     kk, m, step = np.float32(k), np.float32(momentum), np.float32(-lr)
     flags = 0
     for r in range(rows):
-        o, d, res = old[r], delta[r], residual[r]
+        o, d, res, b = old[r], delta[r], residual[r], base[r]
         if momentum > 0:
             t_in, t_out = trace_in[r], trace_out[r]
             for c in range(cols):
@@ -222,6 +225,9 @@ def step_update_q(old, delta, k, trace_in, trace_out, lr, momentum, nesterov, re
         else:
             for c in range(cols):
                 want[c] = ((o[c] + step * (kk * d[c])) - o[c]) + res[c]
+        if rebased:
+            for c in range(cols):
+                want[c] = want[c] + (o[c] - b[c])
         top = np.uint32(0)
         for c in range(cols):
             top = max(top, wbits[c] & _ABS)
@@ -237,9 +243,9 @@ def step_update_q(old, delta, k, trace_in, trace_out, lr, momentum, nesterov, re
         for c in range(cols):
             v = min(max(np.rint(want[c] / s), np.float32(-levels)), np.float32(levels))
             qr[c] = np.int8(v)
-            p = o[c] + v * s
+            p = b[c] + v * s
             pr[c] = p
-            cr[c] = want[c] - (p - o[c])
+            cr[c] = want[c] - (p - b[c])
         bad = np.uint32(0)
         for c in range(cols):
             bad |= (pbits[r, c] & _EXP) == _EXP

@@ -2,7 +2,9 @@
 
 - token weights: w_m = tokens_m * (tokens_m / steps_m), normalised;
 - radial-directional averaging (RDA) per tensor: mean norm times the unit of the mean direction,
-  so that the merged norm does not shrink like 1/sqrt(M) for near-orthogonal deltas;
+  so that the merged norm does not shrink like 1/sqrt(M) for near-orthogonal deltas; it averages
+  learners, so a learner's several contributions to one round are summed into one delta first
+  (`by_learner`);
 - plain weighted mean for the tensors named in `mean_names` (embeddings);
 - the outer optimizer: SGD with Nesterov momentum from optax, fed the merged delta as its gradient.
 """
@@ -26,6 +28,17 @@ def token_weights(tokens: Sequence[float], steps: Sequence[float], weighted: boo
         raise ValueError("token weights need positive tokens and steps for every contribution")
     w = t * (t / s) if weighted else np.ones_like(t)
     return w / w.sum()
+
+
+def bounded_tokens(tokens: Sequence[float], steps: Sequence[float], spread: float) -> list[float]:
+    """Tokens as weighed: each contribution's tokens per step at most `spread` times the round's
+    lowest, so that one writer that claims more (a forged manifest, a learner counting bytes for
+    tokens) cannot take a round's weight (w grows as tokens^2). Learners of one run train batches of
+    one shape, so honest contributions differ little; 0 = claims as they are."""
+    if spread <= 0 or len(tokens) < 2:
+        return list(tokens)
+    floor = min(t / s for t, s in zip(tokens, steps))
+    return [min(t, spread * floor * s) for t, s in zip(tokens, steps)]
 
 
 def staleness_weights(weights: Sequence[float], staleness: Sequence[int], discount: float) -> np.ndarray:
@@ -53,9 +66,37 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarr
     return np.tensordot(np.asarray(weights, np.float32), np.stack(deltas).astype(np.float32), axes=1)
 
 
-def rda(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
-    """Radial-directional average: (sum w|D|) / sum w  *  unit(sum w unit(D))."""
+def by_learner(deltas: Sequence[np.ndarray], weights: np.ndarray, learners: Sequence[str] | None
+               ) -> tuple[list[np.ndarray], np.ndarray]:
+    """(one delta per learner, its weight): a learner's contributions to one round are successive
+    pieces of its own progress (each measured from what it sent last), so their sum is its delta and
+    their weights add up (tokens^2/steps of the union is the sum of the parts' at one step rate).
+    Learners in order of first appearance; None: every contribution is its own learner."""
     w = np.asarray(weights, np.float64)
+    if learners is None or len(set(learners)) == len(learners):
+        return [np.asarray(d, np.float32) for d in deltas], w
+    if len(learners) != len(deltas):
+        raise ValueError(f"{len(learners)} learner names for {len(deltas)} deltas")
+    order = list(dict.fromkeys(learners))
+    summed = {lid: np.zeros(np.shape(deltas[0]), np.float32) for lid in order}
+    total = dict.fromkeys(order, 0.0)
+    for d, wm, lid in zip(deltas, w, learners):
+        summed[lid] += np.asarray(d, np.float32)
+        total[lid] += float(wm)
+    return [summed[lid] for lid in order], np.array([total[lid] for lid in order])
+
+
+def learner_share(share: float, learners: Sequence[str] | None) -> float:
+    """RDA's share of a round: `share` is per contribution (n/M, round_share), RDA counts learners
+    (G/M for G distinct learners among the n), so that a round never moves more than a full one."""
+    if not learners:
+        return share
+    return share * len(set(learners)) / len(learners)
+
+
+def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, learners: Sequence[str] | None = None) -> np.ndarray:
+    """Radial-directional average over learners: (sum w|D|) / sum w  *  unit(sum w unit(D))."""
+    deltas, w = by_learner(deltas, weights, learners)
     stack = np.stack(deltas).astype(np.float32)
     norms = np.sqrt(np.sum(stack.reshape(len(deltas), -1).astype(np.float64) ** 2, axis=1))
     radius = float(np.sum(w * norms) / np.sum(w))
@@ -69,9 +110,11 @@ def rda(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
 
 
 def merge_deltas(contributions: Sequence[Mapping[str, np.ndarray]], weights: np.ndarray,
-                 mean_names: Sequence[str] = (), rule: str = "rda") -> dict[str, np.ndarray]:
-    """Merge per-tensor: RDA by default, weighted mean for tensors in `mean_names` or for every
-    tensor when rule="mean" (the plain average of synchronous DiLoCo)."""
+                 mean_names: Sequence[str] = (), rule: str = "rda", learners: Sequence[str] | None = None,
+                 share: float = 1.0) -> dict[str, np.ndarray]:
+    """Merge per-tensor: RDA by default (over `learners`, times learner_share), weighted mean (times
+    `share`) for tensors in `mean_names` or for every tensor when rule="mean" (the plain average of
+    synchronous DiLoCo)."""
     if rule not in ("rda", "mean"):
         raise ValueError(f"unknown merge rule {rule!r}")
     names = contributions[0].keys()
@@ -79,15 +122,17 @@ def merge_deltas(contributions: Sequence[Mapping[str, np.ndarray]], weights: np.
     for name in names:
         tensors = [c[name] for c in contributions]
         plain = rule == "mean" or name in mean_names
-        out[name] = weighted_mean(tensors, weights) if plain else rda(tensors, weights)
+        out[name] = (weighted_mean(tensors, weights) * np.float32(share) if plain else
+                     rda(tensors, weights, learners) * np.float32(learner_share(share, learners)))
     return out
 
 
 def round_share(contributions: int, expected_learners: int) -> float:
     """The share of a full round's progress that a round with this many contributions carries.
 
-    A round that closes with n of the M expected learners applies n/M of its merged delta, so that
-    each delta counts 1/M of itself whichever round it lands in. Without it, K < M rounds take about
+    A round that closes with n contributions of the M expected learners applies n/M of its merged
+    (weighted-mean) delta, so that each delta counts 1/M of itself whichever round it lands in; RDA,
+    which averages learners, applies G/M for the G learners among them (learner_share). Without it, K < M rounds take about
     M/K full outer steps per sync period where synchronous DiLoCo takes one.
     """
     return contributions / max(expected_learners, 1)

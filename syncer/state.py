@@ -356,8 +356,10 @@ class SyncerState:
     def heartbeat(self, learner: str, info: dict) -> None:
         self.r.hset(self.k + "registry", learner, json.dumps(info))
 
-    def drop_learner(self, learner: str) -> None:
-        self.r.hdel(self.k + "registry", learner)
+    def drop_learner(self, learner: str, info: dict) -> None:
+        """Keep the learner's last entry marked dropped: a reload must not take a dropped member for one
+        not heard from yet (which counts as live) and wait for it for good."""
+        self.r.hset(self.k + "registry", learner, json.dumps({**info, "status": "dropped"}))
 
     def admit(self, learner: str, info: dict) -> bool:
         """Record a learner admitted to the live run; False if it already was."""

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import signal
-import threading
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 import numpy as np
 from kafka import OffsetAndMetadata, TopicPartition
@@ -47,170 +44,24 @@ from diloco import status as status_mod
 from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore, StoreError, StoreFenced, is_snapshot
+from diloco.infra.store import FragmentStore, StoreFenced
 from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
-from diloco.plan import Plan
-from diloco.syncer import durability, fused
+from diloco.syncer import durability, fused, rounds
 from diloco.syncer import merge as merge_math
 from diloco.syncer import shards as shards_mod
-from diloco.syncer.policy import QuorumPolicy, decide
+from diloco.syncer.intake import Intake
+from diloco.syncer.ownership import LeaseKeeper
+from diloco.syncer.periodic import Every
+from diloco.syncer.policy import QuorumPolicy
+from diloco.syncer.provision import announce, announcement
+from diloco.syncer.rebuild import rebuild
+from diloco.syncer.records import (TP, FragmentState, Pending, Reason, Status, parse_partition_key, partition_key,
+                                   pending_fragment)
 from diloco.syncer.state import Fenced, StaleVersion, SyncerState, wait_until_up
 
 log = logging.getLogger(__name__)
 
-TP = tuple[str, int]
 DRAIN_SETTLE_S = 1.0  # on stop: how long the syncer must stay caught up before it believes it
-
-
-@dataclass
-class Pending:
-    """A contribution accepted into an open round, kept encoded as it arrived (int8: a quarter of its
-    float32 size) with its norms; `deltas` is None until a replay brings it back."""
-    manifest_meta: dict
-    arrival: float
-    tp: TP
-    first_offset: int
-    deltas: fused.EncodedDelta | None = None
-
-
-class LeaseKeeper(threading.Thread):
-    """Renews a shard's membership and the leases of its fragments every third of the TTL, on a thread
-    of its own, so that a long step (a big merge, a slow store write, a replay) does not lose them.
-
-    It stops renewing once the main loop has shown no progress for `stuck_after_s`, so a wedged process
-    still hands its fragments over; a paused process pauses this thread too. What it could not renew
-    is in `lost`, which the main loop drops; `displaced` says another live process is this shard now.
-    """
-
-    def __init__(self, syncer: Syncer, stuck_after_s: float):
-        super().__init__(daemon=True, name=f"lease-keeper-{syncer.shard}")
-        self.syncer, self.stuck_after_s = syncer, stuck_after_s
-        self.lost: set[int] = set()
-        self.displaced = False
-        self.alive_at = time.monotonic()   # the main loop's last sign of progress
-        self._halt = threading.Event()
-        self._stuck = False
-
-    def run(self) -> None:
-        while not self._halt.wait(self.syncer.ttl_s / 3):
-            self.renew()
-
-    def renew(self) -> None:
-        s = self.syncer
-        stuck = time.monotonic() - self.alive_at > self.stuck_after_s
-        if stuck != self._stuck:
-            (log.error if stuck else log.warning)(
-                "main loop stuck; leases left to expire" if stuck else "main loop moving again",
-                extra={"shard": s.shard, "stuck_after_s": self.stuck_after_s})
-        self._stuck = stuck
-        if stuck:
-            return
-        try:
-            if s.state.join(s.shard, s.member, s.ttl_s) is not None:
-                self.displaced = True
-            for p in list(s.epochs):
-                if not s.state.renew(p, s.member, s.ttl_s):
-                    self.lost.add(p)
-        except (RedisError, RuntimeError) as err:  # an outage (the main loop recovers) or epochs changed mid-copy
-            log.debug("lease renewal skipped: %s", type(err).__name__)
-
-    def halt(self) -> None:
-        self._halt.set()
-
-
-class RebuildError(RuntimeError):
-    """A version between snapshots cannot be replayed exactly."""
-
-
-def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]], timeout_s: float = 60.0
-              ) -> dict[str, tuple[Manifest, bytes]]:
-    """The contributions `wanted` (id -> topic, partition, offset of its first record), read back
-    from the log and reassembled; those the log no longer holds are left out."""
-    by_tp: dict[TopicPartition, int] = {}
-    for topic, partition, offset in wanted.values():
-        tp = TopicPartition(topic, partition)
-        by_tp[tp] = min(by_tp.get(tp, offset), offset)
-    out: dict[str, tuple[Manifest, bytes]] = {}
-    if not by_tp:
-        return out
-    assembler = ChunkAssembler(max_bytes=cfg.syncer.max_contribution_bytes, timeout_s=timeout_s)
-    c = kafka_io.consumer(cfg.transport)
-    try:
-        kafka_io.assign_from(c, by_tp)
-        deadline = time.time() + timeout_s
-        while len(out) < len(wanted) and time.time() < deadline:
-            for records in c.poll(timeout_ms=200).values():
-                for rec in records:
-                    try:
-                        header, payload = messages.parse_frame(rec.value)
-                    except WireError:
-                        continue
-                    cid = header.get("id")
-                    if cid not in wanted or cid in out:
-                        continue
-                    got = assembler.add(header, payload, now=time.time(), offset=rec.offset)
-                    if isinstance(got, Assembled) and got.manifest.run == run_id:
-                        out[cid] = (got.manifest, got.payload)
-            if all(c.highwater(tp) is not None and c.position(tp) >= c.highwater(tp) for tp in by_tp):
-                break
-    finally:
-        c.close()
-    return out
-
-
-@dataclass
-class FragmentState:
-    version: int
-    params: dict[str, np.ndarray]
-    opt_state: object
-    round: dict[str, Pending] = field(default_factory=dict)
-    residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
-    snapshot_at: int = 0  # the newest version stored whole (store.snapshot_every)
-    _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
-
-    def budget_scale(self) -> float:
-        if self._scale is None:
-            norm = math.sqrt(sum(fused.squared_norm(a) for a in self.params.values()))
-            self._scale = max(norm, math.sqrt(sum(a.size for a in self.params.values())))
-        return self._scale
-
-
-def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentStore, producer, plan: Plan,
-              initial: dict[str, np.ndarray]) -> bool:
-    """Create topics and, for a new run, store its plan and version 0 of every fragment (from the
-    `initial` values of the plan's tensors, computed by whoever holds the model). True if new."""
-    topics = kafka_io.Topics.for_run(cfg, run_id)
-    kafka_io.ensure_topics(cfg.transport, topics.all())
-    if plan.fragments != cfg.fragments.count:
-        raise ValueError(f"the plan has {plan.fragments} fragments, fragments.count is {cfg.fragments.count}")
-    if state.versions():
-        return False
-    if held := durability.committed_in_store(store, plan.fragments):
-        raise durability.lost(run_id, f"Redis holds nothing of the run, but the store holds its committed versions "
-                                      f"{held}; provisioning again would overwrite version 0")
-    store.write_plan(plan)
-    opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
-    for p, names in enumerate(plan.fragment_names):
-        frag = {n: np.asarray(initial[n]).astype(plan.by_name[n].np_dtype) for n in names}
-        store.write(p, 0, frag, merge_math.flatten_state(opt.init(merge_math.as_float32(frag))),
-                    {"tokens": 0, "contributors": [], "ids": [], "time": time.time(), "reason": "init"})
-    state.init_versions(plan.fragments)
-    for p in range(plan.fragments):
-        store.mark_committed(p, 0)
-        announce(producer, topics, cfg, run_id, p, 0)
-    producer.flush()
-    return True
-
-
-def announcement(topics: kafka_io.Topics, cfg: Config, run_id: str, fragment: int, version: int) -> dict:
-    """An outbox record telling learners that `version` of `fragment` is in the store."""
-    value = messages.event("version", run=run_id, fragment=fragment, version=version, store=cfg.store.url)
-    return {"topic": topics.outer, "partition": 0, "value": value.decode()}
-
-
-def announce(producer, topics: kafka_io.Topics, cfg: Config, run_id: str, fragment: int, version: int) -> None:
-    rec = announcement(topics, cfg, run_id, fragment, version)
-    producer.send(rec["topic"], rec["value"].encode(), partition=rec["partition"])
 
 
 class Syncer:
@@ -234,16 +85,22 @@ class Syncer:
         self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
                                    cfg.syncer.grace_max_s)
         self.events_tp: TP = (self.topics.events, 0)
+        self.region_of_topic = {topic: region for region, topic in self.topics.fragments.items()}
         self.learners = set(cfg.learner_ids())  # members: these, and those admitted since (members hash)
         self.refused: set[str] = set()           # ids already refused (and said so) by this process
         self.below_min: dict[str, bool] = {}     # region -> fewer live learners than regions[].min_learners
         self.stopping = False
         self._broker_down = self._commit_failed = False
         self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
-        self.keeper = LeaseKeeper(self, cfg.syncer.stuck_after_s)
+        self.keeper = self._lease_keeper()
+        self.intake = Intake(cfg, run_id, self.run_plan)
         self.metrics = metrics_mod.SyncerMetrics(shard)
         self.recent: deque[dict] = deque(maxlen=200)  # the newest events other than heartbeats (status page)
         self._reset()
+
+    def _lease_keeper(self) -> LeaseKeeper:
+        return LeaseKeeper(self.state, self.shard, self.member, self.ttl_s, lambda: list(self.epochs),
+                           self.cfg.syncer.stuck_after_s)
 
     def _reset(self) -> None:
         """Forget everything held in memory: what start() rebuilds from Redis, TensorStore and Kafka."""
@@ -259,8 +116,10 @@ class Syncer:
         self.sync_time_s = 0.0
         self.coordinator = False
         self._replaying = False
-        self._last_offsets_save = self._last_registry_check = self._last_lease = self._last_prune = 0.0
-        self._last_observed = 0.0
+        # periodic work, each on its own cadence
+        self.every_offsets_save, self.every_prune = Every(1.0, self.clock), Every(10.0, self.clock)
+        self.every_registry_check, self.every_observe = Every(0.5, self.clock), Every(1.0, self.clock)
+        self.every_lease = Every(self.ttl_s / 3, self.clock)
 
     # --- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -269,7 +128,7 @@ class Syncer:
         fused.warm_up()  # the merge kernels compile (or load from cache) now, not during the first rounds
         self.stand_by()
         if not self.keeper.is_alive():
-            self.keeper = LeaseKeeper(self, self.cfg.syncer.stuck_after_s)
+            self.keeper = self._lease_keeper()
             self.keeper.start()
         try:
             self._resume()
@@ -295,6 +154,10 @@ class Syncer:
                     self.registry[lid] = messages.clean_heartbeat(hb) | {"seen": now, "status": hb.get("status", "alive")}
             except WireError as err:
                 log.warning("registry entry dropped", extra={"learner": lid[:64], "error": str(err)})
+        if self.registry or any(versions.values()):
+            # a run under way: a member never heard from is not waited for forever, its clock starts now
+            for lid in self.learners - set(self.registry):
+                self.registry[lid] = {"kind": "heartbeat", "learner": lid, "seen": now, "status": "alive"}
         self.consumed = {self.events_tp: self.state.events_offset(self.shard)}
         self.started_at = now
         self.rebalance(force=True)
@@ -303,7 +166,7 @@ class Syncer:
                     versions={p: f.version for p, f in self.fragments.items()},
                     pending=sum(len(f.round) for f in self.fragments.values()))
         log.info("syncer started", extra={"run": self.run_id, "shard": self.shard, "fragments": sorted(self.fragments),
-                                          "replay_from": {f"{t}|{p}": o for (t, p), o in self.consumed.items()}})
+                                          "replay_from": {partition_key(tp): o for tp, o in self.consumed.items()}})
 
     def stand_by(self) -> None:
         """Wait while another live process is this shard (two would take fragments from each other)."""
@@ -409,16 +272,15 @@ class Syncer:
             raise                     # the service or the ownership, not the record: handled above
         except Exception as err:  # one bad record must never stop the syncer
             log.exception("record handling failed", extra={"topic": key[0], "offset": rec.offset})
-            self._reject(None, "internal_error", f"{type(err).__name__}: {err}", where=(*key, rec.offset))
+            self._reject(None, Reason.INTERNAL_ERROR, f"{type(err).__name__}: {err}", where=(*key, rec.offset))
 
     # --- ownership -----------------------------------------------------------------------------
     def rebalance(self, *, force: bool = False) -> None:
         """Renew leases and membership; hand back fragments whose home shard is live again; claim
         the fragments this shard should own that nobody holds. Runs every third of the lease TTL."""
-        now = self.clock()
-        if not force and now - self._last_lease < self.ttl_s / 3:
+        if not self.every_lease.due(force=force):
             return
-        self._last_lease = now
+        now = self.clock()
         self.keeper.alive_at = time.monotonic()
         self.keeper.renew()                # the keeper's thread does the same between steps
         if self.keeper.displaced:  # this process stalled past its TTL and another one is this shard now
@@ -473,50 +335,19 @@ class Syncer:
         log.info("fragment claimed", extra={"fragment": p, "shard": self.shard, "epoch": epoch, "version": v,
                                             "previous_owner": previous, "pending": len(st.round)})
 
-    def _snapshot(self, p: int, v: int) -> FragmentState:
-        fv = self.store.read(p, v)
-        template = self.opt.init(merge_math.as_float32({n: fv.params[n] for n in self.plan[p]}))
-        return FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt), residual=fv.residual,
-                             snapshot_at=v)
-
     def _rebuild(self, p: int, v: int) -> FragmentState:
-        """Fragment p's exact state at version v: its snapshot, then each merge since replayed from
-        the contributions it merged (read back from Kafka where its record says they are), each
-        checked bit for bit against the update stored for that version. If a contribution cannot be
-        read back (retention), the parameters still come exactly from the updates, but the outer
-        state and residual are the snapshot's: said loudly, in the log and an event."""
-        meta = self.store.read_meta(p, v)
-        s = meta.get("snapshot_at", v) if not is_snapshot(meta) else v
-        st = self._snapshot(p, s)
-        if s == v:
+        """Fragment p's exact state at version v (syncer/rebuild.py); an approximate one (exact
+        parameters, the snapshot's outer state) is said loudly, in the log and an event."""
+        st, approximate = rebuild(self.cfg, self.run_id, self.run_plan, self.opt, self.store, self.state.merges(), p, v)
+        if approximate is None:
+            if st.snapshot_at != v:
+                log.info("fragment rebuilt from its snapshot", extra={"fragment": p, "snapshot": st.snapshot_at,
+                                                                      "version": v})
             return st
-        records = {m["version"]: m for m in self.state.merges() if m["fragment"] == p and s < m["version"] <= v}
-        try:
-            if sorted(records) != list(range(s + 1, v + 1)):
-                raise RebuildError(f"merge records of versions {sorted(set(range(s + 1, v + 1)) - set(records))} missing")
-            wanted = {cid: tuple(w) for u in records.values() for cid, w in zip(u["ids"], u["where"])}
-            found = read_back(self.cfg, self.run_id, wanted)
-            for u in range(s + 1, v + 1):
-                rec = records[u]
-                contribs = []
-                for cid in rec["ids"]:
-                    if cid not in found:
-                        raise RebuildError(f"contribution {cid} of v{u} is no longer in the log")
-                    m, payload = found[cid]
-                    meta = {"tokens": m.tokens, "steps": m.steps, "base_version": m.base_version}
-                    contribs.append(Pending(meta, 0.0, wanted[cid][:2], wanted[cid][2], fused.encoded_delta(m, payload)))
-                _, params, opt_state, update, residual = self._merged(st, p, contribs, rec["share"])
-                if update != self.store.read_update(p, u)[1]:
-                    raise RebuildError(f"replaying v{u} does not reproduce its stored update")
-                st.version, st.params, st.opt_state, st.residual = u, params, opt_state, residual
-            log.info("fragment rebuilt from its snapshot", extra={"fragment": p, "snapshot": s, "version": v})
-        except (RebuildError, StoreError, WireError, KafkaError, KeyError, ValueError) as err:
-            log.error("fragment %d: outer state not rebuilt exactly since snapshot v%d (%s); parameters are exact, "
-                      "momentum and residual restart from the snapshot", p, s, err)
-            self._event("fragment_state_approximate", fragment=p, snapshot=s, version=v,
-                        reason=messages.bounded(str(err), messages.DETAIL_CHARS))
-            params, _ = self.store.read_params(p, v, meta)
-            st = FragmentState(v, params, st.opt_state, residual={}, snapshot_at=s)
+        log.error("fragment %d: outer state not rebuilt exactly since snapshot v%d (%s); parameters are exact, "
+                  "momentum and residual restart from the snapshot", p, st.snapshot_at, approximate)
+        self._event("fragment_state_approximate", fragment=p, snapshot=st.snapshot_at, version=v,
+                    reason=messages.bounded(approximate, messages.DETAIL_CHARS))
         return st
 
     def release(self, p: int) -> None:
@@ -535,7 +366,7 @@ class Syncer:
         self.epochs.pop(p, None)
         for tp in self._tps(p):
             self.consumed.pop(tp, None)
-            self.assembler.discard_where(f"{tp[0]}|{tp[1]}")
+            self.assembler.discard_where(partition_key(tp))
         self._event("fragment_released", fragment=p, shard=self.shard, reason=why)
         log.warning("fragment released", extra={"fragment": p, "shard": self.shard, "reason": why})
 
@@ -602,10 +433,8 @@ class Syncer:
     def observe(self) -> None:
         """Set the gauges that describe what this shard holds now (once a second): versions, leases,
         open rounds, consumer lag, outbox, learners by liveness. Fragments it no longer owns leave."""
-        now = self.clock()
-        if now - self._last_observed < 1.0:
+        if not self.every_observe.due():
             return
-        self._last_observed = now
         m, owned = self.metrics, self.fragments
         for p in range(len(self.plan)):
             m.lease.labels(p).set(p in owned)
@@ -688,10 +517,9 @@ class Syncer:
 
     def update_registry(self) -> None:
         """Heartbeats that stop mark a learner silent (not waited for), then drop it from the registry."""
-        now = self.clock()
-        if now - self._last_registry_check < 0.5:
+        if not self.every_registry_check.due():
             return
-        self._last_registry_check = now
+        now = self.clock()
         for lid, hb in list(self.registry.items()):
             age = now - hb["seen"]
             if hb["status"] == "alive" and age > self.cfg.syncer.silent_after_s:
@@ -704,7 +532,7 @@ class Syncer:
                 hb["status"] = "dropped"
                 if not self.coordinator:
                     continue
-                self.state.drop_learner(lid)
+                self.state.drop_learner(lid, hb)
                 self._event("learner_dropped", learner=lid, silent_s=round(age, 1))
                 log.warning("learner dropped from the registry", extra={"learner": lid})
         if self.coordinator:
@@ -725,17 +553,17 @@ class Syncer:
 
     def handle_record(self, raw: bytes, tp: TP, offset: int) -> None:
         self.consumed[tp] = offset + 1
-        self.assembler.read(f"{tp[0]}|{tp[1]}", len(raw))
+        self.assembler.read(partition_key(tp), len(raw))
         try:
             header, payload = messages.parse_frame(raw)
             cid = header.get("id")
             if not isinstance(cid, str) or not 0 < len(cid) <= 64:
                 raise WireError(f"frame header needs a contribution id of 1-64 characters, got {messages.short(cid, 40)}")
         except WireError as err:
-            self._reject(None, "malformed", str(err), where=(*tp, offset))
+            self._reject(None, Reason.MALFORMED, str(err), where=(*tp, offset))
             return
         status = self.status.get(cid, "")
-        if status and not status.startswith("pending"):
+        if status and pending_fragment(status) is None:
             self.state.count("duplicate_records")
             return
         if status and self._pending(cid) is not None and self._pending(cid).deltas is not None:
@@ -743,10 +571,10 @@ class Syncer:
             return
         crash_point("record_received")
         try:
-            result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=f"{tp[0]}|{tp[1]}")
+            result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=partition_key(tp))
         except WireError as err:
             self.assembler.discard(cid)
-            self._reject(cid, "malformed", str(err), where=(*tp, offset))
+            self._reject(cid, Reason.MALFORMED, str(err), where=(*tp, offset))
             return
         if isinstance(result, Dropped):
             self._reject_dropped(result)
@@ -757,8 +585,13 @@ class Syncer:
         m = a.manifest
         pending = self._pending(m.id)
         if 0 <= m.fragment < len(self.plan) and m.fragment != self._fragment_of(tp):
-            self._reject(m.id, "misrouted", f"fragment {m.fragment} on partition {tp[1]}, which carries fragment "
+            self._reject(m.id, Reason.MISROUTED, f"fragment {m.fragment} on partition {tp[1]}, which carries fragment "
                          f"{self._fragment_of(tp)}", manifest=m, where=(*tp, a.first_offset))
+            return
+        region = self.region_of_topic.get(tp[0])
+        if region is not None and m.region != region:  # the broker's ACLs bind a writer to its region's topic
+            self._reject(m.id, Reason.MISROUTED, f"a contribution of region {messages.short(m.region, 40)} on region "
+                         f"{region}'s topic {tp[0]}", manifest=m, where=(*tp, a.first_offset))
             return
         verdict = self.validate(m, a.payload, replay=pending is not None)
         if isinstance(verdict, tuple):
@@ -767,13 +600,14 @@ class Syncer:
         if pending is not None:  # replay after a restart: the round already counts it
             pending.deltas = verdict
             return
+        self._admit(m.learner)  # a joiner whose delta came before its first heartbeat is a member now
         meta = {"id": m.id, "learner": m.learner, "region": m.region, "fragment": m.fragment,
                 "base_version": m.base_version, "tokens": m.tokens, "steps": m.steps, "step_time": m.step_time,
                 "bytes": m.total_bytes, "arrival": self.clock(), "topic": tp[0], "partition": tp[1],
                 "offset": a.first_offset, "created": m.created}
         st = self.fragments[m.fragment]
         st.round[m.id] = Pending(meta, meta["arrival"], tp, a.first_offset, verdict)
-        self.status[m.id] = f"pending:{m.fragment}"
+        self.status[m.id] = Status.pending(m.fragment)
         self.state.accept(m.fragment, m.id, meta, self.replay_offsets([m.fragment]), outbox=[self._outbox_event(
             "contribution_accepted", id=m.id, learner=m.learner, region=m.region, fragment=m.fragment,
             base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes)],
@@ -785,58 +619,13 @@ class Syncer:
         return None if self._pending(m.id) is not None else self._check_claims(m, replay=False)
 
     def validate(self, m: Manifest, payload: bytes, *, replay: bool = False):
-        """Decoded deltas, or (reason, detail) saying why the contribution cannot enter a merge."""
-        if verdict := self._check_claims(m, replay=replay):
-            return verdict
-        sc = self.cfg.syncer
-        try:
-            messages.verify_payload(m, payload)
-            deltas = fused.encoded_delta(m, payload)  # norms from the codes; nothing decoded yet
-        except WireError as err:
-            return ("checksum" if "checksum" in str(err) else "malformed"), str(err)
-        bad = [n for n, x in deltas.norms.items() if not math.isfinite(x)]
-        if bad:
-            return "non_finite", f"non-finite values in {bad[:8]}"
-        if sc.max_delta_ratio > 0 and not replay:
-            norm = deltas.norm
-            scale = self.fragments[m.fragment].budget_scale()  # the parameters change only at a merge
-            if not norm <= sc.max_delta_ratio * scale:
-                return "norm_budget", (f"delta norm {norm:.4g} > {sc.max_delta_ratio:g} x max(parameter norm, "
-                                       f"sqrt(size)) = {sc.max_delta_ratio * scale:.4g} (syncer.max_delta_ratio)")
-        return deltas
+        """Decoded deltas, or (reason, detail) saying why the contribution cannot enter a merge (syncer/intake.py)."""
+        return self.intake.check(m, payload, members=self.learners, fragment=self.fragments.get(m.fragment),
+                                 replay=replay)
 
     def _check_claims(self, m: Manifest, *, replay: bool):
-        """(reason, detail) if what the manifest claims (run, learner, fragment, shapes, counts, base
-        version) rules it out, else None."""
-        if m.run != self.run_id:
-            return "wrong_run", f"run {m.run!r}, this syncer serves {self.run_id!r}"
-        if m.learner not in self.learners and not self.cfg.is_member_id(m.learner):
-            return "unknown_learner", f"learner {messages.short(m.learner, 64)} is not in this run and may not join it"
-        if self.cfg.region_of(m.learner).name != m.region:
-            return "unknown_learner", f"learner {m.learner!r} does not belong to region {m.region!r}"
-        if not 0 <= m.fragment < len(self.plan):
-            return "unknown_fragment", f"fragment {m.fragment} (this run has {len(self.plan)})"
-        want = {n: tuple(self.shapes[n]) for n in self.plan[m.fragment]}
-        got = {t.name: tuple(t.shape) for t in m.tensors}
-        if got != want:
-            diff = sorted(set(got.items()) ^ set(want.items()))[:4]
-            return "wrong_shape", f"fragment {m.fragment} tensors differ from the model: {diff}"
-        sc = self.cfg.syncer
-        if not (0 < m.tokens < messages.MAX_COUNT and 0 < m.steps < messages.MAX_COUNT and
-                math.isfinite(m.step_time) and 0 <= m.step_time < 1e6):
-            return "bad_metadata", (f"tokens={messages.short(m.tokens, 40)} steps={messages.short(m.steps, 40)} "
-                                    f"step_time={m.step_time:.6g}: out of range")
-        if m.tokens > m.steps * sc.max_tokens_per_step:
-            return "bad_metadata", (f"{m.tokens} tokens in {m.steps} steps is more than syncer.max_tokens_per_step="
-                                    f"{sc.max_tokens_per_step} per step")
-        st = self.fragments.get(m.fragment)  # None: misrouted, which on_complete says
-        if st is not None and not replay:  # a replayed contribution was judged on arrival; versions moved since
-            current = st.version
-            if m.base_version > current:
-                return "future_version", f"base version {m.base_version} > current {current}"
-            if m.base_version < current - self.cfg.syncer.max_staleness:
-                return "stale", f"base version {m.base_version} older than {current} - {self.cfg.syncer.max_staleness}"
-        return None
+        return self.intake.check_claims(m, members=self.learners, fragment=self.fragments.get(m.fragment),
+                                        replay=replay)
 
     # --- rounds --------------------------------------------------------------------------------
     def live_learners(self) -> set[str]:
@@ -856,48 +645,35 @@ class Syncer:
 
     def maybe_close(self, p: int, *, final: bool = False) -> None:
         st = self.fragments[p]
-        if not st.round or any(c.deltas is None for c in st.round.values()):
-            return
-        live = self.live_learners()
-        fresh_only = self.cfg.syncer.quorum_of_fresh and bool(live)  # with nobody left to train, late ones close it
-        first_by_learner: dict[str, float] = {}
-        for c in st.round.values():
-            if fresh_only and c.manifest_meta["base_version"] < st.version:
-                continue  # late: it rides with the next fresh ones, it does not make a round
-            lrn = c.manifest_meta["learner"]
-            first_by_learner[lrn] = min(first_by_learner.get(lrn, math.inf), c.arrival)
-        d = decide(self.policy, list(first_by_learner.values()), now=self.clock(),
-                   expected=len(live | set(first_by_learner)), step_time_s=self.step_time_s(),
-                   sync_time_s=self.sync_time_s, members=len(self.present_learners() | set(first_by_learner)))
-        if d.close or final:
+        d = rounds.due(self.policy, st, live=self.live_learners(), present=self.present_learners(), now=self.clock(),
+                       step_time_s=self.step_time_s(), sync_time_s=self.sync_time_s,
+                       quorum_of_fresh=self.cfg.syncer.quorum_of_fresh)
+        if d is not None and (d.close or final):
             self.merge(p, reason=d.reason if d.close else "final_flush")
 
     def merge(self, p: int, *, reason: str) -> None:
         t0 = time.perf_counter()
         st = self.fragments[p]
-        # in a canonical order (learner, base): the sum's float rounding then depends on what a round
-        # holds, not on the order it arrived in, so a restarted syncer computes the very same bits
-        contribs = sorted(st.round.values(), key=lambda c: (c.manifest_meta["learner"], c.manifest_meta["base_version"],
-                                                            c.manifest_meta["id"]))
-        contribs = self._drop_norm_outliers(p, contribs)
+        contribs = self._drop_norm_outliers(p, rounds.in_canonical_order(st.round.values()))
         if not contribs:
             return
         metas = [c.manifest_meta for c in contribs]
         sc = self.cfg.syncer
         live, contributors = self.live_learners(), {m["learner"] for m in metas}
-        share = merge_math.round_share(len(contribs), len(live | contributors)) if sc.scale_partial_rounds else 1.0
+        members = rounds.members(live, contributors, self.registry)
+        share = merge_math.round_share(len(contribs), len(members)) if sc.scale_partial_rounds else 1.0
         try:
-            weights, params, opt_state, update, residual = self._merged(st, p, contribs, share)
+            closed = rounds.close_round(self.cfg, self.run_plan, st, p, contribs, share)
         except Exception as err:  # never write, announce or crash on what a round holds: reject it, say why
             log.exception("merge failed; rejecting the round", extra={"fragment": p, "ids": [m["id"] for m in metas]})
             for m in metas:
-                self._reject(m["id"], "merge_failed", f"fragment {p} round of {len(metas)}: {type(err).__name__}: {err}")
+                self._reject(m["id"], Reason.MERGE_FAILED, f"fragment {p} round of {len(metas)}: {type(err).__name__}: {err}")
             return
         crash_point("merge_computed")
         ids = [m["id"] for m in metas]
         late = sum(1 for m in metas if m["base_version"] < st.version)
         record = {"fragment": p, "version": st.version + 1, "ids": ids, "learners": [m["learner"] for m in metas],
-                  "tokens": sum(m["tokens"] for m in metas), "weights": [round(float(w), 6) for w in weights],
+                  "tokens": sum(m["tokens"] for m in metas), "weights": [round(float(w), 6) for w in closed.weights],
                   "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
                   "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
                   "share": share,  # exact, with "where": what a rebuild since the last snapshot replays
@@ -907,9 +683,9 @@ class Syncer:
         version = st.version + 1
         snapshot = version if version % self.cfg.store.snapshot_every == 0 else st.snapshot_at
         try:
-            self.store.write(p, version, params, merge_math.flatten_state(opt_state), record,
-                             epoch=self.epochs[p], residual=residual, update=update, update_scheme=sc.broadcast,
-                             snapshot_at=snapshot)
+            self.store.write(p, version, closed.params, merge_math.flatten_state(closed.opt_state), record,
+                             epoch=self.epochs[p], residual=closed.residual, update=closed.update,
+                             update_scheme=sc.broadcast, snapshot_at=snapshot, update_from=st.update_from())
         except StoreFenced as err:
             raise Fenced(p, str(err)) from None
         crash_point("store_written")
@@ -932,11 +708,13 @@ class Syncer:
             raise
         crash_point("merge_committed")
         st.version += 1
-        st.params, st.opt_state, st.residual, st._scale = params, opt_state, residual, None
+        st.params, st.opt_state, st.residual, st._scale = closed.params, closed.opt_state, closed.residual, None
+        if snapshot != st.snapshot_at and sc.update_base == "snapshot":  # the base of every next update
+            st.snapshot = closed.params
         st.snapshot_at = snapshot
         self.sync_time_s = ema
         for cid in ids:
-            self.status[cid] = f"applied:{p}:{st.version}"
+            self.status[cid] = Status.applied(p, st.version)
         self.store.mark_committed(p, st.version)
         m, committed_at = self.metrics, self.clock()
         m.round_size.labels(p).set(len(ids))
@@ -947,39 +725,13 @@ class Syncer:
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": st.version, "contributions": len(ids), "late": late,
                                   "reason": reason, "seconds": round(sync_time, 4)})
 
-    def _merged(self, st: FragmentState, p: int, contribs: list[Pending], share: float):
-        """(weights, new params, outer state, encoded update, residual) of a round; raises if the
-        result is not finite, so that a non-finite version is never written or announced."""
-        sc, metas = self.cfg.syncer, [c.manifest_meta for c in contribs]
-        weights = merge_math.token_weights([m["tokens"] for m in metas], [m["steps"] for m in metas],
-                                           weighted=sc.token_weighting)
-        if sc.staleness_discount:
-            weights = merge_math.staleness_weights(weights, [st.version - m["base_version"] for m in metas],
-                                                   sc.staleness_discount)
-        delta = fused.merge([c.deltas for c in contribs], weights, self.run_plan.mean_merged, rule=sc.merge,
-                            share=share, threads=sc.merge_threads)
-        old = {n: st.params[n] for n in self.plan[p]}
-        o = self.cfg.outer
-        momentum = merge_math.round_momentum(o.momentum, share) if o.momentum_per_round else o.momentum
-        # raises FloatingPointError on any value that is not finite (int8 codes would launder a NaN)
-        update, params, residual, opt_state = fused.outer_update(
-            old, st.opt_state, delta, st.residual, lr=o.lr, momentum=momentum, nesterov=o.nesterov,
-            scheme=sc.broadcast, threads=sc.merge_threads)
-        return weights, params, opt_state, update, residual
-
     def _drop_norm_outliers(self, p: int, contribs: list[Pending]) -> list[Pending]:
-        factor = self.cfg.syncer.norm_outlier_factor
-        if factor <= 0 or len(contribs) < 3:
-            return contribs
-        norms = [c.deltas.norm for c in contribs]
-        median = float(np.median(norms))
-        keep = []
-        for c, n in zip(contribs, norms):
-            if median > 0 and n > factor * median:
-                self._reject(c.manifest_meta["id"], "norm_outlier", f"norm {n:.3g} > {factor} x median {median:.3g}")
-            else:
-                keep.append(c)
-        return keep
+        outliers = rounds.norm_outliers(contribs, self.cfg.syncer.norm_outlier_factor)
+        for c, n, median in outliers:
+            self._reject(c.manifest_meta["id"], Reason.NORM_OUTLIER,
+                         f"norm {n:.3g} > {self.cfg.syncer.norm_outlier_factor} x median {median:.3g}")
+        dropped = {id(c) for c, _, _ in outliers}
+        return [c for c in contribs if id(c) not in dropped]
 
     # --- offsets and bookkeeping ---------------------------------------------------------------
     def replay_offsets(self, fragments=None) -> dict[TP, int]:
@@ -992,22 +744,19 @@ class Syncer:
                 if c.first_offset is not None and c.tp in out:
                     out[c.tp] = min(out[c.tp], c.first_offset)
         for tp in out:
-            partial = self.assembler.pending_offsets(f"{tp[0]}|{tp[1]}")
+            partial = self.assembler.pending_offsets(partition_key(tp))
             if partial:
                 out[tp] = min(out[tp], min(partial))
         return out
 
     def save_offsets(self, force: bool = False) -> None:
-        now = self.clock()
-        if not (force or now - self._last_offsets_save > 1.0):
+        if not self.every_offsets_save.due(force=force):
             return
-        self._last_offsets_save = now
         self.state.save_events_offset(self.shard, self.consumed[self.events_tp])
         for p in list(self.fragments):
             self._guarded(p, lambda p=p: self.state.save_offsets(self.replay_offsets([p]), fence={p: self.epochs[p]}))
         self.commit_group_offsets()
-        if now - self._last_prune > 10.0:
-            self._last_prune = now
+        if self.every_prune.due():
             for p in list(self.fragments):
                 self._guarded(p, lambda p=p: self.prune_statuses(p))
 
@@ -1034,16 +783,13 @@ class Syncer:
                 self.status.pop(cid, None)
 
     def _pending(self, cid: str) -> Pending | None:
-        status = self.status.get(cid, "")
-        if not status.startswith("pending:"):
-            return None
-        st = self.fragments.get(int(status.split(":")[1]))
+        p = pending_fragment(self.status.get(cid, ""))
+        st = self.fragments.get(p) if p is not None else None
         return st.round.get(cid) if st else None
 
     def _read_to_end(self, where: str) -> bool:
         """Whether partition `where` ("topic|partition") was read up to its high watermark."""
-        topic, partition = where.rsplit("|", 1)
-        tp = TopicPartition(topic, int(partition))
+        tp = TopicPartition(*parse_partition_key(where))
         hw = self.consumer.highwater(tp)
         return hw is not None and tp in self.consumer.assignment() and self.consumer.position(tp) >= hw
 
@@ -1062,7 +808,7 @@ class Syncer:
             for cid, c in list(st.round.items()):
                 if c.deltas is not None:
                     continue
-                where = f"{c.tp[0]}|{c.tp[1]}"
+                where = partition_key(c.tp)
                 tp = TopicPartition(*c.tp)
                 position = self.consumer.position(tp) if tp in self.consumer.assignment() else 0
                 if cid in self.assembler or (position <= c.first_offset and not self._read_to_end(where)):
@@ -1076,7 +822,7 @@ class Syncer:
         p = self._fragment_of(c.tp)
         log.error("accepted contribution lost: its payload is not in the log",
                   extra={"id": cid, "fragment": p, "detail": detail})
-        self._reject(cid, "lost_payload", detail)
+        self._reject(cid, Reason.LOST_PAYLOAD, detail)
         self._event("payload_lost", id=cid, fragment=p, learner=c.manifest_meta.get("learner"), detail=detail)
 
     def _reject_dropped(self, d: Dropped) -> None:
@@ -1090,8 +836,8 @@ class Syncer:
     def _reject(self, cid: str | None, reason: str, detail: str, *, manifest: Manifest | None = None,
                 where=None) -> None:
         fragment = None
-        if cid is not None and self.status.get(cid, "").startswith("pending:"):
-            fragment = int(self.status[cid].split(":")[1])  # leaves its round, in memory and in Redis
+        if cid is not None and (fragment := pending_fragment(self.status.get(cid, ""))) is not None:
+            # it leaves its round, in memory and in Redis
             if fragment in self.fragments and (c := self.fragments[fragment].round.pop(cid, None)) is not None:
                 where = where or (*c.tp, c.first_offset)
         # the fragment whose partition the record came from: only its owner may say anything about it
@@ -1107,7 +853,7 @@ class Syncer:
                           outbox=[self._outbox_event("contribution_rejected", **fields)], fence=fence,
                           where=(where[0], int(where[1]), where[2]) if where is not None else None)
         if cid is not None:
-            self.status[cid] = f"rejected:{reason}"
+            self.status[cid] = Status.rejected(reason)
         self.metrics.rejections.labels("-" if about is None else about, reason).inc()
         log.warning("rejected contribution", extra=fields)
 

@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import json
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -30,7 +31,10 @@ from diloco.messages import Assembled, ChunkAssembler, Dropped, WireError
 from diloco.plan import Plan, Tensor
 from diloco.syncer import fused
 from diloco.syncer import merge as ref
-from diloco.syncer.syncer import FragmentState, Pending, Syncer
+from diloco.syncer import rounds
+from diloco.syncer.intake import Intake
+from diloco.syncer.records import FragmentState, Pending
+from diloco.syncer.syncer import Syncer
 
 FUZZ = settings(max_examples=200, deadline=None)
 MAX_ERROR_CHARS = 400
@@ -548,15 +552,44 @@ class _PlanStore:
         return PLAN
 
 
-def make_syncer(**syncer_cfg) -> Syncer:
-    """A syncer shard as it is after start(), minus the services: its validation and merge are pure."""
-    cfg = build_config({"fragments": {"count": PLAN.fragments}, "syncer": syncer_cfg})
-    s = Syncer(cfg, "run", state=None, store=_PlanStore(), producer=None, consumer=None)
+def _fragments(cfg) -> dict[int, FragmentState]:
+    opt = ref.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
     rng = np.random.default_rng(0)
+    out = {}
     for p, names in enumerate(PLAN.fragment_names):
         params = {n: rng.normal(size=PLAN.shapes[n]).astype(np.float32) for n in names}
-        s.fragments[p] = FragmentState(VERSION, params, s.opt.init(ref.as_float32(params)))
+        out[p] = FragmentState(VERSION, params, opt.init(ref.as_float32(params)))
+    return out
+
+
+def _config(**syncer_cfg):
+    # the paper's outer step (Nesterov): its trace after one step is the merged delta, which the merge
+    # property reads; no staleness discount, so the reference's token weights are the syncer's
+    return build_config({"preset": "paper", "fragments": {"count": PLAN.fragments}, "syncer": syncer_cfg})
+
+
+def make_syncer(**syncer_cfg) -> Syncer:
+    """A syncer shard as it is after start(), minus the services (for its heartbeat handling)."""
+    cfg = _config(**syncer_cfg)
+    s = Syncer(cfg, "run", state=None, store=_PlanStore(), producer=None, consumer=None)
+    s.fragments.update(_fragments(cfg))
     return s
+
+
+@dataclass
+class Shard:
+    """What intake and a round's close need of a shard: the config, the members, the fragments."""
+    cfg: object
+    fragments: dict[int, FragmentState]
+
+    @classmethod
+    def make(cls, **syncer_cfg) -> "Shard":
+        cfg = _config(**syncer_cfg)
+        return cls(cfg, _fragments(cfg))
+
+    def validate(self, m, payload):
+        return Intake(self.cfg, "run", PLAN).check(m, payload, members=set(self.cfg.learner_ids()),
+                                                   fragment=self.fragments.get(m.fragment))
 
 
 @pytest.fixture(scope="module")
@@ -609,8 +642,8 @@ def claimed_contributions(draw):
     return frames
 
 
-def verdict(s: Syncer, frames: list[bytes]):
-    """What Syncer.handle_record and on_complete make of a contribution's records: (reason, detail),
+def verdict(s: Shard, frames: list[bytes]):
+    """What Syncer.handle_record and intake make of a contribution's records: (reason, detail),
     or (manifest, encoded delta) when it may join a round."""
     got = assemble(frames)
     if isinstance(got, WireError):
@@ -635,7 +668,7 @@ def _honest(learner: str, value: float) -> list[bytes]:
        st.sampled_from([10.0, 0.0]), st.sampled_from(["int8", "fp32"]), st.sampled_from([1.0, 0.5]))
 def test_a_contribution_is_rejected_with_a_reason_or_merges_finite_and_equal_to_the_reference(
         round_, rule, ratio, broadcast, share):
-    s = make_syncer(merge=rule, max_delta_ratio=ratio, broadcast=broadcast)
+    s = Shard.make(merge=rule, max_delta_ratio=ratio, broadcast=broadcast)
     accepted = []
     for frames in round_:
         v = verdict(s, frames)
@@ -654,15 +687,19 @@ def test_a_contribution_is_rejected_with_a_reason_or_merges_finite_and_equal_to_
     if not accepted:
         return
     st0 = s.fragments[0]
-    contribs = [Pending({"tokens": m.tokens, "steps": m.steps}, 0.0, ("t", 0), 0, d) for m, d in accepted]
-    weights = ref.token_weights([m.tokens for m, _ in accepted], [m.steps for m, _ in accepted])
+    contribs = [Pending({"tokens": m.tokens, "steps": m.steps, "learner": m.learner}, 0.0, ("t", 0), 0, d)
+                for m, d in accepted]
+    steps = [m.steps for m, _ in accepted]
+    weights = ref.token_weights(ref.bounded_tokens([m.tokens for m, _ in accepted], steps,
+                                                   s.cfg.syncer.tokens_per_step_spread), steps)
     with np.errstate(all="ignore"):
-        want = ref.merge_deltas([d.decode() for _, d in accepted], weights, PLAN.mean_merged, rule=rule)
-        want = {n: share * x for n, x in want.items()}
+        want = ref.merge_deltas([d.decode() for _, d in accepted], weights, PLAN.mean_merged, rule=rule,
+                                learners=[m.learner for m, _ in accepted], share=share)
         opt = ref.outer_optimizer(s.cfg.outer.lr, s.cfg.outer.momentum, s.cfg.outer.nesterov)
         want_params, _ = ref.outer_step(opt, st0.params, st0.opt_state, want)
     try:
-        _, published, opt_state, _, residual = s._merged(st0, 0, contribs, share)
+        closed = rounds.close_round(s.cfg, PLAN, st0, 0, contribs, share)
+        published, opt_state, residual = closed.params, closed.opt_state, closed.residual
     except FloatingPointError:  # the round is rejected as merge_failed: only if it truly is not finite
         event("round rejected: merge_failed")
         assert not all(np.all(np.isfinite(a)) for a in [*want.values(), *want_params.values()])

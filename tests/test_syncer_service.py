@@ -31,10 +31,10 @@ def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
     a = h.publish("us-0", 0, deltas=d0, tokens=1000, steps=4)
     h.pump(lambda: h.state.counters().get("accepted") == 1)
     assert h.state.versions()[0] == 0                      # below quorum: waits
-    b = h.publish("eu-1", 0, deltas=d1, tokens=500, steps=4)
+    b = h.publish("eu-1", 0, deltas=d1, tokens=700, steps=4)  # within syncer.tokens_per_step_spread (1.5)
     h.pump(lambda: h.state.versions()[0] == 1)
 
-    w = merge_math.token_weights([1000, 500], [4, 4])
+    w = merge_math.token_weights([1000, 700], [4, 4])
     v0 = h.store.read(0, 0)
     opt = merge_math.outer_optimizer(h.cfg.outer.lr, h.cfg.outer.momentum, h.cfg.outer.nesterov)
     merged = merge_math.merge_deltas([d0, d1], w, h.run_plan.mean_merged)
@@ -51,7 +51,7 @@ def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
     assert {n: len(b) for n, b in update.items()} == {n: len(b) for n, b in wire.items()}
     for n, held in quantize.apply_update(v0.params, update, scheme).items():
         np.testing.assert_array_equal(held, got.params[n])
-    assert got.meta["ids"] == [b.id, a.id] and got.meta["tokens"] == 1500 and got.meta["share"] == 0.5  # by learner
+    assert got.meta["ids"] == [b.id, a.id] and got.meta["tokens"] == 1700 and got.meta["share"] == 0.5  # by learner
     assert h.store.versions(0) == [0, 1]
     merges = [e for e in h.events() if e["kind"] == "merge"]
     assert [(e["fragment"], e["version"], e["ids"]) for e in merges] == [(0, 1, [b.id, a.id])]
@@ -109,12 +109,13 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
     _, v0, whole_bytes = fetcher.fetch(0, 0)                       # nothing held: the whole fragment
     assert whole_bytes == sum(a.nbytes for a in v0.values())
     fetcher.held[0] = (0, v0)
-    _, v3, update_bytes = fetcher.fetch(0, 3)                      # three int8 updates instead
-    stored = h.store.read(0, 3)
+    _, v3, update_bytes = fetcher.fetch(0, 3)                      # one int8 update from the snapshot v0,
+    stored = h.store.read(0, 3)                                    # however many versions came between
     for n, a in stored.params.items():
         np.testing.assert_array_equal(v3[n], a)
     per_update = sum(quantize.encoded_nbytes(a.shape, "int8") for a in v0.values())
-    assert update_bytes == 3 * per_update and per_update < 0.3 * whole_bytes  # ~1 byte per parameter, not 4
+    assert update_bytes == per_update and per_update < 0.3 * whole_bytes  # ~1 byte per parameter, not 4
+    assert h.store.read_meta(0, 3)["update"]["from"] == 0
     # v3 is not a snapshot (store.snapshot_every 8): the store holds its update only, yet a restart
     # rebuilds the exact state, the quantization error not published yet included, by replaying the
     # merges since v0 from the log
@@ -128,7 +129,9 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
             np.testing.assert_array_equal(getattr(rebuilt, group)[n], a, err_msg=f"{group}/{n}")
     for n, a in merge_math.flatten_state(live.opt_state).items():
         np.testing.assert_array_equal(merge_math.flatten_state(rebuilt.opt_state)[n], a, err_msg=n)
-    fetcher.held.pop(0)                                            # nothing held: snapshot v0 + 3 updates
+    _, again, nbytes = fetcher.fetch(0, 3)                         # the snapshot v0 is kept: 1 update again
+    assert nbytes == update_bytes and fetcher.snapshots[0][0] == 0
+    fetcher.held.pop(0), fetcher.snapshots.pop(0)                  # nothing held: snapshot v0 + 1 update
     _, again, nbytes = fetcher.fetch(0, 3)
     assert nbytes == whole_bytes + update_bytes and all(np.array_equal(again[n], v3[n]) for n in v3)
     # a host holding half of each tensor (sharded across hosts) reads that half, fp32, and no more
@@ -141,6 +144,43 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
         (r,) = fetcher.blocks[n]
         np.testing.assert_array_equal(blocks[n][r], stored.params[n][tuple(slice(a, b) for a, b in r)])
     assert half_bytes == sum(blocks[n][fetcher.blocks[n][0]].nbytes for n in names) < 0.6 * whole_bytes
+
+
+@pytest.mark.parametrize("update_base", ["snapshot", "previous"])
+def test_a_learner_crosses_snapshots_by_their_updates_and_reaches_every_version_exactly(tiny_config, tmp_path,
+                                                                                      update_base):
+    """With a snapshot every 2 versions and syncer.update_base=snapshot each update is relative to
+    the snapshot before it: a fetcher holding v1 reaches v5 through the updates of v2 and v4
+    (snapshots) and v5, v4 becomes its base, and from there v7 costs the updates of v6 and v7. With
+    update_base=previous every version's update is from the one before (one per version). Every
+    version read equals the stored one bit for bit, and a rebuild replays against the right base."""
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "norm_outlier_factor": 0, "update_base": update_base},
+                      store={"url": f"file://{tmp_path}/snapshots", "snapshot_every": 2})
+    h = Harness(cfg, f"snap-{time.time_ns() % 10**8}")
+    try:
+        h.rounds(7)
+        froms = [h.store.read_meta(0, v)["update"]["from"] for v in range(1, 8)]
+        assert froms == ([0, 0, 2, 2, 4, 4, 6] if update_base == "snapshot" else [0, 1, 2, 3, 4, 5, 6])
+        fetcher = Fetcher(h.cfg, h.run_id, None, h.store, h.topics, Counters(), h.run_plan)
+        fetcher.want({n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()})
+        v0, _ = h.store.read_params(0, 0)
+        fetcher.start_from(0, 0, v0, ready=False)
+        per_update = sum(quantize.encoded_nbytes(a.shape, "int8") for a in v0.values())
+        steps = ((1, 1, 0), (5, 3, 4), (7, 2, 6)) if update_base == "snapshot" else ((1, 1, 0), (5, 4, 4), (7, 2, 6))
+        for v, links, base in steps:
+            _, got, nbytes = fetcher.fetch(0, v)
+            fetcher.held[0] = (v, got)
+            assert nbytes == links * per_update and fetcher.snapshots[0][0] == base, v
+            for n, a in h.store.read(0, v).params.items():
+                np.testing.assert_array_equal(got[n], a, err_msg=f"v{v} {n}")
+        live = h.syncer.fragments[0]
+        assert live.snapshot_at == 6 and live.update_from() == (6 if update_base == "snapshot" else 7)
+        rebuilt = h.syncer._rebuild(0, 7)
+        assert rebuilt.update_from() == live.update_from()
+        for n, a in live.residual.items():
+            np.testing.assert_array_equal(rebuilt.residual[n], a, err_msg=n)
+    finally:
+        h.producer.close()
 
 
 def test_replayed_records_are_not_applied_twice_after_restart(harness):
@@ -288,3 +328,43 @@ def test_late_deltas_wait_for_fresh_ones_with_quorum_of_fresh(tiny_config, fresh
     meta = h.store.read(0, 2).meta
     assert sorted(meta["ids"]) == sorted(late + fresh) and meta["base_versions"] == [0, 0, 1, 1] and meta["late"] == 2
     h.producer.close()
+
+
+def test_a_dropped_learner_stays_dropped_after_a_restart_and_a_silent_member_ages_out(tiny_config):
+    """Dropped learners used to come back as permanent ghosts after any reload: counted live and
+    present (never heard from), so with K = 2 and one real learner left no round closed again."""
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "silent_after_s": 0.3, "drop_after_s": 0.6})
+    h = Harness(cfg, f"svc-ghosts-{time.time_ns() % 10**6}")
+    try:
+        for lid in cfg.learner_ids():
+            h.heartbeat(lid, step=1)
+        h.pump(lambda: h.syncer.live_learners() == set(cfg.learner_ids()))
+        deadline = time.time() + 20
+        while time.time() < deadline:                           # only us-0 keeps beating
+            h.heartbeat("us-0", step=2)
+            h.syncer.step()
+            if all(h.syncer.registry[lid]["status"] == "dropped" for lid in ("us-1", "eu-0", "eu-1")):
+                break
+            time.sleep(0.1)
+        assert {lid for lid, hb in h.state.registry().items() if hb["status"] == "dropped"} == {"us-1", "eu-0", "eu-1"}
+        h.syncer = h.new_syncer()                               # a restart reloads the registry
+        assert h.syncer.present_learners() == {"us-0"} and h.syncer.live_learners() == {"us-0"}
+        h.heartbeat("eu-0", step=3)                             # a dropped learner that comes back is live again
+        h.pump(lambda: "eu-0" in h.syncer.live_learners())
+    finally:
+        h.producer.close()
+
+
+def test_a_member_never_heard_from_ages_out_after_a_restart(tiny_config):
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "silent_after_s": 0.3, "drop_after_s": 0.6})
+    h = Harness(cfg, f"svc-unheard-{time.time_ns() % 10**6}")
+    try:
+        h.heartbeat("us-0", step=1)
+        h.pump(lambda: "us-0" in h.syncer.registry)
+        h.syncer = h.new_syncer()                               # us-1, eu-0, eu-1 never beat
+        assert h.syncer.live_learners() == set(cfg.learner_ids())
+        time.sleep(1.0)
+        h.heartbeat("us-0", step=2)
+        h.pump(lambda: h.syncer.present_learners() == {"us-0"})
+    finally:
+        h.producer.close()

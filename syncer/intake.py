@@ -1,0 +1,90 @@
+"""Intake: one contribution in, a verdict out. Its deltas (kept encoded, with their norms), or a
+`Rejection` saying why it can never enter a merge. Pure: it reads the run's config and plan and what
+the caller says of the live run (its members, the fragment's state), and writes nothing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import NamedTuple
+
+from diloco import messages
+from diloco.config import Config
+from diloco.messages import Manifest, WireError
+from diloco.plan import Plan
+from diloco.syncer import fused
+from diloco.syncer.records import FragmentState, Reason
+
+
+class Rejection(NamedTuple):
+    reason: Reason
+    detail: str
+
+
+class Intake:
+    """The checks of one run's contributions: the manifest's claims, then the payload."""
+
+    def __init__(self, cfg: Config, run_id: str, plan: Plan):
+        self.cfg, self.run_id, self.plan = cfg, run_id, plan
+        self.shapes = plan.shapes
+
+    def check_claims(self, m: Manifest, *, members: Collection[str], fragment: FragmentState | None,
+                     replay: bool = False) -> Rejection | None:
+        """Why what the manifest claims (run, learner, fragment, shapes, counts, base version) rules it
+        out, or None. `members` are the learners of the live run (configured or admitted); an id that
+        may join is accepted too. `fragment` is the state of the fragment it names where this shard holds it (None:
+        misrouted, which the caller says); a replayed contribution was judged on arrival, so its base
+        version is not judged again against versions that moved since."""
+        if m.run != self.run_id:
+            return Rejection(Reason.WRONG_RUN, f"run {m.run!r}, this syncer serves {self.run_id!r}")
+        # a joiner's first delta may be read before its first heartbeat (two topics, no order between
+        # them): a possible member is admitted by either, by its id alone (the caller admits it)
+        if m.learner not in members and not self.cfg.is_member_id(m.learner):
+            return Rejection(Reason.UNKNOWN_LEARNER,
+                             f"learner {messages.short(m.learner, 64)} is not in this run and may not join it")
+        if self.cfg.region_of(m.learner).name != m.region:
+            return Rejection(Reason.UNKNOWN_LEARNER, f"learner {m.learner!r} does not belong to region {m.region!r}")
+        if not 0 <= m.fragment < self.plan.fragments:
+            return Rejection(Reason.UNKNOWN_FRAGMENT, f"fragment {m.fragment} (this run has {self.plan.fragments})")
+        want = {n: tuple(self.shapes[n]) for n in self.plan.fragment_names[m.fragment]}
+        got = {t.name: tuple(t.shape) for t in m.tensors}
+        if got != want:
+            diff = sorted(set(got.items()) ^ set(want.items()))[:4]
+            return Rejection(Reason.WRONG_SHAPE, f"fragment {m.fragment} tensors differ from the model: {diff}")
+        sc = self.cfg.syncer
+        if not (0 < m.tokens < messages.MAX_COUNT and 0 < m.steps < messages.MAX_COUNT and
+                math.isfinite(m.step_time) and 0 <= m.step_time < 1e6):
+            return Rejection(Reason.BAD_METADATA, f"tokens={messages.short(m.tokens, 40)} steps="
+                             f"{messages.short(m.steps, 40)} step_time={m.step_time:.6g}: out of range")
+        if m.tokens > m.steps * sc.max_tokens_per_step:
+            return Rejection(Reason.BAD_METADATA, f"{m.tokens} tokens in {m.steps} steps is more than "
+                             f"syncer.max_tokens_per_step={sc.max_tokens_per_step} per step")
+        if fragment is not None and not replay:
+            current = fragment.version
+            if m.base_version > current:
+                return Rejection(Reason.FUTURE_VERSION, f"base version {m.base_version} > current {current}")
+            if m.base_version < current - sc.max_staleness:
+                return Rejection(Reason.STALE, f"base version {m.base_version} older than {current} - {sc.max_staleness}")
+        return None
+
+    def check(self, m: Manifest, payload: bytes, *, members: Collection[str], fragment: FragmentState | None,
+              replay: bool = False) -> fused.EncodedDelta | Rejection:
+        """The contribution's deltas as they arrived (norms from the codes, nothing decoded), or why
+        it cannot enter a merge."""
+        if verdict := self.check_claims(m, members=members, fragment=fragment, replay=replay):
+            return verdict
+        try:
+            messages.verify_payload(m, payload)
+            deltas = fused.encoded_delta(m, payload)
+        except WireError as err:
+            return Rejection(Reason.CHECKSUM if "checksum" in str(err) else Reason.MALFORMED, str(err))
+        bad = [n for n, x in deltas.norms.items() if not math.isfinite(x)]
+        if bad:
+            return Rejection(Reason.NON_FINITE, f"non-finite values in {bad[:8]}")
+        ratio = self.cfg.syncer.max_delta_ratio
+        if ratio > 0 and not replay and fragment is not None:
+            norm, scale = deltas.norm, fragment.budget_scale()  # the parameters change only at a merge
+            if not norm <= ratio * scale:
+                return Rejection(Reason.NORM_BUDGET, f"delta norm {norm:.4g} > {ratio:g} x max(parameter norm, "
+                                 f"sqrt(size)) = {ratio * scale:.4g} (syncer.max_delta_ratio)")
+        return deltas

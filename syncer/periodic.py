@@ -1,0 +1,23 @@
+"""One small helper for the syncer's periodic work (saving offsets, pruning statuses, liveness,
+leases, gauges): each task asks its own `Every` whether it is due."""
+
+from __future__ import annotations
+
+
+class Every:
+    """A periodic task's clock: `due()` is true at most once per `period_s` of `clock` (the first call
+    always), replacing a hand-kept "last time" per task."""
+
+    def __init__(self, period_s: float, clock):
+        self.period_s, self.clock = period_s, clock
+        self.last: float | None = None
+
+    def due(self, *, force: bool = False) -> bool:
+        now = self.clock()
+        if not force and self.last is not None and now - self.last < self.period_s:
+            return False
+        self.last = now
+        return True
+
+    def reset(self) -> None:
+        self.last = None

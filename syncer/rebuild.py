@@ -1,0 +1,107 @@
+"""A fragment's exact state at any committed version: its snapshot, then each merge since replayed
+from the contributions it merged (read back from Kafka where its merge record says they are), each
+checked bit for bit against the update stored for that version."""
+
+from __future__ import annotations
+
+import time
+
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+
+from diloco import messages
+from diloco.config import Config
+from diloco.infra import kafka as kafka_io
+from diloco.infra.store import FragmentStore, StoreError, is_snapshot
+from diloco.messages import Assembled, ChunkAssembler, Manifest, WireError
+from diloco.plan import Plan
+from diloco.syncer import fused
+from diloco.syncer import merge as merge_math
+from diloco.syncer.records import FragmentState, Pending
+from diloco.syncer.rounds import close_round
+
+
+class RebuildError(RuntimeError):
+    """A version between snapshots cannot be replayed exactly."""
+
+
+def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]], timeout_s: float = 60.0
+              ) -> dict[str, tuple[Manifest, bytes]]:
+    """The contributions `wanted` (id -> topic, partition, offset of its first record), read back
+    from the log and reassembled; those the log no longer holds are left out."""
+    by_tp: dict[TopicPartition, int] = {}
+    for topic, partition, offset in wanted.values():
+        tp = TopicPartition(topic, partition)
+        by_tp[tp] = min(by_tp.get(tp, offset), offset)
+    out: dict[str, tuple[Manifest, bytes]] = {}
+    if not by_tp:
+        return out
+    assembler = ChunkAssembler(max_bytes=cfg.syncer.max_contribution_bytes, timeout_s=timeout_s)
+    c = kafka_io.consumer(cfg.transport)
+    try:
+        kafka_io.assign_from(c, by_tp)
+        deadline = time.time() + timeout_s
+        while len(out) < len(wanted) and time.time() < deadline:
+            for records in c.poll(timeout_ms=200).values():
+                for rec in records:
+                    try:
+                        header, payload = messages.parse_frame(rec.value)
+                    except WireError:
+                        continue
+                    cid = header.get("id")
+                    if cid not in wanted or cid in out:
+                        continue
+                    got = assembler.add(header, payload, now=time.time(), offset=rec.offset)
+                    if isinstance(got, Assembled) and got.manifest.run == run_id:
+                        out[cid] = (got.manifest, got.payload)
+            if all(c.highwater(tp) is not None and c.position(tp) >= c.highwater(tp) for tp in by_tp):
+                break
+    finally:
+        c.close()
+    return out
+
+
+def snapshot_state(store: FragmentStore, plan: Plan, opt, p: int, v: int) -> FragmentState:
+    """Fragment p as stored whole at version v (a snapshot): parameters, outer state, residual."""
+    fv = store.read(p, v)
+    template = opt.init(merge_math.as_float32({n: fv.params[n] for n in plan.fragment_names[p]}))
+    return FragmentState(v, fv.params, merge_math.unflatten_state(template, fv.opt), residual=fv.residual,
+                         snapshot_at=v, snapshot=fv.params)
+
+
+def rebuild(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, merges: list[dict], p: int, v: int,
+            *, read=read_back) -> tuple[FragmentState, str | None]:
+    """(fragment p's state at version v, None), or, if a contribution cannot be read back (retention)
+    or a replay does not reproduce its stored update, (its exact parameters with the snapshot's outer
+    state and no residual, why). `merges` are the run's merge records."""
+    meta = store.read_meta(p, v)
+    s = meta.get("snapshot_at", v) if not is_snapshot(meta) else v
+    st = snapshot_state(store, plan, opt, p, s)
+    if cfg.syncer.update_base == "previous":  # each update from the version before: no base kept
+        st.snapshot = None
+    snapshot = st.snapshot
+    if s == v:
+        return st, None
+    records = {m["version"]: m for m in merges if m["fragment"] == p and s < m["version"] <= v}
+    try:
+        if sorted(records) != list(range(s + 1, v + 1)):
+            raise RebuildError(f"merge records of versions {sorted(set(range(s + 1, v + 1)) - set(records))} missing")
+        wanted = {cid: tuple(w) for u in records.values() for cid, w in zip(u["ids"], u["where"])}
+        found = read(cfg, run_id, wanted)
+        for u in range(s + 1, v + 1):
+            rec = records[u]
+            contribs = []
+            for cid in rec["ids"]:
+                if cid not in found:
+                    raise RebuildError(f"contribution {cid} of v{u} is no longer in the log")
+                m, payload = found[cid]
+                claims = {"tokens": m.tokens, "steps": m.steps, "base_version": m.base_version, "learner": m.learner}
+                contribs.append(Pending(claims, 0.0, wanted[cid][:2], wanted[cid][2], fused.encoded_delta(m, payload)))
+            closed = close_round(cfg, plan, st, p, contribs, rec["share"])
+            if closed.update != store.read_update(p, u)[1]:
+                raise RebuildError(f"replaying v{u} does not reproduce its stored update")
+            st.version, st.params, st.opt_state, st.residual = u, closed.params, closed.opt_state, closed.residual
+        return st, None
+    except (RebuildError, StoreError, WireError, KafkaError, KeyError, ValueError) as err:
+        params, _ = store.read_params(p, v, meta)
+        return FragmentState(v, params, st.opt_state, residual={}, snapshot_at=s, snapshot=snapshot), str(err)

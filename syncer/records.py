@@ -1,0 +1,128 @@
+"""The syncer's records: a contribution's status, a partition's key, a rejection's reason, and what a
+shard holds of a fragment. Plain data with the one spelling of each, so that nothing builds or
+splits these strings inline."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from diloco.syncer import fused
+
+TP = tuple[str, int]  # (topic, partition)
+
+
+def partition_key(tp: TP) -> str:
+    """`topic|partition`: how a partition is named in Redis keys, the chunk assembler and logs."""
+    return f"{tp[0]}|{tp[1]}"
+
+
+def parse_partition_key(key: str) -> TP:
+    topic, partition = key.rsplit("|", 1)
+    return topic, int(partition)
+
+
+class Reason(StrEnum):
+    """Why a contribution (or a record naming none) was rejected: `contribution_rejected.reason`
+    (docs/wire-format.md, "Rejections")."""
+    MALFORMED = "malformed"
+    OVERSIZED = "oversized"
+    INCOMPLETE = "incomplete"
+    BUFFER_FULL = "buffer_full"
+    CHECKSUM = "checksum"
+    WRONG_RUN = "wrong_run"
+    UNKNOWN_LEARNER = "unknown_learner"
+    UNKNOWN_FRAGMENT = "unknown_fragment"
+    MISROUTED = "misrouted"
+    WRONG_SHAPE = "wrong_shape"
+    BAD_METADATA = "bad_metadata"
+    FUTURE_VERSION = "future_version"
+    STALE = "stale"
+    NON_FINITE = "non_finite"
+    NORM_BUDGET = "norm_budget"
+    NORM_OUTLIER = "norm_outlier"
+    MERGE_FAILED = "merge_failed"
+    LOST_PAYLOAD = "lost_payload"
+    INTERNAL_ERROR = "internal_error"
+
+
+@dataclass(frozen=True)
+class Status:
+    """A contribution's status as Redis keeps it: `pending:<p>`, `applied:<p>:<v>` or `rejected:<reason>`."""
+    kind: str                   # pending | applied | rejected
+    fragment: int | None = None
+    version: int | None = None
+    reason: str | None = None
+
+    @staticmethod
+    def pending(fragment: int) -> str:
+        return f"pending:{fragment}"
+
+    @staticmethod
+    def applied(fragment: int, version: int) -> str:
+        return f"applied:{fragment}:{version}"
+
+    @staticmethod
+    def rejected(reason: str) -> str:
+        return f"rejected:{reason}"
+
+    @classmethod
+    def parse(cls, text: str) -> Status | None:
+        """The status `text` spells, or None for an empty or unknown one."""
+        kind, _, rest = (text or "").partition(":")
+        if kind == "pending" and rest.isdigit():
+            return cls(kind, fragment=int(rest))
+        if kind == "applied":
+            p, _, v = rest.partition(":")
+            if p.isdigit() and v.isdigit():
+                return cls(kind, fragment=int(p), version=int(v))
+        if kind == "rejected" and rest:
+            return cls(kind, reason=rest)
+        return None
+
+
+def pending_fragment(text: str) -> int | None:
+    """The fragment whose open round holds a contribution of this status, or None if it is not pending."""
+    s = Status.parse(text)
+    return s.fragment if s is not None and s.kind == "pending" else None
+
+
+@dataclass
+class Pending:
+    """A contribution accepted into an open round, kept encoded as it arrived (int8: a quarter of its
+    float32 size) with its norms; `deltas` is None until a replay brings it back."""
+    manifest_meta: dict
+    arrival: float
+    tp: TP
+    first_offset: int
+    deltas: fused.EncodedDelta | None = None
+
+
+@dataclass
+class FragmentState:
+    """What a shard holds of one fragment it owns: its version, parameters and outer state, the open round."""
+    version: int
+    params: dict[str, np.ndarray]
+    opt_state: object
+    round: dict[str, Pending] = field(default_factory=dict)
+    residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
+    snapshot_at: int = 0  # the newest version stored whole (store.snapshot_every)
+    snapshot: dict[str, np.ndarray] | None = None  # its parameters, the base of every next update (None: params)
+    _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
+
+    def update_base(self) -> dict[str, np.ndarray]:
+        """The parameters the next version's update is encoded against: the newest snapshot's."""
+        return self.params if self.snapshot is None else self.snapshot
+
+    def update_from(self) -> int:
+        """The version of `update_base()`."""
+        return self.version if self.snapshot is None else self.snapshot_at
+
+    def budget_scale(self) -> float:
+        if self._scale is None:
+            norm = math.sqrt(sum(fused.squared_norm(a) for a in self.params.values()))
+            self._scale = max(norm, math.sqrt(sum(a.size for a in self.params.values())))
+        return self._scale

@@ -1,0 +1,102 @@
+"""A fragment's round: when it is due, and what closing it computes. Pure functions of the round's
+contributions, the learners' liveness and the fragment's state: the syncer calls them as records
+arrive, and the rebuild replays `close_round` from a merge record to reproduce a version bit for bit.
+
+- `due`: the quorum and grace-window decision (syncer/policy.py) over the learners whose deltas
+  count towards K (with `syncer.quorum_of_fresh`, only those trained from the current version);
+- `round_share`'s denominator (`members`): the live learners, those that finished (the last rounds of a
+  run are partial), and the round's contributors;
+- `norm_outliers`: which contributions are too far above the round's median norm;
+- `close_round`: token (and staleness) weights, the merge (mean, or RDA over learners), the outer
+  step and the encoded update learners fetch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from diloco.config import Config
+from diloco.plan import Plan
+from diloco.syncer import fused
+from diloco.syncer import merge as merge_math
+from diloco.syncer.policy import Decision, QuorumPolicy, decide
+from diloco.syncer.records import FragmentState, Pending
+
+
+def members(live: Collection[str], contributors: Collection[str], registry: Mapping[str, dict]) -> set[str]:
+    """Whom a round's share is counted against: live learners, finished ones (a learner that finished
+    still counts, so the last rounds of a run are partial, not whole) and the round's contributors."""
+    return set(live) | set(contributors) | {lid for lid, hb in registry.items() if hb["status"] == "finished"}
+
+
+def due(policy: QuorumPolicy, st: FragmentState, *, live: set[str], present: set[str], now: float,
+        step_time_s: float, sync_time_s: float, quorum_of_fresh: bool) -> Decision | None:
+    """Whether fragment `st`'s open round closes now (None: nothing to close, or a payload a replay has
+    not brought back yet). With `quorum_of_fresh`, late contributions ride with the next fresh ones
+    instead of making a round; with nobody left to train, late ones close it."""
+    if not st.round or any(c.deltas is None for c in st.round.values()):
+        return None
+    fresh_only = quorum_of_fresh and bool(live)
+    first_by_learner: dict[str, float] = {}
+    for c in st.round.values():
+        if fresh_only and c.manifest_meta["base_version"] < st.version:
+            continue
+        lrn = c.manifest_meta["learner"]
+        first_by_learner[lrn] = min(first_by_learner.get(lrn, math.inf), c.arrival)
+    return decide(policy, list(first_by_learner.values()), now=now, expected=len(live | set(first_by_learner)),
+                  step_time_s=step_time_s, sync_time_s=sync_time_s, members=len(present | set(first_by_learner)))
+
+
+def in_canonical_order(contribs: Collection[Pending]) -> list[Pending]:
+    """A round's contributions by (learner, base, id): the sum's float rounding then depends on what
+    a round holds, not on the order it arrived in, so a restarted syncer computes the very same bits."""
+    return sorted(contribs, key=lambda c: (c.manifest_meta["learner"], c.manifest_meta["base_version"],
+                                           c.manifest_meta["id"]))
+
+
+def norm_outliers(contribs: Sequence[Pending], factor: float) -> list[tuple[Pending, float, float]]:
+    """(contribution, its norm, the round's median) of each delta more than `factor` times the median
+    norm; none with factor 0 or fewer than 3 contributions."""
+    if factor <= 0 or len(contribs) < 3:
+        return []
+    norms = [c.deltas.norm for c in contribs]
+    median = float(np.median(norms))
+    return [(c, n, median) for c, n in zip(contribs, norms) if median > 0 and n > factor * median]
+
+
+@dataclass(frozen=True)
+class Closed:
+    """What closing a round computed: the contributions' weights, the fragment's new parameters and
+    outer state, the encoded update learners fetch, and the broadcast error carried to the next."""
+    weights: np.ndarray
+    params: dict[str, np.ndarray]
+    opt_state: object
+    update: dict[str, bytes]
+    residual: dict[str, np.ndarray]
+
+
+def close_round(cfg: Config, plan: Plan, st: FragmentState, p: int, contribs: Sequence[Pending],
+                share: float) -> Closed:
+    """Merge one round of fragment p and take the outer step. Raises FloatingPointError if any
+    value is not finite (int8 codes would launder a NaN), so a non-finite version is never written."""
+    sc, metas = cfg.syncer, [c.manifest_meta for c in contribs]
+    steps = [m["steps"] for m in metas]
+    tokens = merge_math.bounded_tokens([m["tokens"] for m in metas], steps, sc.tokens_per_step_spread)
+    weights = merge_math.token_weights(tokens, steps, weighted=sc.token_weighting)
+    if sc.staleness_discount:
+        weights = merge_math.staleness_weights(weights, [st.version - m["base_version"] for m in metas],
+                                               sc.staleness_discount)
+    delta = fused.merge([c.deltas for c in contribs], weights, plan.mean_merged, rule=sc.merge,
+                        share=share, threads=sc.merge_threads, learners=[m["learner"] for m in metas])
+    old = {n: st.params[n] for n in plan.fragment_names[p]}
+    o = cfg.outer
+    momentum = merge_math.round_momentum(o.momentum, share) if o.momentum_per_round else o.momentum
+    base = st.update_base()
+    update, params, residual, opt_state = fused.outer_update(
+        old, st.opt_state, delta, st.residual, lr=o.lr, momentum=momentum, nesterov=o.nesterov,
+        scheme=sc.broadcast, threads=sc.merge_threads, base=None if base is st.params else base)
+    return Closed(weights, params, opt_state, update, residual)

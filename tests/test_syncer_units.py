@@ -1,0 +1,206 @@
+"""The syncer's decisions, each in its own small module, without a broker, Redis or a store:
+intake's rejection reasons, when a round is due and whom its share counts, norm outliers, the
+records' spellings, the periodic helper and the lease keeper, on fake clocks and fakes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from diloco import messages
+from diloco.config import build_config
+from diloco.messages import Assembled, ChunkAssembler
+from diloco.plan import Plan, Tensor
+from diloco.syncer import fused, rounds
+from diloco.syncer import merge as merge_math
+from diloco.syncer.intake import Intake, Rejection
+from diloco.syncer.ownership import LeaseKeeper
+from diloco.syncer.periodic import Every
+from diloco.syncer.policy import QuorumPolicy
+from diloco.syncer.records import FragmentState, Pending, Reason, Status, parse_partition_key, partition_key
+
+PLAN = Plan((Tensor("w", (2, 3), "float32", 0, "rda"), Tensor("v", (4,), "float32", 1, "rda")), 2)
+CFG = build_config({"fragments": {"count": 2}, "regions": [{"name": "us", "learners": 2, "max_learners": 3},
+                                                          {"name": "eu", "learners": 2}]})
+MEMBERS = set(CFG.learner_ids())
+
+
+def _fragment(version: int = 3, scale: float = 1.0) -> FragmentState:
+    params = {"w": np.full((2, 3), scale, np.float32)}
+    opt = merge_math.outer_optimizer(CFG.outer.lr, CFG.outer.momentum, CFG.outer.nesterov)
+    return FragmentState(version, params, opt.init(merge_math.as_float32(params)))
+
+
+def _contribution(value: float = 0.1, **claims):
+    claims = {"run": "run", "learner": "us-0", "region": "us", "fragment": 0, "base_version": 3, "tokens": 100,
+              "steps": 10, "step_time": 0.1, **claims}
+    shapes = claims.pop("shapes", {"w": (2, 3)})
+    deltas = {n: np.full(s, value, np.float32) for n, s in shapes.items()}
+    _, frames = messages.encode_contribution(deltas=deltas, scheme="fp32", chunk_bytes=1 << 20, **claims)
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
+    for i, f in enumerate(frames):
+        got = asm.add(*messages.parse_frame(f), now=0.0, offset=i)
+    assert isinstance(got, Assembled)
+    return got.manifest, got.payload
+
+
+def _verdict(**claims):
+    m, payload = _contribution(**claims)
+    return Intake(CFG, "run", PLAN).check(m, payload, members=MEMBERS, fragment=_fragment())
+
+
+@pytest.mark.parametrize("claims, reason", [
+    ({"run": "other"}, Reason.WRONG_RUN),
+    ({"learner": "mars-0", "region": "mars"}, Reason.UNKNOWN_LEARNER),
+    ({"learner": "us-7"}, Reason.UNKNOWN_LEARNER),                 # beyond the region's max_learners
+    ({"learner": "eu-0", "region": "us"}, Reason.UNKNOWN_LEARNER),  # published as another region's learner
+    ({"fragment": 5}, Reason.UNKNOWN_FRAGMENT),
+    ({"shapes": {"w": (3, 2)}}, Reason.WRONG_SHAPE),
+    ({"tokens": 10 * (1 << 24) + 1}, Reason.BAD_METADATA),         # more than max_tokens_per_step
+    ({"base_version": 4}, Reason.FUTURE_VERSION),
+    ({"base_version": 3 - 5}, Reason.STALE),                       # older than max_staleness (4)
+    ({"value": float("nan")}, Reason.NON_FINITE),
+    ({"value": 1e4}, Reason.NORM_BUDGET),                          # 10 x max(|params|, sqrt(size))
+])
+def test_intake_names_why_a_contribution_cannot_enter_a_merge(claims, reason):
+    verdict = _verdict(**claims)
+    assert isinstance(verdict, Rejection) and verdict.reason == reason, verdict
+    assert verdict.reason == reason.value and verdict.detail          # a plain string on the wire
+
+
+def test_intake_accepts_an_honest_contribution_and_a_joiner_within_max_learners():
+    for learner in ("us-0", "us-2"):                # us-2 may join (max_learners 3): its delta may come first
+        got = _verdict(learner=learner)
+        assert isinstance(got, fused.EncodedDelta) and got.norm == pytest.approx(0.1 * np.sqrt(6), rel=1e-6)
+
+
+def test_one_writer_claiming_more_tokens_per_step_cannot_take_a_rounds_weight():
+    """w = tokens^2 / steps: a manifest claiming 100x the tokens of an honest one took ~100% of a merge."""
+    honest, liar = (256, 10), (256 * 100, 10)
+    tokens = merge_math.bounded_tokens([honest[0], honest[0], liar[0]], [10, 10, 10], 1.5)
+    assert tokens == pytest.approx([256, 256, 384])
+    w = merge_math.token_weights(tokens, [10, 10, 10])
+    assert w[2] < 0.6 and merge_math.bounded_tokens([256, 300], [10, 10], 1.5) == [256, 300]  # honest spread kept
+    assert merge_math.bounded_tokens([256, 25600], [10, 10], 0) == [256, 25600]
+
+
+def test_intake_does_not_judge_a_replay_against_versions_that_moved_since():
+    m, payload = _contribution(base_version=3, value=1e4)
+    got = Intake(CFG, "run", PLAN).check(m, payload, members=MEMBERS, fragment=_fragment(version=9), replay=True)
+    assert isinstance(got, fused.EncodedDelta)
+
+
+def test_a_checksum_mismatch_is_said_as_such():
+    m, payload = _contribution()
+    corrupt = bytearray(payload)
+    corrupt[-1] ^= 0xFF
+    got = Intake(CFG, "run", PLAN).check(m, bytes(corrupt), members=MEMBERS, fragment=_fragment())
+    assert got.reason == Reason.CHECKSUM
+
+
+def _pending(learner: str, base: int, arrival: float, norm: float = 1.0, cid: str | None = None) -> Pending:
+    m, payload = _contribution(learner=learner, region=learner.split("-")[0], base_version=base,
+                               value=norm / np.sqrt(6))
+    meta = {"id": cid or f"{learner}-{base}-{arrival}", "learner": learner, "base_version": base,
+            "tokens": 100, "steps": 10}
+    return Pending(meta, arrival, ("t", 0), 0, fused.encoded_delta(m, payload))
+
+
+POLICY = QuorumPolicy(quorum=2, overlap_steps=8, grace_gamma=0.5, grace_max_s=3.0)
+
+
+def _due(st, live, now=10.0, fresh=True):
+    return rounds.due(POLICY, st, live=live, present=live, now=now, step_time_s=0.1, sync_time_s=0.0,
+                      quorum_of_fresh=fresh)
+
+
+def test_late_deltas_do_not_make_a_quorum_of_fresh_ones():
+    st = _fragment(version=3)
+    for c in (_pending("us-0", 2, 1.0), _pending("us-1", 2, 1.0)):          # both a version late
+        st.round[c.manifest_meta["id"]] = c
+    live = {"us-0", "us-1", "eu-0", "eu-1"}
+    assert not _due(st, live).close and _due(st, live).reason == "waiting_for_quorum"
+    assert _due(st, live, fresh=False).close                                 # without it they close a round
+    fresh = _pending("eu-0", 3, 9.0)
+    st.round[fresh.manifest_meta["id"]] = fresh
+    assert not _due(st, live).close                                          # one fresh learner is not K = 2
+    st.round["x"] = _pending("eu-1", 3, 9.5)
+    assert _due(st, live, now=9.5).reason == "grace"                         # two fresh: the grace window runs
+    assert _due(st, live, now=20.0).close                                    # and then the round closes
+    assert _due(st, set()).close                                             # nobody left to train: late ones close it
+
+
+def test_a_round_waits_for_a_payload_a_replay_has_not_brought_back():
+    st = _fragment()
+    st.round["a"] = dataclasses.replace(_pending("us-0", 3, 1.0), deltas=None)
+    assert _due(st, {"us-0"}) is None
+
+
+def test_a_rounds_share_counts_finished_learners_but_not_silent_ones():
+    registry = {"us-0": {"status": "finished"}, "us-1": {"status": "silent"}, "eu-0": {"status": "alive"}}
+    members = rounds.members({"eu-0", "eu-1"}, {"eu-0"}, registry)
+    assert members == {"us-0", "eu-0", "eu-1"}
+    assert merge_math.round_share(1, len(members)) == pytest.approx(1 / 3)
+
+
+def test_norm_outliers_are_those_far_above_the_median():
+    contribs = [_pending("us-0", 3, 0, 1.0), _pending("us-1", 3, 0, 1.2), _pending("eu-0", 3, 0, 50.0)]
+    out = rounds.norm_outliers(contribs, factor=10.0)
+    assert [c.manifest_meta["learner"] for c, _, _ in out] == ["eu-0"]
+    assert out[0][2] == pytest.approx(1.2, rel=1e-4)                        # the median
+    assert rounds.norm_outliers(contribs, factor=0.0) == [] and rounds.norm_outliers(contribs[:2], 1.0) == []
+
+
+def test_a_round_merges_in_one_order_whatever_order_it_arrived_in():
+    a, b, c = _pending("us-1", 3, 0, cid="z"), _pending("eu-0", 3, 1, cid="y"), _pending("us-1", 2, 2, cid="x")
+    assert [p.manifest_meta["id"] for p in rounds.in_canonical_order([a, b, c])] == ["y", "x", "z"]
+    st = _fragment()
+    one = rounds.close_round(CFG, PLAN, st, 0, rounds.in_canonical_order([a, b, c]), 0.75)
+    two = rounds.close_round(CFG, PLAN, st, 0, rounds.in_canonical_order([c, a, b]), 0.75)
+    assert one.update == two.update
+
+
+def test_statuses_and_partition_keys_have_one_spelling():
+    assert Status.parse(Status.pending(3)) == Status("pending", fragment=3)
+    assert Status.parse(Status.applied(1, 7)) == Status("applied", fragment=1, version=7)
+    assert Status.parse(Status.rejected(Reason.STALE)) == Status("rejected", reason="stale")
+    assert Status.parse("") is None and Status.parse("pending:x") is None
+    assert parse_partition_key(partition_key(("diloco.r.fragments.us-east", 12))) == ("diloco.r.fragments.us-east", 12)
+
+
+def test_a_periodic_task_is_due_once_per_period():
+    now = [100.0]
+    every = Every(1.0, lambda: now[0])
+    assert every.due() and not every.due()
+    now[0] += 0.5
+    assert not every.due() and every.due(force=True)
+    now[0] += 1.0
+    assert every.due()
+
+
+class _Leases:
+    def __init__(self):
+        self.held, self.holder = {0, 1}, None
+
+    def join(self, shard, member, ttl):
+        return self.holder
+
+    def renew(self, p, member, ttl):
+        return p in self.held
+
+
+def test_the_lease_keeper_reports_lost_leases_and_a_displaced_shard_and_stops_when_stuck(monkeypatch):
+    leases, owned = _Leases(), [0, 1, 2]
+    keeper = LeaseKeeper(leases, 0, "0:me", 3.0, lambda: list(owned), stuck_after_s=5.0)
+    keeper.renew()
+    assert keeper.lost == {2} and not keeper.displaced
+    leases.holder = "0:other"
+    keeper.renew()
+    assert keeper.displaced
+    keeper.lost.clear()
+    keeper.alive_at -= 10.0                       # the main loop made no progress for longer than stuck_after_s
+    leases.held = set()
+    keeper.renew()
+    assert keeper.lost == set()                   # a stuck loop lets its leases expire rather than renew them
