@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from diloco.checkpoint import latest_versions, restore
-from diloco.config import Config, ConfigError, build_config, load_config
+from diloco.config import Config, ConfigError, build_config, load_config, merge_sections
 from diloco.learners.parallel import LearnerMesh, learner_mesh
 from diloco.learners.session import Session
 from diloco.plan import Plan, PlanError, make_plan
@@ -24,9 +24,10 @@ from diloco.spec import DataShard, ModelSpec, evaluate
 
 def configure(path: str | Path | None = None, *, overrides: list[str] = (), **sections) -> Config:
     """A run's config: the YAML at `path` (None: the embedded defaults), then `sections` given as
-    keywords (`model={"entry": "mymodel:spec"}, inner={"steps": 200}`), then `key=value` overrides."""
+    keywords (`model={"entry": "mymodel:spec"}, inner={"steps": 200}`), merged key by key into the
+    YAML's, then `key=value` overrides."""
     base = {} if path is None else load_config(path).model_dump(mode="json")
-    return build_config({**base, **sections}, list(overrides))
+    return build_config(merge_sections(base, sections), list(overrides))
 
 
 def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool = True) -> dict:

@@ -9,6 +9,7 @@ The config names the entry point as `package.module:function` (`model.entry`); `
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -39,7 +40,10 @@ class ModelSpec:
     """A model as Decoupled DiLoCo needs it. Only `init`, `loss`, `optimizer` and `batches` are required.
 
     init:       seed -> the initial parameter pytree (a dict, a Flax NNX `State`, Equinox arrays, ...).
-    loss:       (params, batch) -> scalar mean loss; the inner steps minimise it.
+    loss:       (params, batch) -> scalar mean loss; the inner steps minimise it over the floating-point
+                leaves (the rest: RNG keys and counts, integer counters, are state it may read).
+    stateful:   the loss returns (scalar, params) whose non-float leaves are the updated state (a Flax
+                NNX model's RNG counts after dropout, a step counter): `nnx.state(model)` after the call.
     optimizer:  an optax GradientTransformation, or (start_step, total_steps) -> one, so that a
                 schedule continues where a restarted learner left off.
     batches:    DataShard -> an endless iterator of this host's batches (any pytree of arrays).
@@ -66,6 +70,7 @@ class ModelSpec:
     local: tuple[str, ...] = ()
     vocab_size: int | None = None
     partition: Callable[[PyTree], PyTree] | None = None
+    stateful: bool = False
 
     def inner_optimizer(self, start_step: int, total_steps: int) -> optax.GradientTransformation:
         opt = self.optimizer
@@ -81,14 +86,35 @@ class ModelSpec:
             n = int(leaves[0].size) if leaves else 0  # a fallback: every element of the first leaf
         return int(n)
 
+    def loss_value(self, params: PyTree, batch: Batch):
+        """The loss alone, whether or not the loss also returns its updated state (`stateful`)."""
+        out = self.loss(params, batch)
+        return out[0] if self.stateful else out
+
     @property
     def select(self) -> dict:
         """The leaf selection keywords of `diloco.plan.synced`."""
         return {"sync": self.sync, "local": self.local}
 
 
+def import_roots() -> list[str]:
+    """Where a model entry point is imported from, beside sys.path: the folder of the script this
+    process runs (what `python my_model.py` puts first on its own path) and the working directory, so
+    that the learner processes import `my_model:spec` as the user's own `python my_model.py` does."""
+    roots = []
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if script and not getattr(getattr(main, "__spec__", None), "name", None):  # a script, not `python -m`
+        roots.append(os.path.dirname(os.path.abspath(script)))
+    roots.append(os.getcwd())
+    return list(dict.fromkeys(roots))
+
+
 def load_entry(entry: str) -> Callable[..., ModelSpec]:
     module, _, func = entry.partition(":")
+    for root in import_roots():
+        if root not in sys.path:
+            sys.path.append(root)
     try:  # the import statement's own machinery, so that `python -X importtime` lists the module too
         __import__(module)
         mod = sys.modules[module]
@@ -134,7 +160,7 @@ def evaluate(spec: ModelSpec, params, batches=None) -> float:
         if spec.eval_batches is None:
             raise ConfigError("the model spec has no eval_batches: nothing to evaluate on")
         batches = spec.eval_batches()
-    fn = jax.jit(spec.eval_loss or spec.loss)
+    fn = jax.jit(spec.eval_loss or spec.loss_value)
     losses = [float(fn(params, b)) for b in batches]
     if not losses:
         raise ConfigError("the model spec's eval_batches() gave no batch")

@@ -2,12 +2,15 @@
 (tokens plus a loss mask), an optax optimizer other than AdamW (SGD with Nesterov momentum), and a
 float leaf kept local (never synced).
 
-    python examples/pytree_mlp_lm.py      # needs `diloco infra up` (the broker and Redis)
+    python examples/pytree_mlp_lm.py [key=value ...]   # needs `diloco infra up` (the broker and Redis)
 
 The model predicts the next byte from the previous CONTEXT bytes with an MLP.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +77,8 @@ def spec(cfg: diloco.Config) -> diloco.ModelSpec:
 
 
 if __name__ == "__main__":
-    summary = diloco.train(diloco.configure("configs/local.yaml", model={"entry": "examples.pytree_mlp_lm:spec"},
-                                         inner={"steps": 200}, syncer={"mean_merge_tensors": ["embed"]}))
+    # the learners import this file as the module `pytree_mlp_lm`, from its own folder, as Python did here
+    cfg = diloco.configure(model={"entry": f"{Path(__file__).stem}:spec"}, inner={"steps": 200},
+                           overrides=sys.argv[1:])
+    summary = diloco.train(cfg)
     print(f"held-out loss {summary['eval_loss_start']:.3f} -> {summary['eval_loss_end']:.3f}")

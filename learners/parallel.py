@@ -79,6 +79,14 @@ class LearnerMesh:
         spec_leaves = treedef.flatten_up_to(specs)
         out = []
         for leaf, spec in zip(leaves, spec_leaves):
+            if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):  # RNG state (NNX dropout)
+                data = np.asarray(jax.random.key_data(leaf))
+                check_spec(spec, data.shape[:leaf.ndim], self.mesh)
+                placed = jax.make_array_from_callback(
+                    data.shape, NamedSharding(self.mesh, P(*spec, *[None] * (data.ndim - leaf.ndim))),
+                    lambda index, v=data: v[index])
+                out.append(jax.random.wrap_key_data(placed, impl=jax.random.key_impl(leaf)))
+                continue
             value = np.asarray(leaf)
             check_spec(spec, value.shape, self.mesh)
             out.append(jax.make_array_from_callback(value.shape, NamedSharding(self.mesh, spec),

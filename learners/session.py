@@ -8,10 +8,11 @@
 
 The training loop never waits for the network. At a fragment's sync point `step` hands the outer
 delta (global - local, as host arrays) to a publisher thread, which quantizes, chunks and sends it;
-a fetcher thread follows the outer topic and brings announced versions from TensorStore, and `step`
-applies them at the next call (`fragments.apply`: rebase, overwrite or mix). Only synchronous
-DiLoCo (`fragments.wait_for_merge`, the benchmark's baseline) stops, overlap_steps after a send,
-until that fragment's merge arrives. Leaves outside the plan (RNG keys, counters, local statistics)
+a fetcher thread follows the outer topic and brings a fragment's newest version from TensorStore as
+one update, when it is announced or only a few steps before the fragment's next sync
+(`fragments.fetch`), and `step` applies it at the next call (`fragments.apply`: rebase, overwrite
+or mix). Only synchronous DiLoCo (`fragments.wait_for_merge`, the benchmark's baseline) stops,
+overlap_steps after a send, until that fragment's merge arrives. Leaves outside the plan (RNG keys, counters, local statistics)
 are never touched. Values keep their leaf's dtype and device placement (sharding).
 
 A learner may span many devices and hosts (learners/parallel.py). Then no host ever holds the
@@ -48,7 +49,7 @@ from diloco import messages, metrics, quantize
 from diloco.config import Config, ConfigError, load_config
 from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore, StoreError
+from diloco.infra.store import FragmentStore, StoreError, array_digest, is_snapshot, update_base
 from diloco.plan import (Plan, Region, check_tree, flatten, gather, is_whole, place, place_blocks, regions, whole,
                          with_leaves)
 
@@ -64,6 +65,7 @@ class Counters:
     published: int = 0
     bytes_sent: int = 0
     bytes_fetched: int = 0
+    fetched_by_fragment: dict[int, int] = field(default_factory=dict)  # bytes read from the store, per fragment
     versions_applied: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -158,15 +160,18 @@ class Heartbeat(threading.Thread):
 
 
 class Fetcher(threading.Thread):
-    """Follows the outer topic; brings each newer announced version of a fragment from TensorStore.
-
-    Only this host's blocks of each tensor are read (`want`); a host that holds whole tensors (one
-    host, unsharded or sharded over its own devices) reads the compact updates from the version it
-    holds, or the nearest snapshot and the updates since, whichever is fewer bytes. The newest `keep` fetched versions of each
-    fragment wait until the learner applies one (`take`).
+    """Follows the outer topic; brings a fragment's newest announced version from TensorStore when
+    the learner asks for it (`need`: with fragments.fetch=before_sync, shortly before it syncs the
+    fragment), at the join, or, with every_version, each announced version. Only this host's blocks
+    of each tensor are read (`want`). A host that holds whole tensors keeps the newest snapshot it reached beside the version it holds: every update is
+    relative to a snapshot (infra.store), so one update brings it to any later version until the
+    next snapshot, and the path of fewest bytes (updates from what it holds, or a stored snapshot
+    and its update) is read. The newest `keep` fetched versions of each fragment wait until the
+    learner applies one (`ready_now`, `release`).
     """
 
     MAX_ATTEMPTS = 20  # reads of one announced version before the fetcher gives up on it
+    MAX_LINKS = 64     # updates followed back from a version before reading a snapshot whole instead
 
     def __init__(self, cfg: Config, run_id: str, consumer, store: FragmentStore, topics: kafka_io.Topics,
                  counters: Counters, plan: Plan, keep: int = 1):
@@ -176,9 +181,13 @@ class Fetcher(threading.Thread):
         self.blocks: dict[str, list[Region]] = {}
         self.wanted = threading.Event()
         self.held: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}  # newest fetched (whole: its exact global)
+        self.snapshots: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # newest snapshot reached (whole only)
         self.ready: dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]] = {}
         self.markers: dict[int, int] = {}  # fragment -> its commit marker, as last read
         self.announced: dict[int, int] = {}  # fragment -> the newest version announced (versions behind)
+        self.newest: dict[int, int] = {}     # fragment -> the newest version that may be committed
+        self.needed: set[int] = set()        # fragments the learner asked for: the newest, once
+        self.applied: set[int] = set()       # fragments the learner applied a version of (joined)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -190,51 +199,78 @@ class Fetcher(threading.Thread):
         log.info("fetching this host's blocks", extra={"share": round(held / max(self.plan.num_params, 1), 4)})
         self.wanted.set()
 
+    def need(self, p: int) -> None:
+        """Fetch fragment p's newest version (if newer than the one held) for the learner to apply."""
+        with self.lock:
+            self.needed.add(p)
+
     def run(self) -> None:
         tp = TopicPartition(self.topics.outer, 0)
         kafka_io.assign_from(self.consumer, {tp: 0})  # the whole log: its last word per fragment wins
-        due: dict[int, list] = {}  # fragment -> [version, attempts, retry at]: announced, not fetched yet
+        tries: dict[int, list] = {}  # fragment -> [version, attempts, retry at] of a fetch that failed
         try:
             while not self.stop.is_set():
                 for records in self.consumer.poll(timeout_ms=100).values():
                     for rec in records:
-                        p, v = self._announced(rec.value)
-                        if p is not None:
-                            self.announced[p] = max(self.announced.get(p, v), v)
-                        if (p is not None and v > max(self.held.get(p, (-1,))[0], due.get(p, [-1])[0])
-                                and self._may_be_committed(p, v)):
-                            due[p] = [v, 0, 0.0]
+                        self._take(rec.value)
                 now = time.monotonic()
-                for p, entry in sorted(due.items()) if self.wanted.is_set() else ():
-                    if entry[2] > now:
+                for p, v in self._due() if self.wanted.is_set() else ():
+                    entry = tries.get(p)
+                    if entry and entry[0] == v and entry[2] > now:
                         continue
                     try:
-                        blocks, whole, nbytes = self.fetch(p, entry[0])
+                        blocks, whole, nbytes = self.fetch(p, v)
                     except (StoreError, quantize.CodecError, OSError, ValueError, KeyError) as err:
                         # transient (the store is slow or away) or a version that is not there: try
                         # again with backoff; a newer announcement replaces it meanwhile
+                        entry = tries[p] = entry if entry and entry[0] == v else [v, 0, 0.0]
                         entry[1] += 1
                         entry[2] = now + min(0.5 * 2 ** entry[1], 10.0)
-                        log.warning("fetch of fragment %d v%d failed (attempt %d): %s", p, entry[0], entry[1],
+                        log.warning("fetch of fragment %d v%d failed (attempt %d): %s", p, v, entry[1],
                                     messages.bounded(str(err), 200))
                         if entry[1] >= self.MAX_ATTEMPTS:
-                            log.error("giving up on fragment %d v%d after %d attempts", p, entry[0], entry[1])
-                            del due[p]
+                            log.error("giving up on fragment %d v%d after %d attempts", p, v, entry[1])
+                            self.newest[p] = self.held.get(p, (-1,))[0]  # until a newer one is announced
+                            del tries[p]
                         continue
-                    del due[p]
-                    self.held[p] = (entry[0], whole)
+                    tries.pop(p, None)
+                    self.held[p] = (v, whole)
                     with self.lock:
+                        self.needed.discard(p)
                         ready = self.ready.setdefault(p, {})
-                        ready[entry[0]] = blocks
+                        ready[v] = blocks
                         for old in sorted(ready)[:-self.keep]:
                             del ready[old]
                     with self.counters.lock:
                         self.counters.bytes_fetched += nbytes
+                        self.counters.fetched_by_fragment[p] = self.counters.fetched_by_fragment.get(p, 0) + nbytes
         except BaseException as err:
             self.error = err
             log.exception("fetch failed")
         finally:
             self.consumer.close()
+
+    def _take(self, raw: bytes) -> None:
+        """Note one record of the outer topic: the newest version of its fragment."""
+        p, v = self._announced(raw)
+        if p is not None:
+            self.announced[p] = max(self.announced.get(p, v), v)
+            if v > self.newest.get(p, -1) and self._may_be_committed(p, v):
+                self.newest[p] = v
+
+    def _due(self) -> list[tuple[int, int]]:
+        """(fragment, version) of each fetch to make now: the newest version of each fragment the
+        learner will apply (fragments.fetch)."""
+        out = []
+        with self.lock:
+            for p, v in sorted(self.newest.items()):
+                held = self.held.get(p, (-1,))[0]
+                if v <= held:
+                    continue
+                if (p not in self.applied or p in self.needed or self.cfg.fragments.fetch == "every_version"
+                        or self.ready.get(p)):  # one fetched and not applied yet: the hosts must find a common one
+                    out.append((p, v))
+        return out
 
     def _announced(self, raw: bytes) -> tuple[int | None, int]:
         """(fragment, version) of a well-formed announcement of this run, else (None, -1): a bad
@@ -281,27 +317,60 @@ class Fetcher(threading.Thread):
         return {n: {whole(shapes[n]): a} for n, a in params.items()}, params, nbytes
 
     def _fetch_whole(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
-        """Version v's whole arrays, by whichever reads fewer bytes: the updates since the version
-        held, or the nearest snapshot and the updates since it."""
-        held = self.held.get(p)
-        meta = self.store.read_meta(p, v)
-        if held and held[1] is not None and v > held[0]:
-            names = self.plan.fragment_names[p]
-            scheme = (meta.get("update") or {}).get("scheme", self.cfg.syncer.broadcast)
-            per_update = sum(quantize.encoded_nbytes(self.plan.shapes[n], scheme) for n in names)
-            whole = sum(self.plan.by_name[n].size * self.plan.by_name[n].np_dtype.itemsize for n in names)
-            since_snapshot = v - meta.get("snapshot_at", v)
-            if (v - held[0]) * per_update <= whole + since_snapshot * per_update:
-                params, nbytes = held[1], 0
-                try:
-                    for u in range(held[0] + 1, v + 1):
-                        scheme, update = self.store.read_update(p, u)
-                        params = quantize.apply_update(params, update, scheme)
-                        nbytes += sum(len(b) for b in update.values())
-                    return params, nbytes
-                except (StoreError, quantize.CodecError) as err:  # e.g. written before updates existed
-                    log.warning("fetching fragment %d v%d from its snapshot: %s", p, v, err)
-        return self.store.read_params(p, v, meta)
+        """Version v's whole arrays by the path of fewest bytes: its chain of updates (each relative
+        to a snapshot) back to a version this host holds, or a stored snapshot on that chain read
+        whole and the updates after it."""
+        have = {u: a for u, a in (self.held.get(p, (-1, None)), self.snapshots.get(p, (-1, None))) if a is not None}
+        names = self.plan.fragment_names[p]
+        whole_bytes = sum(self.plan.by_name[n].size * self.plan.by_name[n].np_dtype.itemsize for n in names)
+        chain: list[tuple[int, dict]] = []  # (version, meta) from v back, none of them held
+        u = v
+        while u not in have and len(chain) < self.MAX_LINKS:
+            meta = self.store.read_meta(p, u)
+            chain.append((u, meta))
+            if not meta.get("update"):
+                break  # version 0 (or a store without updates): read whole
+            u = update_base(meta)
+
+        def link_bytes(meta: dict) -> int:
+            scheme = meta["update"].get("scheme", self.cfg.syncer.broadcast)
+            return sum(quantize.encoded_nbytes(self.plan.shapes[n], scheme) for n in names)
+
+        # choices: start from what is held (every link's update), or read chain[i] whole (a snapshot)
+        # and apply the links after it
+        options = []
+        if u in have:
+            options.append((sum(link_bytes(m) for _, m in chain), len(chain)))
+        for i, (_, meta) in enumerate(chain):
+            if is_snapshot(meta):
+                options.append((whole_bytes + sum(link_bytes(m) for _, m in chain[:i]), i))
+        if not options:  # nothing held nor stored whole within reach: the store walks it
+            return self.store.read_params(p, v)
+        _, start = min(options)
+        if start == len(chain):
+            params, nbytes = have[u], 0
+        else:
+            params, nbytes = self.store.read_params(p, chain[start][0], chain[start][1])
+            self._reached(p, chain[start][0], chain[start][1], params)
+        for version, meta in reversed(chain[:start]):
+            scheme, update = self.store.read_update(p, version, meta)
+            params = quantize.apply_update(params, update, scheme)
+            nbytes += sum(len(b) for b in update.values())
+            self._reached(p, version, meta, params)
+        return params, nbytes
+
+    def _reached(self, p: int, version: int, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        if is_snapshot(meta) and version > self.snapshots.get(p, (-1,))[0]:
+            self.snapshots[p] = (version, arrays)
+
+    def start_from(self, p: int, v: int, arrays: dict[str, np.ndarray], *, ready: bool = True) -> None:
+        """Hold version v of fragment p (a snapshot: version 0) as `arrays` (whole, exact) without
+        reading it, as the base newer versions are caught up from; with `ready`, offer it to the
+        learner too. Call before `want`."""
+        self.held[p] = self.snapshots[p] = (v, arrays)
+        if ready:
+            with self.lock:
+                self.ready.setdefault(p, {})[v] = {n: {whole(a.shape): a} for n, a in arrays.items()}
 
     def ready_now(self) -> dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]]:
         """The fetched versions of each fragment waiting to be applied, as they are now (a newer
@@ -312,6 +381,7 @@ class Fetcher(threading.Thread):
     def release(self, p: int, v: int) -> None:
         """Version v of fragment p was applied: drop it and every older one."""
         with self.lock:
+            self.applied.add(p)
             ready = self.ready.get(p, {})
             for old in [u for u in ready if u <= v]:
                 del ready[old]
@@ -419,6 +489,8 @@ class Session:
         leaves if the tree does not match the run's plan."""
         check_tree(params, self.plan)
         leaves = flatten(params, self.plan)
+        if jax.process_count() == 1:
+            self._start_from_template(leaves)
         self.fetcher.want({n: list(regions(leaf)) for n, leaf in leaves.items()})
         deadline = time.time() + timeout_s
         while True:
@@ -443,6 +515,33 @@ class Session:
                                   "hosts": jax.process_count()})
         return self._params
 
+    def _start_from_template(self, leaves: dict) -> None:
+        """Each fragment whose version 0 the template already is (the same model init as provisioning's,
+        told by the digests stored with version 0) starts from the template: nothing is read for it,
+        and later versions are caught up from it by their updates. Any difference reads as before."""
+        for p, names in enumerate(self._names):
+            try:
+                digests = self.store.read_meta(p, 0).get("digests") or {}
+            except (StoreError, ValueError):
+                continue
+            arrays = {}
+            for n in names:
+                leaf, t = leaves[n], self.plan.by_name[n]
+                if not is_whole(list(regions(leaf)), t.shape):
+                    break
+                a = np.asarray(leaf).astype(t.np_dtype, copy=False)
+                if array_digest(a) != digests.get(n):
+                    break
+                arrays[n] = a
+            else:
+                try:
+                    newest = self.store.read_committed(p)
+                except (StoreError, OSError, ValueError):
+                    newest = None
+                # joins at version 0 only while it is the newest (a restarted learner or a joiner
+                # waits for the run's latest version, caught up from version 0 by its updates)
+                self.fetcher.start_from(p, 0, arrays, ready=newest == 0)
+
     def step(self, params, *, tokens: int, loss=None, compute_s: float | None = None):
         """Count one inner step of `tokens` tokens; publish the fragments due now; return `params`
         with newly arrived global fragments applied (the same tree, dtypes and shardings)."""
@@ -450,13 +549,21 @@ class Session:
         dt = 0.0 if self._last_t is None else now - self._last_t  # the first interval holds compilation
         self._last_t = now
         self._raise_thread_errors()
+        if int(tokens) <= 0:  # the syncer would reject every delta of it (bad_metadata): say so here, at once
+            raise ValueError(f"Session.step(tokens={tokens!r}): tokens must be the positive number of tokens this "
+                             "step trained on (a contribution weighs tokens^2 / steps)")
         self.steps += 1
         self.tokens += int(tokens)
         if dt:
             self.step_time = dt if self.step_time == 0 else 0.9 * self.step_time + 0.1 * dt
         compute_s = compute_s if compute_s is not None else self.compute_s + dt
         if loss is not None:
-            self.loss = float(loss)
+            value = float(loss)
+            if not math.isfinite(value) and (self.loss is None or math.isfinite(self.loss)):
+                log.warning("loss is not finite", extra={"step": self.steps, "loss": str(value)})
+            # a heartbeat carries finite numbers only (the syncer refuses others, and would take the
+            # learner for silent): a non-finite loss travels as none
+            self.loss = value if math.isfinite(value) else None
         for s in self._since.values():
             s["tokens"] += int(tokens)
             s["steps"] += 1
@@ -464,6 +571,8 @@ class Session:
         # what every host of this learner does now: stop (SIGTERM on any), the versions to apply
         (self.stopping,), self.compute_s, chosen = self._agree(self.stopping, compute_s=compute_s)
         P, H = self.plan.fragments, self.cfg.fragments.sync_every
+        for p in [*fragments_due(self.steps + min(self.cfg.fragments.prefetch_steps, H), P, H), *self._held]:
+            self.fetcher.need(p)  # the newest version before it syncs: its next delta starts from it
         for p in fragments_due(self.steps, P, H):
             if self._must_hold(p):
                 self._held.add(p)
@@ -521,6 +630,7 @@ class Session:
                 self.producer.close()
             if self._endpoint is not None:
                 self._endpoint.shutdown()
+                self._endpoint.server_close()  # the port is free again once the session is closed
         log.info("finished", extra=summary)
         return summary
 
@@ -541,6 +651,7 @@ class Session:
     def _beat(self, **fields) -> None:
         with self.counters.lock:
             c = {k: getattr(self.counters, k) for k in ("published", "bytes_sent", "bytes_fetched", "versions_applied")}
+            c["fetched_by_fragment"] = {str(p): n for p, n in sorted(self.counters.fetched_by_fragment.items())}
         self.producer.send(self.topics.events, messages.event(
             "heartbeat", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
             incarnation=self.incarnation, start_step=self.start_step, **c, **fields), partition=0)
@@ -611,6 +722,7 @@ class Session:
         deadline = time.monotonic() + self.cfg.fragments.wait_timeout_s
         while self._version[p] < version:
             self._raise_thread_errors()
+            self.fetcher.need(p)
             (stop, late), _, chosen = self._agree(self.stopping, time.monotonic() > deadline)
             params = self._apply(params, chosen)
             self.stopping = stop

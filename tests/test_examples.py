@@ -4,7 +4,10 @@ own pytree bit for bit, and the syncer process never imports the model's module.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +51,11 @@ def _check_run(cfg, summary, module: str):
     assert c["applied"] == c["published"] > 0 and c["applied_twice"] == 0 and c["rejected"] == 0
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
     assert_exact_accounting(cfg, summary["run_id"])
+    t = summary["traffic"]                                                # the per-link ledger adds up
+    for table in ("by_learner", "by_region", "by_fragment"):
+        assert sum(r["up"] for r in t[table].values()) == summary["bytes_sent"], table
+        assert sum(r["down"] for r in t[table].values()) == summary["bytes_fetched"], table
+    assert set(t["by_region"]) == {r.name for r in cfg.regions} and set(t["by_learner"]) == set(cfg.learner_ids())
     assert all(_imported(summary, lid, module) for lid in cfg.learner_ids())  # the learners ran the user's model
     assert _imported(summary, "syncer", "diloco.syncer.syncer")
     assert not _imported(summary, "syncer", module)                      # the syncer never imported it
@@ -91,3 +99,36 @@ def test_a_users_own_training_loop_runs_as_every_learner(tiny_config, monkeypatc
     logs = {lid: (Path(s["run_dir"]) / "logs" / f"{lid}.log").read_text() for lid in cfg.learner_ids()}
     assert all('"msg": "running the learner script", "script": "examples/own_loop.py"' in t for t in logs.values())
     assert {lid: hb["step"] for lid, hb in s["learners"].items()} == {lid: cfg.inner.steps for lid in cfg.learner_ids()}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _as_documented(argv: list[str], cwd: Path, tmp_path, kafka_bootstrap, redis_url, data_dir) -> tuple[float, float]:
+    """Run an example's documented command (`python examples/X.py [key=value ...]`) in `cwd`, on the
+    embedded defaults but for where the services, store and data are and a shorter run; returns the
+    (start, end) held-out loss it prints."""
+    overrides = [f"transport.bootstrap_servers={kafka_bootstrap}", f"state.redis_url={redis_url}",
+                 f"store.url=file://{tmp_path}/store", f"run.dir={tmp_path}/runs", f"data.dir={data_dir}",
+                 "data.max_corpus_bytes=2000000", "inner.steps=120", "run.heartbeat_s=0.5"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # nothing but what the user has
+    out = subprocess.run([sys.executable, *argv, *overrides], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    m = re.search(r"held-out loss ([0-9.]+) -> ([0-9.]+)", out.stdout)
+    assert m, out.stdout[-2000:]
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_the_flax_example_runs_as_its_docstring_says_on_the_defaults(tmp_path, kafka_bootstrap, redis_url, data_dir):
+    """`python examples/flax_nnx_lm.py` from the repository root: a Flax NNX model with dropout (RNG
+    state the loss updates) and an int counter trains on the embedded defaults."""
+    start, end = _as_documented(["examples/flax_nnx_lm.py"], ROOT, tmp_path, kafka_bootstrap, redis_url, data_dir)
+    assert end < start - 0.5
+
+
+def test_the_pytree_example_runs_from_another_folder(tmp_path, kafka_bootstrap, redis_url, data_dir):
+    """The learners import the script's module from the script's folder, wherever it is run from."""
+    start, end = _as_documented([str(ROOT / "examples/pytree_mlp_lm.py")], tmp_path, tmp_path, kafka_bootstrap,
+                                redis_url, data_dir)
+    assert end < start
