@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -16,7 +17,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _ID = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"  # safe in topic names, Redis keys and paths
-_ENV = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable's name (also a key of the GKE Secret)
+_ENV = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_ABS_PATH = r"^/[A-Za-z0-9._/-]*$"  # goes into a container's command line on a TPU VM (quoted there too)
+_IMAGE = r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$"  # a registry reference, e.g. host/project/repo/name:tag or @sha256:...  # an environment variable's name (also a key of the GKE Secret)
 
 
 class ConfigError(ValueError):
@@ -73,12 +76,15 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    corpus: str | None = Field(None, description="directory or glob of text files; None = Python stdlib sources")
+    corpus: str | None = Field(None, description="directory or glob of text, JSON Lines (.jsonl, .gz, .zst) or "
+                               "Parquet files; None = Python stdlib sources")
     dir: str = Field(".diloco/data", description="where prepared token shards live")
     prepared: str | None = Field(None, description="a prepared corpus directory; `diloco train` sets it in the run's config")
     heldout_fraction: float = Field(0.05, gt=0, lt=1)
     max_corpus_bytes: int = Field(16_000_000, ge=1024, description="cap on text read into the corpus")
     tokenizer: str = Field("bytes", description="bytes, a Hugging Face tokenizer.json or a SentencePiece .model")
+    text_field: str = Field("text", min_length=1, description="the field (JSON Lines) or column (Parquet) that holds "
+                            "a record file's documents; text files are read whole")
     seed: int = 0
 
 
@@ -139,8 +145,11 @@ class ParallelConfig(_Section):
 
 
 class OuterConfig(_Section):
-    lr: float = Field(0.7, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
+    """The outer optimizer, SGD on the merged delta. Default: plain averaging (lr 1, no momentum),
+    which trains best at the horizons measured (docs/bench.md); DiLoCo's own is lr 0.7 with
+    Nesterov momentum 0.9 (`preset: paper`)."""
+    lr: float = Field(1.0, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
     nesterov: bool = True
     momentum_per_round: bool = Field(False, description="a round carrying share s of a full round (with "
                                      "syncer.scale_partial_rounds) uses momentum ** s, so the trace decays per full "
@@ -153,14 +162,23 @@ class FragmentsConfig(_Section):
     quantization: Literal["fp32", "bf16", "int8", "int4"] = "int8"
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=32 * 1024 * 1024)
     apply: Literal["rebase", "overwrite", "mix"] = Field(
-        "overwrite", description="a new global fragment: rebase = it plus the local steps not sent yet; "
+        "rebase", description="a new global fragment: rebase = it plus the local steps not sent yet; "
                               "overwrite = it alone; mix = mix_alpha * it + (1 - mix_alpha) * local")
     mix_alpha: float = Field(0.5, ge=0, le=1, description="weight of the global value when apply=mix")
     wait_for_merge: bool = Field(False, description="synchronous DiLoCo: syncer.overlap_steps after sending a "
                                                     "fragment, stop until its next global version arrives")
     wait_timeout_s: float = Field(60.0, gt=0, description="give up waiting for a merge after this long "
                                                           "(a delta lost in a crash leaves its round short)")
-    one_delta_per_version: bool = Field(False, description="a learner sends at most one delta of a fragment from "
+    fetch: Literal["every_version", "before_sync"] = Field(
+        "every_version", description="when a learner fetches a fragment's new global version: every_version = the "
+                                     "newest announced one as soon as it is committed (one update from the snapshot, "
+                                     "however many versions came between); before_sync = only prefetch_steps before "
+                                     "it syncs that fragment (and while a delta of it is held or awaited): fewer "
+                                     "downloads when a fragment gets several versions per sync period, but the "
+                                     "learner trains the period on an older global (docs/bench.md)")
+    prefetch_steps: int = Field(4, ge=1, description="with fetch=before_sync, how many inner steps before a "
+                                "fragment's sync point its newest version is fetched (time for the read)")
+    one_delta_per_version: bool = Field(True, description="a learner sends at most one delta of a fragment from "
                                         "each of its versions: one due again before the version it sent from has "
                                         "moved on keeps training and sends once the next version is applied (fresh, "
                                         "with more steps), so a learner ahead of the others never sends a delta that "
@@ -176,7 +194,7 @@ class FragmentsConfig(_Section):
 
 class SyncerConfig(_Section):
     quorum: int = Field(2, ge=1, description="K: contributions needed before a round may close")
-    quorum_of_fresh: bool = Field(False, description="only contributions trained from the fragment's current "
+    quorum_of_fresh: bool = Field(True, description="only contributions trained from the fragment's current "
                                   "version count towards K and the grace window: a late one waits for the next "
                                   "round with fresh ones (where staleness_discount weighs it) instead of closing "
                                   "a round of late deltas alone")
@@ -203,15 +221,25 @@ class SyncerConfig(_Section):
                                    "fragment's parameter norm, or sqrt(parameters) if larger (norm_budget); 0 = off")
     mean_merge_tensors: tuple[str, ...] | None = Field(
         None, description="glob patterns of tensors merged by plain mean instead of RDA; None = the model spec's")
-    merge: Literal["rda", "mean"] = Field("rda", description="mean = plain weighted mean of every tensor (sync DiLoCo)")
+    merge: Literal["rda", "mean"] = Field("mean", description="mean = token-weighted plain mean of every tensor "
+                                          "(sync DiLoCo's math; best measured, docs/bench.md); rda = radial-"
+                                          "directional averaging over learners, mean_merge_tensors excepted")
     merge_threads: int = Field(2, ge=1, description="threads one merge spreads its tensors over (the kernels "
                                                      "release the GIL)")
     token_weighting: bool = Field(True, description="weigh by tokens * tokens / steps; off = equal weights")
-    scale_partial_rounds: bool = Field(False, description="a round with n of M learners applies n/M of its merged delta")
-    staleness_discount: float = Field(0.0, ge=0, description="weigh a contribution by (1 + staleness) ** -discount, its "
+    tokens_per_step_spread: float = Field(1.5, ge=0, description="in a merge, a contribution's tokens per step count "
+                                          "at most this many times the round's lowest (one writer's claim cannot "
+                                          "take a round's weight); 0 = claims as they are")
+    scale_partial_rounds: bool = Field(True, description="a round with n of M learners applies n/M of its merged delta")
+    staleness_discount: float = Field(2.0, ge=0, description="weigh a contribution by (1 + staleness) ** -discount, its "
                                       "staleness being the versions its fragment gained since its base; 0 = off")
     broadcast: Literal["fp32", "bf16", "int8", "int4"] = Field(
         "int8", description="encoding of each global update learners fetch (its error is carried to the next)")
+    update_base: Literal["snapshot", "previous"] = Field(
+        "snapshot", description="what each update is encoded against: snapshot = the fragment's newest snapshot, so "
+                                "one update brings a learner to any later version (its values span the versions since "
+                                "the snapshot: coarser codes); previous = the version before, finer codes, one update "
+                                "per version to catch up")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")
@@ -318,7 +346,8 @@ class MonitoringConfig(_Section):
     """Prometheus endpoints (/metrics) of the run's processes; the syncer's also serves the status page.
     Ports are fixed so that an operator can name them: syncer shard i on syncer_port + i, the learner
     with data shard k (its place in member_ids()) on learner_port_base + k. 0 = no endpoint."""
-    host: str = Field("0.0.0.0", description="address the endpoints listen on")
+    host: str = Field("127.0.0.1", description="address the endpoints listen on: this machine only by default; "
+                      "0.0.0.0 (or a pod's address) for a Prometheus elsewhere")
     syncer_port: int = Field(0, ge=0, le=65535, description="syncer shard i serves on syncer_port + i; 0 = off")
     learner_port_base: int = Field(0, ge=0, le=65535, description="learner k (data shard) serves on "
                                    "learner_port_base + k; 0 = off")
@@ -370,11 +399,14 @@ class BackendConfig(_Section):
     project: str = Field("my-project", pattern=_PROJECT, description="GCP project; regions may override it (slices)")
     context: str | None = Field(None, pattern=_CONTEXT, description="kubeconfig context of the home cluster (the "
                                 "syncer's; regions may override it); default kubectl's current context")
-    image: str = Field("us-docker.pkg.dev/my-project/diloco/diloco:latest", description="image with `diloco` installed")
+    image: str = Field("us-docker.pkg.dev/my-project/diloco/diloco:latest", pattern=_IMAGE,
+                       description="image with `diloco` installed (a registry reference: no spaces or shell characters)")
     namespace: str = Field("default", pattern=_NAMESPACE, description="namespace in the home cluster; regions may "
                            "override it (slices)")
-    config_dir: str = Field("/etc/diloco", description="where a job finds the run's config.yaml")
-    corpus_dir: str = Field("/data/corpus", description="where a job finds the prepared corpus (e.g. a GCS FUSE mount)")
+    config_dir: str = Field("/etc/diloco", pattern=_ABS_PATH, description="where a job finds the run's config.yaml "
+                            "(an absolute path of letters, digits and ._-/)")
+    corpus_dir: str = Field("/data/corpus", pattern=_ABS_PATH, description="where a job finds the prepared corpus (e.g. "
+                            "a GCS FUSE mount; an absolute path of letters, digits and ._-/)")
     secret_name: str = Field("diloco-secrets", pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$",
                              description="Kubernetes Secret in the namespace that holds the passwords: each of "
                                          "state.password_env and transport.sasl_password_env is a key of it, and a "
@@ -388,7 +420,21 @@ class BackendConfig(_Section):
         return s.model_copy(update={k: getattr(s, k) or getattr(self, k) for k in ("project", "context", "namespace")})
 
 
+# Named starting points, `preset: NAME`: what a preset sets fills in under the YAML, the keyword
+# sections and the --set overrides, which all win over it. The defaults are `decoupled`, the settings
+# measured best (docs/bench.md); `paper` is the merge and outer optimizer of the Decoupled DiLoCo paper.
+PRESETS: dict[str, dict[str, Any]] = {
+    "decoupled": {},
+    "paper": {"outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+              "fragments": {"apply": "overwrite", "one_delta_per_version": False},
+              "syncer": {"merge": "rda", "scale_partial_rounds": False, "quorum_of_fresh": False,
+                         "staleness_discount": 0.0}},
+}
+
+
 class Config(_Section):
+    preset: Literal["decoupled", "paper"] = Field("decoupled", description="the settings a config starts from "
+                                                  "(PRESETS): decoupled = measured best, paper = RDA with Nesterov")
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -444,6 +490,10 @@ class Config(_Section):
         if s0 and l0 and s0 < l0 + ln and l0 < s0 + sn:
             raise ValueError(f"monitoring: syncer ports {s0}-{s0 + sn - 1} (one per shard) overlap learner ports "
                              f"{l0}-{l0 + ln - 1} (one per member, regions[].max_learners included)")
+        if (self.backend.kind != "local" and (m.syncer_port or m.learner_port_base)
+                and m.host in ("127.0.0.1", "localhost", "::1")):
+            raise ValueError(f"monitoring.host is {m.host} with backend.kind {self.backend.kind}: the pods' endpoints "
+                             "would answer only inside each pod; set monitoring.host: 0.0.0.0 for the cluster's scrapes")
         if self.run.spares and (why := self.spares_unsupported()):
             raise ValueError(f"run.spares ({self.run.spares}): {why}")
         return self
@@ -475,23 +525,28 @@ class Config(_Section):
         """Every learner id this run may ever have, in data-shard order: the starting learners, then
         those that may join (`regions[].max_learners`), region by region. The same as learner_ids()
         when no region takes joins."""
-        return self.learner_ids() + [f"{r.name}-{i}" for r in self.regions for i in range(r.learners, r.capacity)]
+        return list(self._members)
 
     @property
     def num_shards(self) -> int:
         """Data shards of the run's corpus: one per possible member, so a joining learner reads its own."""
         return sum(r.capacity for r in self.regions)
 
+    @property
+    def _members(self) -> dict[str, tuple[int, RegionConfig]]:
+        """Every possible member id -> (its data shard, its region): one lookup, not a scan per call."""
+        return _member_table(tuple(self.regions))
+
     def shard_index(self, learner_id: str) -> int:
         """The learner's data shard (its place in member_ids())."""
         try:
-            return self.member_ids().index(learner_id)
-        except ValueError:
+            return self._members[learner_id][0]
+        except (KeyError, TypeError):
             raise ConfigError(self._not_a_member(learner_id)) from None
 
     def is_member_id(self, learner_id: str) -> bool:
         """Whether `learner_id` names a learner this run has or may admit."""
-        return learner_id in set(self.member_ids())
+        return isinstance(learner_id, str) and learner_id in self._members
 
     def _not_a_member(self, learner_id: str) -> str:
         joins = {r.name: r.capacity for r in self.regions if r.capacity > r.learners}
@@ -515,10 +570,21 @@ class Config(_Section):
         return max(1, round(self.inner.steps * len(speeds) * self.region_of(learner_id).speed / sum(speeds)))
 
     def region_of(self, learner_id: str) -> RegionConfig:
-        for region in self.regions:
-            if learner_id.startswith(region.name + "-") and learner_id in self.member_ids():
-                return region
-        raise ConfigError(self._not_a_member(learner_id))
+        """The region of member `learner_id` (`<region>-<k>`: with regions us and us-east, us-east-0 is
+        us-east's, not us's)."""
+        try:
+            return self._members[learner_id][1]
+        except (KeyError, TypeError):
+            raise ConfigError(self._not_a_member(learner_id)) from None
+
+
+@lru_cache(maxsize=256)
+def _member_table(regions: tuple[RegionConfig, ...]) -> dict[str, tuple[int, RegionConfig]]:
+    """Every member id in data-shard order (the starting learners, then those that may join, region by
+    region) -> (its shard, its region): Config.member_ids, shard_index and region_of read it."""
+    ids = [(f"{r.name}-{i}", r) for r in regions for i in range(r.learners)]
+    ids += [(f"{r.name}-{i}", r) for r in regions for i in range(r.learners, r.capacity)]
+    return {lid: (k, r) for k, (lid, r) in enumerate(ids)}
 
 
 # query parameters whose values are secrets: password, pwd, token, secret, signature, credential, api/access keys
@@ -593,9 +659,14 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
 
 
 def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> Config:
-    """Defaults, then `tree` on top (sections merge, lists replace), then the overrides."""
-    tree = _merge(Config().model_dump(mode="json"), _plain(tree))
-    for key, value in parse_overrides(list(overrides)):
+    """Defaults, then the preset's settings, then `tree` on top (sections merge, lists replace), then
+    the overrides."""
+    tree, pairs = _plain(tree), parse_overrides(list(overrides))
+    preset = next((v for k, v in reversed(pairs) if k == "preset"), tree.get("preset", "decoupled"))
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise ConfigError(f"config key preset: must be one of {', '.join(PRESETS)} (got {preset!r})")
+    tree = _merge(_merge(Config().model_dump(mode="json"), PRESETS[preset]), tree)
+    for key, value in pairs:
         _set_path(tree, key, value)
     try:
         return Config.model_validate(tree)
@@ -621,6 +692,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def merge_sections(base: dict, top: dict) -> dict:
+    """`top` over `base`, key by key inside sections (lists replace): one key given keeps the rest."""
+    return _merge(base, _plain(top))
 
 
 def _merge(base: dict, top: dict) -> dict:

@@ -57,3 +57,43 @@ def test_the_step_budget_is_shared_by_speed_only_when_asked():
     shared = build_config({"regions": regions, "inner": {"steps": 240, "steps_by_speed": True}})
     steps = [shared.learner_steps(lid) for lid in shared.learner_ids()]
     assert steps == [320, 320, 160, 160] and sum(steps) == 4 * 240  # same tokens, same finishing time
+
+
+def test_the_defaults_are_the_recommended_settings_and_presets_name_the_others():
+    """Without a YAML a user gets what the demo and the bench measured best (docs/bench.md)."""
+    from pathlib import Path
+    demo = load_config(Path(__file__).resolve().parents[1] / "configs/local.yaml")
+    cfg = build_config({})
+    keys = {"outer": ("lr", "momentum"), "fragments": ("apply", "one_delta_per_version"),
+            "syncer": ("merge", "scale_partial_rounds", "quorum_of_fresh", "staleness_discount")}
+    for section, names in keys.items():
+        for name in names:
+            assert getattr(getattr(cfg, section), name) == getattr(getattr(demo, section), name), f"{section}.{name}"
+    paper = build_config({"preset": "paper"})
+    assert (paper.syncer.merge, paper.outer.lr, paper.outer.momentum, paper.fragments.apply) == ("rda", 0.7, 0.9, "overwrite")
+    # what a config says wins over its preset, and --set preset=... picks one too
+    assert build_config({"preset": "paper", "outer": {"lr": 0.5}}).outer.lr == 0.5
+    assert build_config({}, ["preset=paper"]).syncer.merge == "rda"
+    with pytest.raises(ConfigError, match="preset: must be one of decoupled, paper"):
+        build_config({"preset": "fast"})
+
+
+def test_configure_merges_sections_key_by_key(tmp_path):
+    """diloco.configure(yaml, syncer={...}) keeps the YAML's other syncer keys."""
+    import diloco
+    path = tmp_path / "c.yaml"
+    path.write_text("syncer: {quorum: 3, merge: rda, grace_max_s: 1.5}\nregions: [{name: us, learners: 4}]\n")
+    cfg = diloco.configure(path, syncer={"quorum": 2})
+    assert (cfg.syncer.quorum, cfg.syncer.merge, cfg.syncer.grace_max_s) == (2, "rda", 1.5)
+    assert cfg.num_learners == 4
+
+
+
+def test_a_learner_belongs_to_its_own_region_when_one_regions_name_starts_anothers():
+    """region_of matched by prefix: with regions us and us-east, us-east-0 was us's (its topic, runner, cluster)."""
+    cfg = build_config({"regions": [{"name": "us", "learners": 2}, {"name": "us-east", "learners": 1, "max_learners": 2}]})
+    assert cfg.region_of("us-east-0").name == "us-east" and cfg.region_of("us-1").name == "us"
+    assert [cfg.shard_index(lid) for lid in cfg.member_ids()] == list(range(cfg.num_shards))
+    assert cfg.is_member_id("us-east-1") and not cfg.is_member_id("us-2") and not cfg.is_member_id(["us-0"])
+    with pytest.raises(ConfigError, match="unknown learner 'us-east-2'"):
+        cfg.region_of("us-east-2")
