@@ -32,7 +32,9 @@ def prepare(ctx: typer.Context,
             learners: Annotated[int, typer.Option(min=1, help="train shards: one per learner")],
             input: Annotated[Optional[list[str]], typer.Option(
                 "--input", help="file, directory or glob (local or gs://); repeatable; omitted = the Python "
-                                "standard library's sources")] = None,
+                                "standard library's sources. A .jsonl, .jsonl.gz, .jsonl.zst or .parquet file holds "
+                                "one document per line / row (see --text-field); any other file is one text "
+                                "document")] = None,
             heldout_fraction: Annotated[float, typer.Option(min=0, max=1, help="share of documents held out")] = 0.05,
             seed: Annotated[int, typer.Option(help="seed of the document-hash split")] = 0,
             max_bytes: Annotated[Optional[int], typer.Option(help="keep the sorted files that fit in this many bytes")] = None,
@@ -40,14 +42,24 @@ def prepare(ctx: typer.Context,
                 help="bytes (UTF-8 bytes, vocabulary 256), or the path of a Hugging Face tokenizer.json or a "
                      "SentencePiece .model; the model's vocab_size must cover its vocabulary")] = "bytes",
             seq_len: Annotated[int, typer.Option(help="sequence length the manifest counts sequences in")] = 128,
+            text_field: Annotated[str, typer.Option(
+                help="the JSON Lines field / Parquet column holding each record's document; rows where it is "
+                     "missing, not a string or empty (and lines that are not a JSON object) are skipped and "
+                     "counted per reason under bad_rows")] = "text",
             runner: Runner = "FnApiRunner"):
-    """Read, normalise, dedupe, split, tokenize and pack text files into one shard per learner + held-out."""
+    """Read, normalise, dedupe, split, tokenize and pack text files, JSON Lines and Parquet into one shard per
+    learner + held-out.
+
+    Bad rows of JSON Lines / Parquet files are skipped and counted per reason (not_utf8, not_json,
+    not_an_object, missing_field, not_a_string, empty) under bad_rows in manifest.json; a record file
+    that cannot be read at all (e.g. a corrupt .gz or .parquet) is an error naming it.
+    """
     from diloco.learners.data import DataError
     from diloco.pipelines.corpus import prepare as run_prepare
 
     try:
         m = run_prepare(input, output, learners=learners, heldout_fraction=heldout_fraction, seed=seed,
-                        max_bytes=max_bytes, tokenizer_name=tokenizer, seq_len=seq_len,
+                        max_bytes=max_bytes, tokenizer_name=tokenizer, seq_len=seq_len, text_field=text_field,
                         pipeline_args=_beam_args(runner, ctx.args))
     except DataError as err:
         console.print(f"[red]error:[/] {err}")
@@ -64,6 +76,9 @@ def prepare(ctx: typer.Context,
     c = m["counts"]
     console.print(f"files read {c.get('files_read', 0):,}, duplicates dropped {c.get('duplicates_dropped', 0):,}, "
                   f"skipped {len(m['skipped']):,}, left out by --max-bytes {m['capped_files']:,}")
+    if c.get("records_read") or m["bad_rows"]:
+        console.print(f"records read {c.get('records_read', 0):,}, bad rows skipped {sum(m['bad_rows'].values()):,}"
+                      + (f": {m['bad_rows']}" if m["bad_rows"] else ""))
     for s in m["skipped"][:20]:
         console.print(f"  skipped {s['path']}: {s['reason']}")
     if len(m["skipped"]) > 20:

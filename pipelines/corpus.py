@@ -1,4 +1,5 @@
-"""Corpus pipeline: text files to the token shards learners read (format: `diloco.learners.data`).
+"""Corpus pipeline: text, JSON Lines and Parquet files to the token shards learners read (format:
+`diloco.learners.data`).
 
     plan (match inputs, cap bytes) -> Beam: read + normalise -> drop duplicates -> tokenize -> split
     -> rebalance (no empty output) -> pack one file per shard -> finalise (manifest.json)
@@ -11,24 +12,36 @@ which is a global decision; everything per document happens in the pipeline.
 The tokenizer is "bytes" (UTF-8 bytes, vocabulary 256), a Hugging Face tokenizer.json or a
 SentencePiece .model. DoFns carry only its spec (kind, path, SHA-256) and load it in setup(), so
 nothing loaded is pickled and workers check they read the same file the manifest names.
+
+A text file is one document. A JSON Lines file (.jsonl, .jsonl.gz, .jsonl.zst) or a Parquet file
+(.parquet) holds one document per line / row: the string in its text field. Rows that cannot be a
+document are skipped and counted by reason (`bad_rows_<reason>`, BAD_ROW_REASONS); a record file
+that cannot be read at all is an error naming it.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
 import sysconfig
+import zlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import apache_beam as beam
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import sentencepiece
 import tokenizers
+import zstandard
 from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
@@ -257,12 +270,154 @@ class ReadNormalised(beam.DoFn):
         yield Doc(path, hashlib.sha256(text.encode("utf-8")).hexdigest(), text)
 
 
+# --- record files: one document per JSON line or Parquet row ---------------------------------------
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+PARQUET_SUFFIXES = (".parquet",)
+# Why a row is not a document; each is counted as `bad_rows_<reason>` and reported under `bad_rows`.
+BAD_ROW_REASONS = ("not_utf8", "not_json", "not_an_object", "missing_field", "not_a_string", "empty")
+PARQUET_BATCH_ROWS = 1024   # rows per Parquet read: a file streams, it is never read whole
+# What reading or decompressing a record file raises when the file itself is broken.
+READ_ERRORS = (OSError, EOFError, ValueError, zlib.error, zstandard.ZstdError, pa.ArrowException, BeamIOError)
+
+Row = tuple[str, None] | tuple[None, str]   # (normalised text, None) or (None, reason)
+
+
+def record_format(path: str) -> str | None:
+    """"jsonl", "parquet", or None for a text file (one document), by the file name's suffix."""
+    name = path.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return None
+
+
+def value_text(value) -> Row:
+    """A record's text-field value -> its normalised text, or why it is not a document."""
+    if isinstance(value, bytes):  # a Parquet binary column, or a string column read as bytes
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "not_utf8"
+    if not isinstance(value, str):  # null included
+        return None, "not_a_string"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, which JSON's "\ud800" escape can produce
+        return None, "not_utf8"
+    text = normalise(value)
+    if not text.strip():
+        return None, "empty"
+    return text, None
+
+
+def json_line_text(line: bytes, field: str) -> Row:
+    """One JSON Lines line (bytes) -> the normalised text of its `field`, or why it is not a document."""
+    try:
+        decoded = line.decode("utf-8").lstrip("\ufeff")
+    except UnicodeDecodeError:
+        return None, "not_utf8"
+    try:
+        obj = json.loads(decoded)
+    except ValueError:
+        return None, "not_json"
+    if not isinstance(obj, dict):
+        return None, "not_an_object"
+    if field not in obj:
+        return None, "missing_field"
+    return value_text(obj[field])
+
+
+def _decompressed(path: str, raw):
+    name = path.lower()
+    if name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if name.endswith(".zst"):
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw
+
+
+def jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str | None, str | None]]:
+    """(line number, text, reason) per non-blank line, streamed (blank lines are not records)."""
+    with FileSystems.open(path, compression_type="uncompressed") as raw, _decompressed(path, raw) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                yield n, *json_line_text(line, field)
+
+
+def parquet_rows(path: str, field: str, batch_rows: int = PARQUET_BATCH_ROWS
+                 ) -> Iterator[tuple[int, str | None, str | None]]:
+    """(row number from 1, text, reason) per row, read `batch_rows` rows of one column at a time."""
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        pf = pq.ParquetFile(f)
+        if pf.schema_arrow.get_field_index(field) < 0:
+            for n in range(1, pf.metadata.num_rows + 1):
+                yield n, None, "missing_field"
+            return
+        n = 0
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=[field]):
+            col = batch.column(0)
+            if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                # as bytes, so that invalid UTF-8 is one bad row rather than a failed batch
+                col = col.cast(pa.binary() if pa.types.is_string(col.type) else pa.large_binary())
+            for value in col.to_pylist():
+                n += 1
+                yield n, *value_text(value)
+
+
+class ReadRecords(beam.DoFn):
+    """Path of a JSON Lines or Parquet file -> one Doc per good row, named `<path>:<row number>`.
+
+    Bad rows are skipped and counted by reason; a file that cannot be read raises DataError naming it.
+    """
+
+    def __init__(self, text_field: str = "text"):
+        self.text_field = text_field
+        self.read = Metrics.counter(NS, "files_read")
+        self.records = Metrics.counter(NS, "records_read")
+        self.bad = {r: Metrics.counter(NS, f"bad_rows_{r}") for r in BAD_ROW_REASONS}
+
+    def process(self, path: str):
+        rows = parquet_rows if record_format(path) == "parquet" else jsonl_rows
+        bad, first, seen = Counter(), None, 0
+        try:
+            for n, text, reason in rows(path, self.text_field):
+                seen += 1
+                if reason is not None:
+                    bad[reason] += 1
+                    first = first or (n, reason)
+                    continue
+                yield Doc(f"{path}:{n}", hashlib.sha256(text.encode("utf-8")).hexdigest(), text)
+        except READ_ERRORS as err:
+            raise DataError(f"cannot read {path}: {type(err).__name__}: {err}") from None
+        self.read.inc()
+        self.records.inc(seen)
+        for reason, count in bad.items():
+            self.bad[reason].inc(count)
+        if bad:
+            log.warning("%s: skipped %d of %d rows (%s); the first is row %d (%s)", path, sum(bad.values()), seen,
+                        dict(sorted(bad.items())), *first)
+
+
+def _is_record_file(path: str, _partitions: int) -> int:
+    return int(record_format(path) is not None)
+
+
 class ReadDocuments(beam.PTransform):
-    """Paths -> {"docs": Doc, "skipped": {path, reason}}."""
+    """Paths -> {"docs": Doc, "skipped": {path, reason}}: text files whole, record files row by row."""
+
+    def __init__(self, text_field: str = "text"):
+        super().__init__()
+        self.text_field = text_field
 
     def expand(self, paths):
-        out = paths | "ReadNormalise" >> beam.ParDo(ReadNormalised()).with_outputs(ReadNormalised.SKIPPED, main="docs")
-        return {"docs": out.docs, "skipped": out[ReadNormalised.SKIPPED]}
+        text_files, record_files = paths | "ByFormat" >> beam.Partition(_is_record_file, 2)
+        out = text_files | "ReadNormalise" >> beam.ParDo(ReadNormalised()).with_outputs(ReadNormalised.SKIPPED,
+                                                                                          main="docs")
+        records = record_files | "ReadRecords" >> beam.ParDo(ReadRecords(self.text_field))
+        docs = (out.docs, records) | "AllDocs" >> beam.Flatten()
+        return {"docs": docs, "skipped": out[ReadNormalised.SKIPPED]}
 
 
 class KeepFirst(beam.DoFn):
@@ -465,13 +620,14 @@ class PrepareCorpus(beam.PTransform):
 
     def __init__(self, output: str, *, learners: int, heldout_fraction: float, seed: int,
                  tokenizer: TokenizerSpec = TokenizerSpec("bytes"), dtype: str = "<u2", separator: int = SEPARATOR,
-                 seq_len: int = 128):
+                 seq_len: int = 128, text_field: str = "text"):
         super().__init__()
         self.output, self.learners, self.heldout_fraction, self.seed = output, learners, heldout_fraction, seed
         self.tokenizer, self.dtype, self.separator, self.seq_len = tokenizer, dtype, separator, seq_len
+        self.text_field = text_field
 
     def expand(self, paths):
-        read = paths | "Read" >> ReadDocuments()
+        read = paths | "Read" >> ReadDocuments(self.text_field)
         tokens = (read["docs"]
                   | "Dedupe" >> DropDuplicates()
                   | "Tokenize" >> beam.ParDo(Tokenize(self.tokenizer, self.dtype)).with_outputs(
@@ -523,8 +679,11 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fraction: float = 0.05, seed: int = 0,
             max_bytes: int | None = None, tokenizer_name: str = "bytes", seq_len: int = 128,
-            pipeline_args: list[str] | None = None) -> dict:
-    """Run the whole preparation; returns the manifest. inputs=None is the stdlib corpus."""
+            text_field: str = "text", pipeline_args: list[str] | None = None) -> dict:
+    """Run the whole preparation; returns the manifest. inputs=None is the stdlib corpus; text_field is
+    the field (JSON Lines) or column (Parquet) that holds a record file's documents."""
+    if not text_field:
+        raise DataError("text field must be a non-empty field / column name")
     if learners < 1:
         raise DataError(f"learners must be at least 1, got {learners}")
     if not 0 < heldout_fraction < 1:
@@ -543,20 +702,27 @@ def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fra
            | "Spread" >> beam.Reshuffle()
            | "Prepare" >> PrepareCorpus(output, learners=learners, heldout_fraction=heldout_fraction, seed=seed,
                                         tokenizer=spec, dtype=DTYPES[dtype], separator=tok.separator,
-                                        seq_len=seq_len))
+                                        seq_len=seq_len, text_field=text_field))
     _ = out["shards"] | "WriteShardStats" >> WriteJsonLines(FileSystems.join(parts, "shards.jsonl"))
     _ = out["skipped"] | "WriteSkipped" >> WriteJsonLines(FileSystems.join(parts, "skipped.jsonl"))
     _ = out["plan"] | "WritePlan" >> WriteJsonLines(FileSystems.join(parts, "plan.jsonl"))
     result = p.run()
     result.wait_until_finish()
-    counts = {r.key.metric.name: r.committed for r in result.metrics().query()["counters"]
-              if r.key.metric.namespace == NS}
+    counts = Counter()
+    for r in result.metrics().query()["counters"]:  # one result per step: files_read is counted by two
+        if r.key.metric.namespace == NS:
+            counts[r.key.metric.name] += r.committed
     return finalise(output, pl, learners=learners, heldout_fraction=heldout_fraction, seed=seed, spec=spec, tok=tok,
-                    dtype=dtype, seq_len=seq_len, max_bytes=max_bytes, counts=counts)
+                    dtype=dtype, seq_len=seq_len, max_bytes=max_bytes, counts=counts, text_field=text_field)
+
+
+def bad_rows(counts: dict) -> dict[str, int]:
+    """Rows of record files skipped, per reason (only reasons that occurred), from the pipeline's counters."""
+    return {r: counts[f"bad_rows_{r}"] for r in BAD_ROW_REASONS if counts.get(f"bad_rows_{r}")}
 
 
 def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, seed: int, spec: TokenizerSpec, tok,
-             dtype: str, seq_len: int, max_bytes: int | None, counts: dict) -> dict:
+             dtype: str, seq_len: int, max_bytes: int | None, counts: dict, text_field: str = "text") -> dict:
     """Manifest from the pipeline's shard stats; written last, so its presence means a complete corpus."""
     parts = FileSystems.join(output, PARTS)
     stats = {s["name"]: s for s in read_json_lines(FileSystems.join(parts, "shards.jsonl"))}
@@ -577,9 +743,10 @@ def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, s
         too_few = (f"only {n} document{'s' * (n != 1)} left, and {learners} learner{'s' * (learners != 1)} need at "
                    f"least {learners + 1} (one per train shard and one held out): add input files or prepare for "
                    f"fewer learners; " if n < learners + 1 else "")
+        rows = f", bad rows {bad_rows(counts)} (text field {text_field!r})" if bad_rows(counts) else ""
         raise DataError(f"no documents for {', '.join(empty)}: {too_few}{len(pl.files)} files planned, "
                         f"{len(skipped)} skipped ({dict(reasons) or 'none'}), "
-                        f"{counts.get('duplicates_dropped', 0)} duplicates; skipped: {skipped[:10]}")
+                        f"{counts.get('duplicates_dropped', 0)} duplicates{rows}; skipped: {skipped[:10]}")
     moved = [{"path": m["path"], "from": output_name(m["from"], learners), "to": output_name(m["to"], learners)}
              for m in balance["moves"]]
     for m in moved:
@@ -591,7 +758,8 @@ def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, s
         "seed": seed, "heldout_fraction": heldout_fraction, "seq_len": seq_len,
         "shards": shards, "heldout": heldout, "content_sha256": content, "moved": moved,
         "sources": pl.sources, "max_bytes": max_bytes, "capped_files": pl.capped,
-        "skipped": skipped, "counts": dict(sorted(counts.items())),
+        "skipped": skipped, "text_field": text_field, "bad_rows": bad_rows(counts),
+        "counts": dict(sorted(counts.items())),
     }
     write_bytes(FileSystems.join(output, MANIFEST), json.dumps(manifest, indent=1).encode())
     return manifest

@@ -1,0 +1,242 @@
+"""The corpus pipeline's record inputs: JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) and Parquet.
+
+Each line / row is one document (its text field); bad rows are skipped and counted per reason;
+a record file that cannot be read is an error naming it. Every preparation runs on the in-process
+FnApiRunner (or DirectRunner) over a few tiny files written here; no services.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer
+import zstandard
+from typer.testing import CliRunner
+
+from diloco.learners.data import Corpus, DataError
+from diloco.pipelines import corpus as cp
+from diloco.pipelines.cli import data_app
+
+FN_API = ["--runner=FnApiRunner"]
+DIRECT = ["--runner=DirectRunner"]
+
+
+def _docs(tokens) -> list[str]:
+    """A shard back to its documents (byte tokens; documents joined with 0)."""
+    return np.asarray(tokens).astype(np.uint8).tobytes().decode("utf-8").split("\x00")
+
+
+def _line(obj) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+# --- the per-row decision ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, expected", [
+    (b'{"text": "hello"}', ("hello", None)),
+    (b'{"text": "a\\r\\nb\\u0000c", "id": 3}', ("a\nbc", None)),   # normalised like a text file
+    (b'\xef\xbb\xbf{"text": "bom"}\r\n', ("bom", None)),             # a BOM and CRLF line end are fine
+    (b'{"text": "caf\xe9"}', (None, "not_utf8")),                    # a latin-1 byte
+    (b'{"text": "\\ud800"}', (None, "not_utf8")),                    # a lone surrogate cannot be UTF-8
+    (b'{"text": "unterminated', (None, "not_json")),
+    (b"plain words", (None, "not_json")),
+    (b"[1, 2]", (None, "not_an_object")),
+    (b'"just a string"', (None, "not_an_object")),
+    (b"null", (None, "not_an_object")),
+    (b'{"body": "x"}', (None, "missing_field")),
+    (b'{"text": 5}', (None, "not_a_string")),
+    (b'{"text": null}', (None, "not_a_string")),
+    (b'{"text": ["a"]}', (None, "not_a_string")),
+    (b'{"text": " \\n\\u0000 "}', (None, "empty")),
+])
+def test_json_line_text(line, expected):
+    assert cp.json_line_text(line, "text") == expected
+
+
+def test_json_line_text_reads_the_named_field():
+    assert cp.json_line_text(b'{"text": "no", "body": "yes"}', "body") == ("yes", None)
+    assert cp.json_line_text(b'{"text": "no"}', "body") == (None, "missing_field")
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("doc", ("doc", None)), (b"doc", ("doc", None)), (b"\xff", (None, "not_utf8")),
+    (None, (None, "not_a_string")), (1.5, (None, "not_a_string")), ({"text": "x"}, (None, "not_a_string")),
+    ("", (None, "empty")), ("\ufeff\r\n", (None, "empty")),
+])
+def test_value_text(value, expected):
+    assert cp.value_text(value) == expected
+    assert expected[1] is None or expected[1] in cp.BAD_ROW_REASONS
+
+
+@pytest.mark.parametrize("name, fmt", [
+    ("a.jsonl", "jsonl"), ("gs://b/x/a.jsonl.gz", "jsonl"), ("a.JSONL.ZST", "jsonl"), ("a.parquet", "parquet"),
+    ("a.txt", None), ("a.json", None), ("a.py", None), ("a.jsonl.bz2", None), ("parquet", None),
+])
+def test_record_format(name, fmt):
+    assert cp.record_format(name) == fmt
+
+
+def test_jsonl_rows_number_lines_and_skip_blank_ones(tmp_path):
+    path = tmp_path / "a.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(_line({"text": "one"}) + b"\n  \n" + b"{bad\n")
+                     + zstandard.ZstdCompressor().compress(_line({"text": "two"})))  # two frames: both read
+    assert list(cp.jsonl_rows(str(path), "text")) == [(1, "one", None), (4, None, "not_json"), (5, "two", None)]
+
+
+def test_parquet_rows_stream_batches_and_a_missing_column_is_missing_field(tmp_path):
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(7)]}), path, row_group_size=3)
+    rows = list(cp.parquet_rows(str(path), "text", batch_rows=2))
+    assert rows == [(i + 1, f"doc {i}", None) for i in range(7)]
+    assert list(cp.parquet_rows(str(path), "body")) == [(i + 1, None, "missing_field") for i in range(7)]
+
+
+# --- the pipeline --------------------------------------------------------------------------------
+
+BAD_ROWS = {"not_utf8": 2, "not_json": 2, "not_an_object": 2, "missing_field": 1, "not_a_string": 3, "empty": 2}
+
+
+@pytest.fixture(scope="module")
+def mixed_inputs(tmp_path_factory) -> tuple[Path, set[str]]:
+    """A directory with a .jsonl.gz, a .parquet and a text file, bad rows planted in both record files
+    (counts: BAD_ROWS); returns it and the documents a correct preparation keeps."""
+    root = tmp_path_factory.mktemp("mixed")
+    json_docs = [f"json document {i}: {'é' * (i % 3)} words\n" for i in range(12)]
+    lines = [_line({"text": d, "id": i}) for i, d in enumerate(json_docs)]
+    lines[3:3] = [b"{not json\n", b"\n", b"[1, 2, 3]\n", _line({"title": "no text"}), _line({"text": 5}),
+                  b'{"text": "caf\xe9"}\n', b"   \n", b'"a string"\n', _line({"text": None}), b"nope\n",
+                  _line({"text": "\r\n  "})]
+    with gzip.open(root / "records.jsonl.gz", "wb") as f:
+        f.writelines(lines)
+
+    parquet_docs = [f"parquet row {i}\nsecond line {i * i}\n" for i in range(12)]
+    texts = pa.array([d.encode() for d in parquet_docs]
+                     + [None, b"bad \xff\xfe bytes", b" \t", json_docs[5].replace("\n", "\r\n").encode()],
+                     pa.binary()).view(pa.string())   # a string column holding invalid UTF-8 in one row
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), root / "rows.parquet",
+                   row_group_size=5)   # the last row duplicates json document 5 once normalised
+
+    (root / "notes.txt").write_text("a plain text file is still one document\n", encoding="utf-8")
+    return root, {*json_docs, *parquet_docs, "a plain text file is still one document\n"}
+
+
+@pytest.fixture(scope="module")
+def prepared(mixed_inputs, tmp_path_factory) -> tuple[Path, dict]:
+    root, _ = mixed_inputs
+    out = tmp_path_factory.mktemp("prepared")
+    return out, cp.prepare([str(root)], str(out), learners=2, heldout_fraction=0.2, seed=3, pipeline_args=FN_API)
+
+
+def test_record_documents_reach_the_shards(prepared, mixed_inputs):
+    out, m = prepared
+    _, keep = mixed_inputs
+    c = Corpus.open(out)
+    every = [d for i in range(2) for d in _docs(c.train_tokens(i))] + _docs(c.heldout_tokens())
+    assert sorted(every) == sorted(keep)   # every good row once, bad rows and the duplicate out
+    assert m["counts"]["duplicates_dropped"] == 1
+    assert m["counts"]["files_read"] == 3
+    assert m["counts"]["records_read"] == 21 + 16   # non-blank lines + rows
+    assert m["counts"]["tokens"] == sum(len(d.encode()) for d in keep)
+    assert m["text_field"] == "text" and m["skipped"] == []
+
+
+def test_bad_rows_are_counted_per_reason(prepared):
+    _, m = prepared
+    assert m["bad_rows"] == BAD_ROWS
+    assert {k: v for k, v in m["counts"].items() if k.startswith("bad_rows_")} == {
+        f"bad_rows_{r}": n for r, n in BAD_ROWS.items()}
+
+
+def test_rerun_on_another_runner_is_byte_identical(prepared, mixed_inputs, tmp_path):
+    out, m = prepared
+    root, _ = mixed_inputs
+    again = cp.prepare([str(root)], str(tmp_path / "again"), learners=2, heldout_fraction=0.2, seed=3,
+                       pipeline_args=DIRECT)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "again").iterdir())
+    for name in names:
+        assert (out / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+    assert again["content_sha256"] == m["content_sha256"]
+
+
+def _truncated_gzip(path: Path) -> None:
+    path.write_bytes(gzip.compress(b"".join(_line({"text": f"doc {i}"}) for i in range(50)))[:-12])
+
+
+def _not_parquet(path: Path) -> None:
+    path.write_bytes(b"PAR1" + b"\x00garbage" * 10 + b"PAR1")
+
+
+def _not_zstd(path: Path) -> None:
+    path.write_bytes(b"this is not zstandard data")
+
+
+@pytest.mark.parametrize("name, corrupt", [("broken.jsonl.gz", _truncated_gzip), ("broken.parquet", _not_parquet),
+                                           ("broken.jsonl.zst", _not_zstd)])
+def test_an_unreadable_record_file_is_an_error_naming_it(tmp_path, name, corrupt):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    with gzip.open(inp / "good.jsonl.gz", "wb") as f:
+        f.writelines(_line({"text": f"good document {i}"}) for i in range(10))
+    corrupt(inp / name)
+    with pytest.raises(DataError, match=re.escape(f"cannot read {inp / name}")):
+        cp.prepare([str(inp)], str(tmp_path / "out"), learners=2, heldout_fraction=0.2, pipeline_args=FN_API)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_only_bad_rows_fails_with_their_counts(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(b"".join(_line({"text": f"doc {i}"}) for i in range(5)))
+    with pytest.raises(DataError, match=r"no documents for .*bad rows \{'missing_field': 5\} \(text field 'body'\)"):
+        cp.prepare([str(tmp_path / "in")], str(tmp_path / "out"), learners=2, text_field="body",
+                   pipeline_args=FN_API)
+
+
+def test_cli_prepare_takes_a_text_field_and_prints_bad_rows(tmp_path):
+    app = typer.Typer()
+    app.add_typer(data_app, name="data")
+    (tmp_path / "in").mkdir()
+    data = b"".join(_line({"body": f"cli document {i}", "text": "ignored"}) for i in range(8)) + _line({"text": "x"})
+    (tmp_path / "in" / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    res = CliRunner().invoke(app, ["data", "prepare", "--input", str(tmp_path / "in"), "--output",
+                                   str(tmp_path / "out"), "--learners", "2", "--heldout-fraction", "0.2",
+                                   "--text-field", "body", "--runner", "FnApiRunner"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "records read 9, bad rows skipped 1: {'missing_field': 1}" in out
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["text_field"] == "body" and m["bad_rows"] == {"missing_field": 1}
+    assert sum(s["documents"] for s in [*m["shards"], m["heldout"]]) == 8
+    help_text = " ".join(CliRunner().invoke(app, ["data", "prepare", "--help"]).output.split())
+    assert "--text-field" in help_text and "bad_rows" in help_text
+
+
+def test_a_run_config_names_the_text_field_of_its_jsonl_corpus(tmp_path):
+    """`data.corpus` + `data.text_field` in a run's config: the learners' shards hold that field's
+    documents, and the cached preparation is keyed by the field (another field is another corpus)."""
+    from diloco.config import build_config
+    from diloco.learners.data import corpus_for
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(b"".join(_line({"body": f"body {i}", "text": f"text {i}"})
+                                                       for i in range(12)))
+
+    def config(**data):
+        return build_config({"data": {"corpus": str(tmp_path / "in"), "dir": str(tmp_path / "cache"),
+                                      "heldout_fraction": 0.2, **data}})
+
+    body = corpus_for(config(text_field="body"))
+    text = corpus_for(config())
+    assert body.dir != text.dir
+    docs = {d for s in range(body.num_shards) for d in _docs(body.train_tokens(s))} | set(_docs(body.heldout_tokens()))
+    assert {d for d in docs if d} == {f"body {i}" for i in range(12)}
+    assert corpus_for(config(text_field="body")).dir == body.dir  # prepared once, then reused
+    with pytest.raises(ValueError, match="text_field"):
+        config(text_field="")
