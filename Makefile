@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh Debian machine with Python 3.11:
 #   make demo   - install, start the local broker and Redis, run the 2 regions x 2 learners demo
 #   make test   - install, run the test suite (the tests start their own services)
+#   make test-fast - the unit and property tests alone, no services (a few minutes)
 #   make bench  - benchmarks against data-parallel and sync DiLoCo (BENCH_ARGS, docs/bench.md)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -8,7 +9,7 @@ BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 CONFIG ?= configs/local.yaml
 
-.PHONY: install system-deps demo prefect-demo test bench up down status clean
+.PHONY: install system-deps demo prefect-demo test test-fast bench up down status clean
 
 install: system-deps $(VENV)/.installed
 
@@ -63,6 +64,10 @@ prefect-demo: up
 
 test: install
 	$(BIN)/pytest -q
+
+# the unit and property tier: no broker, Redis, store server or Prefect (tests marked integration are left out)
+test-fast: install
+	$(BIN)/pytest -q -m "not integration"
 
 BENCH_ARGS ?= --quick --output docs/bench
 bench: up

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,10 +42,41 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.3) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_handed_out: set[int] = set()  # ports free_port returned in this process: never handed out twice
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive ports nothing is bound to, for a service to listen on.
+
+    They lie below the kernel's ephemeral range: a port bind(0) picks is one the kernel also gives
+    outgoing connections, and any client connecting meanwhile (a Kafka or Redis client, a Prometheus
+    scrape) could hold it when the service binds (EADDRINUSE). Ports handed out in this process are
+    not handed out again, so ports asked for one after the other differ before any is bound.
+    """
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for _ in range(2000):
+        base = random.randrange(low, high - count + 1)
+        ports = range(base, base + count)
+        if _handed_out.intersection(ports):
+            continue
+        try:
+            for port in ports:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _handed_out.update(ports)
+        return base
+    raise ServiceError(f"no {count} consecutive free ports in {low}-{high - 1}")
 
 
 def _wait_port(name: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:

@@ -37,26 +37,6 @@ from diloco.syncer import state as state_mod
 DASHBOARD = Path(__file__).parent.parent / "infra" / "grafana" / "diloco.json"
 
 
-def free_ports_in_a_row(n: int) -> int:
-    """The first of n consecutive free ports (monitoring.learner_port_base + data shard)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read()
@@ -75,9 +55,9 @@ def live_run(tmp_path_factory, kafka_bootstrap, redis_url, data_dir, prometheus_
     """A tiny run (us-0, eu-0) whose syncer and learners serve /metrics, scraped every second by a
     Prometheus server started here; yields once the learners finished (the syncer keeps serving)."""
     tmp = tmp_path_factory.mktemp("monitoring")
-    syncer_port, learner_base, prom_port = free_port(), free_ports_in_a_row(2), free_port()
+    syncer_port, learner_base, prom_port = free_port(), free_port(count=2), free_port()  # all distinct
     run_id = f"mon-{time.time_ns() % 10**8}"
-    tree = {k: dict(v) for k, v in TINY.items()}
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in TINY.items()}
     tree |= {"regions": [{"name": "us", "learners": 1, "speed": 0.25}, {"name": "eu", "learners": 1, "speed": 0.25}],
              "transport": {"bootstrap_servers": kafka_bootstrap}, "state": {"redis_url": redis_url},
              "store": {"url": f"file://{tmp}/store"}, "outer": {"lr": 1.0, "momentum": 0.0},
@@ -322,7 +302,7 @@ def test_syncer_metrics_and_status_follow_its_rounds_and_rejections(tiny_config)
     h.rounds(2)
     stale = h.publish("eu-0", 0, base_version=7)  # ahead of the fragment's version: future_version
     h.pump(lambda: h.state.statuses().get(stale.id, "").startswith("rejected"))
-    h.syncer._last_observed = 0.0
+    h.syncer.every_observe.reset()
     h.syncer.observe()
     reg = h.syncer.metrics.registry
     assert reg.get_sample_value("diloco_syncer_version", {"fragment": "0"}) == 2
@@ -335,3 +315,36 @@ def test_syncer_metrics_and_status_follow_its_rounds_and_rejections(tiny_config)
     assert [r["version"] for r in st["rounds"] if r["fragment"] == 0] == [2, 1]
     assert st["rejections"]["by_reason"] == {"future_version": 1}
     assert next(m for m in st["members"] if m["id"] == "us-0")["step"] == 10
+
+
+def test_the_status_survives_events_and_ids_from_outside():
+    """One event with a non-numeric time made / and /status.json answer 503, and '[/]' in a learner id
+    or a detail crashed `diloco status`."""
+    cfg = build_config({})
+    snap = {"members": {"[/]": {}}, "registry": {"us-0": {"seen": "later", "status": "alive"}},
+            "versions": {0: 3}, "pending": {}, "leases": {}, "counters": {}, "outbox": 0,
+            "merges": [{"fragment": 0, "version": 3, "learners": ["us-0"], "time": "soon"}]}
+    events = [{"kind": "contribution_rejected", "id": "[/]", "reason": "[bold]", "detail": "[/x]", "time": "later"}]
+    st = status.build(cfg, "run", snap, events, time.time())
+    assert st["rounds"][0]["age_s"] is None and st["rejections"]["recent"][0]["age_s"] is None
+    json.loads(status.to_json(st))
+    assert "[/]" in status.html(st)
+    out = io.StringIO()
+    for t in status.tables(st):
+        Console(file=out, width=200).print(t)
+    assert "[/]" in out.getvalue() and "[/x]" in out.getvalue()
+
+
+def test_the_endpoints_listen_on_this_machine_by_default_and_drop_silent_clients():
+    assert build_config({}).monitoring.host == "127.0.0.1"
+    from prometheus_client import CollectorRegistry
+    port = free_port()
+    server = metrics.serve(CollectorRegistry(), "127.0.0.1", port)
+    try:
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(metrics.MAX_REQUESTS)]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=metrics.REQUEST_TIMEOUT_S * 3) as r:
+            assert r.status == 200                     # served once the silent ones time out
+        for s in silent:
+            s.close()
+    finally:
+        server.shutdown()
