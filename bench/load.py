@@ -39,7 +39,7 @@ from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
 from diloco.plan import make_plan
 from diloco.syncer import state as state_mod
-from diloco.syncer.syncer import provision
+from diloco.syncer.provision import provision
 
 COLS = 1024
 

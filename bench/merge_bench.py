@@ -67,8 +67,10 @@ def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_st
     update, new, residual, state = fused.outer_update(params, opt_state, delta, {}, lr=0.7, momentum=0.9, nesterov=True,
                                                       scheme=broadcast, threads=threads)
     lap("outer_step_and_update")
+    # version 0 (the warm-up) has no version to be an update from: it is a snapshot only
     store.write(0, version, new, merge_math.flatten_state(state), {"time": time.time()}, residual=residual,
-                update=update, update_scheme=broadcast, snapshot_at=None if version % snapshot_every == 0 else 0)
+                update=update if version else None, update_scheme=broadcast,
+                snapshot_at=None if version % snapshot_every == 0 else 0)
     lap("store_write")
     return sum(len(b) for b in update.values())
 

@@ -32,8 +32,9 @@ REGIONS = [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2}]  # M = 
 # Both DiLoCo methods rebase learners on new global fragments, scale partial rounds by n/M and take
 # an outer step without momentum (lr 1): at these short horizons
 # (~12 outer steps per fragment) that beat DiLoCo's lr 0.7 / Nesterov 0.9 in the healthy quick run for
-# both (2026-11-29: sync 2.72-2.76 vs 2.84, decoupled 2.77-2.80 vs 3.25 held-out loss; docs/bench.md).
+# both (the figures are in docs/bench.md).
 for _size in SIZES.values():
+    _size["preset"] = "paper"  # every setting a method relies on is named here or in METHODS
     _size["outer"] = {"lr": 1.0, "momentum": 0.0}
     _size["fragments"]["apply"] = "rebase"
     _size["syncer"] = {"scale_partial_rounds": True}
@@ -77,6 +78,13 @@ METHODS: dict[str, dict] = {
     "decoupled-bf16": _merge(DECOUPLED, {"fragments": {"quantization": "bf16"}}),
     # int4 both ways: deltas up and the syncer's updates down (quality held in healthy quick runs)
     "decoupled-int4": _merge(DECOUPLED, {"fragments": {"quantization": "int4"}, "syncer": {"broadcast": "int4"}}),
+    # int4 both ways, each update from the version before (finer codes, one download per version)
+    "decoupled-int4-previous": _merge(DECOUPLED, {"fragments": {"quantization": "int4"},
+                                                  "syncer": {"broadcast": "int4", "update_base": "previous"}}),
+    # int8 deltas up, int4 updates down
+    "decoupled-int4-down": _merge(DECOUPLED, {"syncer": {"broadcast": "int4"}}),
+    # learners fetch a fragment only shortly before they sync it: fewer downloads, older globals
+    "decoupled-before-sync": _merge(DECOUPLED, {"fragments": {"fetch": "before_sync"}}),
     # the round policy alone, the paper's comparison on mixed hardware: every learner waited for
     # (K = M, learners still never block), and K = 1 with and without the grace window
     "decoupled-kM": _merge(DECOUPLED, {"syncer": {"quorum": sum(r["learners"] for r in REGIONS)}}),
@@ -84,7 +92,7 @@ METHODS: dict[str, dict] = {
     "decoupled-k1-nograce": _merge(DECOUPLED, {"syncer": {"quorum": 1, "grace_max_s": 0.0}}),
 }
 QUORUM_VARIANTS = ("decoupled-kM", "decoupled-k1", "decoupled-k1-nograce")
-# decoupled with RDA and outer lr 0.8, as it was until 2026-12-02: the merge rule alone
+# decoupled with RDA (over learners) and outer lr 0.8: the merge rule alone
 METHODS["decoupled-rda"] = _merge(DECOUPLED, {"syncer": {"merge": "rda"}, "outer": {"lr": 0.8}})
 # decoupled without its staleness-aware pieces: late deltas make rounds of their own and weigh as fresh
 # ones, and a learner ahead sends every H steps whatever version it holds

@@ -27,7 +27,7 @@ def worker(args: dict) -> dict:
     import numpy as np
 
     from diloco.config import build_config
-    from diloco.learners.learner import make_train_step
+    from diloco.learners.learner import compile_step
     from diloco.learners.parallel import learner_mesh
     from diloco.learners.session import outer_deltas
     from diloco.models.transformer import spec as transformer
@@ -45,10 +45,9 @@ def worker(args: dict) -> dict:
     params = mesh.shard(init, spec.partition(init))
     del init
     opt = spec.inner_optimizer(0, 1000)
-    opt_state = mesh.init_optimizer(opt, params)
     rng = np.random.default_rng(0)
     batch = mesh.shard_batch(rng.integers(0, 256, size=(devices, args["seq_len"] + 1)).astype(np.int32))
-    step = make_train_step(spec.loss, opt).lower(params, opt_state, batch).compile()
+    opt_state, step = compile_step(spec, mesh, opt, params, batch)
     params, opt_state, loss = step(params, opt_state, batch)  # warm up
     float(loss)
     times = []

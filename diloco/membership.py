@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 import uuid
 from collections.abc import Iterable
@@ -60,7 +61,11 @@ def pending(run_dir: Path) -> list[tuple[Path, dict | None]]:
         if path.name.endswith(".answer.json") or path.with_name(path.stem + ".answer.json").exists():
             continue
         try:
-            op = json.loads(path.read_bytes()[:MAX_REQUEST_BYTES]) if path.stat().st_size <= MAX_REQUEST_BYTES else None
+            info = path.lstat()
+            if not stat.S_ISREG(info.st_mode):  # a FIFO, a device or a link would block or lead elsewhere
+                op = None
+            else:
+                op = json.loads(path.read_bytes()[:MAX_REQUEST_BYTES]) if info.st_size <= MAX_REQUEST_BYTES else None
         except (OSError, ValueError):
             op = None
         out.append((path, op if isinstance(op, dict) else None))

@@ -460,6 +460,8 @@ _HEARTBEAT = {  # field -> check; unknown fields are dropped, a bad known one re
     "region": lambda v: isinstance(v, str) and len(v) <= 64,
     "versions": lambda v: isinstance(v, dict) and len(v) <= 4096 and all(
         isinstance(k, str) and k.isascii() and k.isdigit() and _count(x) for k, x in v.items()),
+    "fetched_by_fragment": lambda v: isinstance(v, dict) and len(v) <= 4096 and all(
+        isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 6 and _count(x) for k, x in v.items()),
 }
 
 

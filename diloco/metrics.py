@@ -96,8 +96,33 @@ def names(registry: CollectorRegistry) -> set[str]:
     return {s.name for m in registry.collect() for s in m.samples}
 
 
+MAX_REQUESTS = 16      # served at once; more wait in the listen backlog, then are refused
+REQUEST_TIMEOUT_S = 10  # a client that sends nothing (or reads nothing) this long is dropped
+
+
 class _Server(ThreadingMixIn, WSGIServer):
+    """One thread per request, at most MAX_REQUESTS at a time; a slow or silent client times out."""
     daemon_threads = True
+    request_queue_size = 32
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
+
+    def process_request(self, request, client_address):
+        # a slot frees within REQUEST_TIMEOUT_S of its request's arrival (then its client is dropped):
+        # waiting twice that, a request is dropped only when the server stays full of live requests
+        if not self._slots.acquire(timeout=2 * REQUEST_TIMEOUT_S):
+            self.shutdown_request(request)
+            return
+        request.settimeout(REQUEST_TIMEOUT_S)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Quiet(WSGIRequestHandler):

@@ -90,27 +90,35 @@ def roundtrip(x: np.ndarray, scheme: str) -> np.ndarray:
 
 
 # --- Global updates: what the syncer sends learners instead of fp32 fragments ---------------------
-# The syncer publishes new = old + decode(update) and learners that hold `old` compute the same
+# The syncer publishes new = base + decode(update) and learners that hold `base` compute the same
 # expression, so both ends hold bit-identical globals while the wire carries 1 (int8) or 0.5 (int4)
-# bytes per parameter instead of 4. What quantization leaves out of an update (the residual) rides
-# with the next one (error feedback on the syncer's side).
+# bytes per parameter instead of 4. The base is the fragment's newest snapshot (infra.store), so one
+# update brings a learner from that snapshot to any later version. What quantization leaves out
+# (the residual) rides with the next update (error feedback on the syncer's side): the published
+# global stays within one quantization step of the exact outer-step result, however many versions on.
 
-def apply_update(old: dict[str, np.ndarray], update: dict[str, bytes], scheme: str) -> dict[str, np.ndarray]:
-    """The global a receiver holds after applying one encoded update to `old`."""
-    missing = sorted(set(old) - set(update))
+def apply_update(base: dict[str, np.ndarray], update: dict[str, bytes], scheme: str) -> dict[str, np.ndarray]:
+    """The global a receiver holds after applying one encoded update to its `base`."""
+    missing = sorted(set(base) - set(update))
     if missing:
         raise CodecError(f"update lacks tensors {missing}")
     # in float32, then back to the tensor's own dtype (bf16 stays bf16): both ends compute the same bits
-    return {n: (np.asarray(old[n], np.float32) + decode(update[n], old[n].shape, scheme)).astype(old[n].dtype)
-            for n in old}
+    return {n: (np.asarray(base[n], np.float32) + decode(update[n], base[n].shape, scheme)).astype(base[n].dtype)
+            for n in base}
 
 
 def encode_update(old: dict[str, np.ndarray], new: dict[str, np.ndarray], residual: dict[str, np.ndarray],
-                  scheme: str) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(wire update, global as published, residual left for the next update) for the step old -> new."""
+                  scheme: str, base: dict[str, np.ndarray] | None = None
+                  ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(wire update relative to `base` (default `old`), global as published, residual left for the
+    next update) for the step old -> new: the update encodes new + residual - base."""
+    base = old if base is None else base
     f32 = {n: np.asarray(old[n], np.float32) for n in new}
     want = {n: (np.asarray(new[n], np.float32) - f32[n] + residual.get(n, 0.0)).astype(np.float32) for n in new}
+    if base is not old:
+        want = {n: (want[n] + (f32[n] - np.asarray(base[n], np.float32))).astype(np.float32) for n in new}
     wire = {n: encode(u, scheme) for n, u in want.items()}
-    published = apply_update({n: old[n] for n in new}, wire, scheme)
-    carried = {n: (want[n] - (published[n].astype(np.float32) - f32[n])).astype(np.float32) for n in new}
+    published = apply_update({n: base[n] for n in new}, wire, scheme)
+    carried = {n: (want[n] - (published[n].astype(np.float32) - np.asarray(base[n], np.float32))).astype(np.float32)
+               for n in new}
     return wire, published, carried

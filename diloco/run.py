@@ -19,6 +19,7 @@ from kafka import TopicPartition
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from diloco import chaos, membership, messages
 from diloco.checkpoint import read_global
@@ -29,10 +30,10 @@ from diloco.infra.store import FragmentStore
 from diloco.learners.data import Corpus, corpus_for
 from diloco.messages import WireError
 from diloco.plan import Plan, flatten, unflatten
-from diloco.spec import ModelSpec, evaluate, initial_plan, load_spec
+from diloco.spec import ModelSpec, evaluate, import_roots, initial_plan, load_spec
 from diloco.syncer import state as state_mod
 from diloco.syncer.durability import EXIT_STATE_LOST
-from diloco.syncer.syncer import provision
+from diloco.syncer.provision import provision
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,26 @@ def dp_allreduce_bytes(num_params: int, workers: int, steps: int, bytes_per_valu
     return int(steps * 2 * (workers - 1) / workers * num_params * bytes_per_value)
 
 
+REASON_CHARS = 64  # a rejection reason longer than this is no reason this code base gives
+
+
+def check_event_fields(ev: dict) -> None:
+    """ValueError unless the fields the runner reads have their types: a finite number `time` (if any), a short
+    string rejection `reason`, integer fragments and versions of merges."""
+    t = ev.get("time", 0.0)
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
+        raise ValueError(f"event time {messages.short(t, 40)} is not a number")
+    kind = ev.get("kind")
+    if kind == "contribution_rejected":
+        reason = ev.get("reason")
+        if not isinstance(reason, str) or not 0 < len(reason) <= REASON_CHARS:
+            raise ValueError(f"rejection reason {messages.short(reason, 40)} is not a short string")
+    elif kind == "merge":
+        if not all(isinstance(ev.get(k), int) and not isinstance(ev.get(k), bool) and ev[k] >= 0
+                   for k in ("fragment", "version")) or not isinstance(ev.get("ids"), list):
+            raise ValueError("merge event without integer fragment and version and a list of ids")
+
+
 @dataclass
 class Progress:
     """What the events topic has told us so far."""
@@ -69,6 +90,7 @@ class Progress:
     kinds_seen: set[str] = field(default_factory=set)
     eids: set[str] = field(default_factory=set)
     fetched: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
+    fetched_by_fragment: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)  # the same, per fragment
     trained: dict[tuple[str, str], int] = field(default_factory=dict)  # tokens per (learner, incarnation)
     membership: list[dict] = field(default_factory=list)  # learner_admitted, _left, _finished, ... events
 
@@ -78,12 +100,18 @@ class Progress:
         return sum(self.trained.values())
 
     def apply(self, ev: dict) -> None:
+        """Take one event in; raises ValueError (the caller skips the event) on a field of the wrong
+        type: the events topic is writable by every learner."""
         if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
             return
+        check_event_fields(ev)
         self.eids.add(ev.get("eid"))
         if ev["kind"] == "heartbeat":  # a restarted learner counts from zero: keep every incarnation's
             key = (ev["learner"], ev.get("incarnation", ""))
             self.fetched[key] = max(self.fetched.get(key, 0), ev.get("bytes_fetched", 0))
+            parts = self.fetched_by_fragment.setdefault(key, {})
+            for p, n in (ev.get("fetched_by_fragment") or {}).items():
+                parts[p] = max(parts.get(p, 0), n)
             self.trained[key] = max(self.trained.get(key, 0), ev.get("tokens", 0))
         if ev["kind"] == "heartbeat" and ev.get("step", 0) < self.learners.get(ev["learner"], {}).get("step", 0):
             return  # a late beat of a killed incarnation: the restarted one resumed further on
@@ -113,14 +141,15 @@ def progress_table(cfg: Config, prog: Progress, run_id: str, elapsed: float) -> 
     for lid in sorted(set(cfg.learner_ids()) | set(prog.learners), key=cfg.shard_index):
         hb = prog.learners.get(lid)
         if hb is None:
-            t.add_row(lid, "-", "-", "-", "-", "-", "starting")
+            t.add_row(Text(lid), "-", "-", "-", "-", "-", "starting")
             continue
-        t.add_row(lid, f"{hb.get('step', 0)}/{cfg.learner_steps(lid)}", f"{hb.get('tokens', 0):,}", _loss(hb),
-                  f"{1000 * hb.get('step_time', 0.0):.0f}",
-                  f"{hb.get('published', 0)} ({hb.get('bytes_sent', 0) / 1e6:.2f} MB)", str(hb.get("state", "?")))
+        t.add_row(*(Text(str(x)) for x in (
+            lid, f"{hb.get('step', 0)}/{cfg.learner_steps(lid)}", f"{hb.get('tokens', 0):,}", _loss(hb),
+            f"{1000 * hb.get('step_time', 0.0):.0f}", f"{hb.get('published', 0)} ({hb.get('bytes_sent', 0) / 1e6:.2f} MB)",
+            hb.get("state", "?"))))
     versions = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
     rej = ", ".join(f"{k} {v}" for k, v in sorted(prog.rejections.items())) or "none"
-    t.caption = f"syncer: {versions} | merges {prog.merges} | accepted {prog.accepted} | rejected {prog.rejected} ({rej})"
+    t.caption = Text(f"syncer: {versions} | merges {prog.merges} | accepted {prog.accepted} | rejected {prog.rejected} ({rej})")
     return t
 
 
@@ -129,7 +158,8 @@ def _child_env(cfg: Config) -> dict:
     flags = os.environ.get("XLA_FLAGS", "")
     if n == 1 and "multi_thread_eigen" not in flags:
         flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    env = {**os.environ, "XLA_FLAGS": flags.strip(), "OMP_NUM_THREADS": str(n), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "XLA_FLAGS": flags.strip(), "OMP_NUM_THREADS": str(n), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(import_roots() + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     if cfg.run.id:  # JAX's persistent compilation cache, for every program however quick to compile: a
         # restarted learner or a spare taking over finds the steps compiled before in the run
         env |= {"JAX_COMPILATION_CACHE_DIR": str(Path(cfg.run.dir) / cfg.run.id / "jax-cache"),
@@ -226,11 +256,16 @@ def finish(setup: RunSetup, run: LocalRun, console: Console, summary_json: str |
     summary["membership"] = membership.timeline(cfg.learner_ids(), run.prog.membership, start=run.first_beat)
     summary["members"] = list(run.members)
     summary["run_dir"] = str(setup.run_dir)
+    warning = loss_warning(summary)
+    summary["warnings"] = [warning] if warning else []
     (setup.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if summary_json:
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_json).write_text(json.dumps(summary, indent=1))
     console.print(summary_table(summary))
+    if warning:
+        log.warning(warning, extra={"run_id": cfg.run.id})
+        console.print(Text(f"WARNING: {warning}", style="bold red"))
     return summary
 
 
@@ -310,7 +345,7 @@ class LocalRun:
         if name in self.members and self._hand_to_spare(name, why):
             return
         self.restart_at[name] = now + delay
-        self.console.print(f"[yellow]{name} {why}; restarting in {delay:.1f}s[/]")
+        self.console.print(Text(f"{name} {why}; restarting in {delay:.1f}s", style="yellow"))
 
     # --- warm spares ---------------------------------------------------------------------------
     def _start_spare(self) -> None:
@@ -331,14 +366,14 @@ class LocalRun:
                     raise OSError(f"exited with {self.jobs.poll(spare)}")
                 self.jobs.tell(spare, json.dumps({"learner": name, "start_step": hb.get("step", 0)}))
             except OSError as err:
-                self.console.print(f"[red]{spare} cannot take over ({err}); log {self.jobs.jobs[spare].log}:[/]\n"
-                                   + self.jobs.tail(spare))
+                self.console.print(Text(f"{spare} cannot take over ({err}); log {self.jobs.jobs[spare].log}:\n",
+                                        style="red") + Text(self.jobs.tail(spare)))
                 continue
             self.jobs.rename(spare, name)
             self.replaced[name] = hb.get("incarnation")
             self.restarts[name] = self.restarts.get(name, 0) + 1
             self.handovers.append({"learner": name, "spare": spare, "start_step": hb.get("step", 0)})
-            self.console.print(f"[yellow]{name} {why}; {spare} takes its place at step {hb.get('step', 0)}[/]")
+            self.console.print(Text(f"{name} {why}; {spare} takes its place at step {hb.get('step', 0)}", style="yellow"))
             self.spares_owed += 1  # started once it trains: a spare warming up beside it would take its cores
             return True
         return False
@@ -414,16 +449,24 @@ class LocalRun:
     def serve_requests(self, now: float) -> None:
         """Carry out the operator's membership requests (`diloco learners add/remove`, diloco.membership)."""
         for path, op in membership.pending(self.cfg_path.parent):
-            owner = self._region_asked(op)
-            if self._ours(owner) or (owner is None and self.syncers):  # the syncer's runner refuses the rest
-                membership.answer(path, self._request(op, now))
+            try:
+                owner = self._region_asked(op)
+                if not (self._ours(owner) or (owner is None and self.syncers)):  # the syncer's runner refuses the rest
+                    continue
+                result = self._request(op, now)
+            except Exception as err:  # whatever a request holds, it gets an answer and the run goes on
+                log.exception("membership request failed", extra={"request": messages.short(op, 200)})
+                result = {"ok": False, "error": f"request {messages.short(op, 200)} failed: {type(err).__name__}: "
+                                                f"{messages.bounded(str(err), 200)}"}
+            membership.answer(path, result)
 
     def _region_asked(self, op: dict | None) -> str | None:
         """The region a request is for (its runner answers it); None for one that names none of the run's."""
         if not isinstance(op, dict):
             return None
         if op.get("op") == "add":
-            return op.get("region") if op.get("region") in {r.name for r in self.cfg.regions} else None
+            region = op.get("region")
+            return region if isinstance(region, str) and region in {r.name for r in self.cfg.regions} else None
         lid = op.get("learner")
         return self.cfg.region_of(lid).name if isinstance(lid, str) and self.cfg.is_member_id(lid) else None
 
@@ -433,7 +476,10 @@ class LocalRun:
             result = {"ok": True, **self._carry_out(op, now)}
         except membership.RequestError as err:
             result = {"ok": False, "error": str(err)}
-        self.console.print(f"[cyan]membership: {op} -> {result}[/]")
+        except (TypeError, ValueError, KeyError, AttributeError) as err:  # a request of the wrong shape
+            result = {"ok": False, "error": f"bad request {messages.short(op, 200)}: {type(err).__name__}: "
+                                            f"{messages.bounded(str(err), 200)}"}
+        self.console.print(Text(f"membership: {messages.short(op, 200)} -> {result}", style="cyan"))  # never markup
         return result
 
     def follow_budget(self, now: float) -> None:
@@ -664,23 +710,64 @@ def progress_line(prog: Progress, elapsed: float) -> str:
             f"accepted {prog.accepted} rejected {prog.rejected}")
 
 
-def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int]:
-    """Contributions (distinct manifest ids) and bytes (values + keys) on the region topics.
+def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int, dict[tuple[str, str, int], int]]:
+    """Contributions (distinct manifest ids), bytes (values + keys) on the region topics, and those
+    bytes by (learner, region, fragment) as the contributions' manifests name them (("?", topic's
+    region, partition) for records of no contribution with a manifest).
 
     Counted from the log itself, so that learners killed between two heartbeats are counted too.
     """
     topics = kafka_io.Topics.for_run(cfg, run_id)
+    region_of_topic = {t: r for r, t in topics.fragments.items()}
     tps = [tp for t in topics.fragments.values() for tp in kafka_io.partitions_of(t, topics.partitions)]
-    ids, total = set(), 0
+    total, by_id, owner, loose = 0, {}, {}, {}
     for rec in kafka_io.read_to_end(cfg.transport, tps):
-        total += len(rec.value or b"") + len(rec.key or b"")
+        n = len(rec.value or b"") + len(rec.key or b"")
+        total += n
         try:
             header, _ = messages.parse_frame(rec.value)
+            cid = header.get("id")
         except messages.WireError:
+            header, cid = {}, None
+        if not isinstance(cid, str):
+            where = ("?", region_of_topic.get(rec.topic, "?"), rec.partition)
+            loose[where] = loose.get(where, 0) + n
             continue
-        if header["kind"] == "manifest":
-            ids.add(header.get("id"))
-    return len(ids), total
+        by_id[cid] = by_id.get(cid, 0) + n
+        if header.get("kind") == "manifest" and cid not in owner:
+            name = lambda v: v if isinstance(v, str) and 0 < len(v) <= 64 else "?"  # noqa: E731  (from outside)
+            fragment = header.get("fragment")
+            owner[cid] = (name(header.get("learner")), name(header.get("region")),
+                          fragment if isinstance(fragment, int) and not isinstance(fragment, bool) else -1)
+    up = dict(loose)
+    for cid, n in by_id.items():
+        where = owner.get(cid, ("?", "?", -1))
+        up[where] = up.get(where, 0) + n
+    return len(owner), total, up
+
+
+def traffic_ledger(cfg: Config, up: dict[tuple[str, str, int], int], prog: Progress) -> dict:
+    """Bytes up (deltas over Kafka, from the log) and down (reads from the store, from the learners'
+    last heartbeats of each incarnation) per learner, per region and per fragment."""
+    def add(table: dict, key, direction: str, n: int) -> None:
+        row = table.setdefault(str(key), {"up": 0, "down": 0})
+        row[direction] += n
+    by_learner: dict = {}
+    by_region: dict = {}
+    by_fragment: dict = {}
+    for (learner, region, fragment), n in up.items():
+        add(by_learner, learner, "up", n)
+        add(by_region, region, "up", n)
+        add(by_fragment, fragment, "up", n)
+    for (learner, _), n in prog.fetched.items():
+        add(by_learner, learner, "down", n)
+        region = cfg.region_of(learner).name if cfg.is_member_id(learner) else "?"
+        add(by_region, region, "down", n)
+    for parts in prog.fetched_by_fragment.values():
+        for p, n in parts.items():
+            add(by_fragment, p, "down", n)
+    order = lambda t: dict(sorted(t.items()))  # noqa: E731
+    return {"by_learner": order(by_learner), "by_region": order(by_region), "by_fragment": order(by_fragment)}
 
 
 def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: Progress, eval_start: float,
@@ -696,7 +783,7 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
                                               "state")} for lid, hb in sorted(prog.learners.items())}
     steps = sum(hb.get("step", 0) for hb in prog.learners.values())
     num_params = FragmentStore(cfg.store.url, run_id).read_plan().num_params
-    published, bytes_sent = published_on_broker(cfg, run_id)
+    published, bytes_sent, up = published_on_broker(cfg, run_id)
     bytes_dp = dp_allreduce_bytes(num_params, cfg.num_learners, steps)
     bytes_fetched = sum(prog.fetched.values())
     across = bytes_sent + bytes_fetched
@@ -731,15 +818,18 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
         "versions": versions,
         "merges": {str(p): sum(1 for m in merges if m["fragment"] == p) for p in range(cfg.fragments.count)},
         "learners": learners,
+        "traffic": traffic_ledger(cfg, up, prog),
     }
 
 
 def summary_rows(s: dict) -> list[tuple[str, str]]:
     """The summary's figures as (what, value) rows: the CLI's table and the flow's report show the same."""
     c = s["contributions"]
+    drop = s["eval_loss_drop"]
     rows = [
         ("held-out loss start -> end", f"{s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f} "
-                                       f"({100 * s['eval_loss_drop']:.1f}% lower)"),
+                                       + (f"({100 * drop:.1f}% lower)" if drop >= 0 else
+                                          f"(ROSE {-100 * drop:.1f}%: the global model got worse)")),
         ("tokens (all learners)", f"{s['tokens']:,}"),
         ("versions per fragment", " ".join(f"p{p}:v{v}" for p, v in s["versions"].items())),
         ("merges per fragment", " ".join(f"p{p}:{n}" for p, n in s["merges"].items())),
@@ -752,9 +842,21 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("bytes a data-parallel all-reduce sends", f"{s['bytes_dp_equivalent'] / 1e6:,.1f} MB"),
         ("  ratio (up only)", f"{s['bytes_ratio']:,.0f}x fewer ({s['bytes_ratio_sent']:,.0f}x)"),
     ]
+    if s.get("traffic"):
+        rows.append(("  per region (up / down)", "  ".join(
+            f"{r} {t['up'] / 1e6:,.2f} / {t['down'] / 1e6:,.2f} MB" for r, t in s["traffic"]["by_region"].items())))
     if s["rejections"]:
         rows.append(("rejections by reason", ", ".join(f"{k} {v}" for k, v in s["rejections"].items())))
     return rows
+
+
+def loss_warning(s: dict) -> str | None:
+    """What to tell an operator whose run made the global model worse than it started, or None."""
+    if not s["eval_loss_end"] > s["eval_loss_start"]:
+        return None
+    return (f"the held-out loss ROSE from {s['eval_loss_start']:.4f} to {s['eval_loss_end']:.4f}: the run made the "
+            "global model worse. Check the merge settings (preset, outer.lr, syncer.merge) and the inner "
+            "learning rate; docs/bench.md lists the measured ones")
 
 
 def summary_table(s: dict) -> Table:

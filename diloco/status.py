@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import html as html_mod
 import json
+import math
 import time
 
 from rich.table import Table
+from rich.text import Text
 
 from diloco.config import Config
 from diloco.syncer.state import SyncerState
@@ -28,6 +30,13 @@ def snapshot(state: SyncerState, fragments: int) -> dict:
             "outbox": state.outbox_depth()}
 
 
+def _age(now: float, then) -> float | None:
+    """Seconds since `then`, or None when `then` is not a finite number (an event from outside)."""
+    if isinstance(then, bool) or not isinstance(then, (int, float)) or not math.isfinite(then):
+        return None
+    return round(now - then, 1)
+
+
 def build(cfg: Config, run_id: str, snap: dict, events: list[dict], now: float) -> dict:
     """The status of run `run_id` at time `now` from a `snapshot` and recent events (oldest first)."""
     members = []
@@ -37,21 +46,21 @@ def build(cfg: Config, run_id: str, snap: dict, events: list[dict], now: float) 
             members.append({"id": lid, "state": "no heartbeat", "heartbeat_age_s": None, "step": None,
                             "tokens": None, "loss": None, "region": lid.rsplit("-", 1)[0]})
             continue
-        age = now - hb.get("seen", now)
+        age = _age(now, hb.get("seen", now))
         state = hb.get("status", "alive")
-        if state == "alive" and age > cfg.syncer.silent_after_s:
+        if state == "alive" and age is not None and age > cfg.syncer.silent_after_s:
             state = "silent"
-        members.append({"id": lid, "state": state, "heartbeat_age_s": round(age, 1), "step": hb.get("step"),
+        members.append({"id": lid, "state": state, "heartbeat_age_s": age, "step": hb.get("step"),
                         "tokens": hb.get("tokens"), "loss": hb.get("loss"), "region": hb.get("region")})
     fragments = [{"fragment": p, "version": v, "pending": snap["pending"].get(p, 0),
                   "owner": (snap["leases"].get(p) or "-").split(":")[0]} for p, v in sorted(snap["versions"].items())]
     rounds = [{"fragment": m["fragment"], "version": m["version"], "contributors": m["learners"],
                "missing": m.get("missing", []), "late": m.get("late", 0), "reason": m.get("reason"),
-               "waited_s": m.get("waited_s"), "tokens": m.get("tokens"), "age_s": round(now - m["time"], 1)}
+               "waited_s": m.get("waited_s"), "tokens": m.get("tokens"), "age_s": _age(now, m.get("time"))}
               for m in reversed(snap["merges"])]
     c = snap["counters"]
     recent = [{"id": e.get("id"), "reason": e.get("reason"), "learner": e.get("learner"),
-               "fragment": e.get("fragment"), "detail": e.get("detail"), "age_s": round(now - e.get("time", now), 1)}
+               "fragment": e.get("fragment"), "detail": e.get("detail"), "age_s": _age(now, e.get("time"))}
               for e in events if e.get("kind") == "contribution_rejected"][-REJECTIONS:][::-1]
     return {"run": run_id, "time": now, "members": members, "fragments": fragments, "rounds": rounds,
             "counters": {k: c.get(k, 0) for k in ("accepted", "applied", "rejected", "merges", "late")}
@@ -100,7 +109,7 @@ def tables(status: dict) -> list[Table]:
         for h in header:
             t.add_column(h)
         for row in rows:
-            t.add_row(*row)
+            t.add_row(*(Text(str(cell)) for cell in row))  # ids and details come from outside: never markup
         out.append(t)
     return out
 

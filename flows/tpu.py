@@ -14,9 +14,11 @@ change.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -49,9 +51,17 @@ def slice_shape(s: SliceConfig) -> SliceShape:
 COORDINATOR_PORT = 8476  # jax.distributed's coordinator on a learner's first host
 
 
+JOB_NAME_CHARS = 48  # a JobSet's pods are named <jobset>-slice-0-<i>: that hostname must fit a 63-character label
+
+
 def job_name(cfg: Config, name: str) -> str:
-    """A DNS-1035 name for a job of this run (JobSet names are capped at 63 characters)."""
-    return re.sub(r"[^a-z0-9-]", "-", f"dl-{cfg.run.id}-{name}".lower())[:63].rstrip("-")
+    """The name of a job of this run (JobSet, ConfigMap, TPU VM): a valid DNS-1035 label, unique by
+    construction. Readable from the run id and the job, cut to fit, then a digest of the exact
+    (run id, job) pair, so that cutting or replacing characters never gives two jobs one name
+    (`us_east-0` and `us-east-0`, or two learners of a long run id)."""
+    digest = hashlib.sha256(f"{cfg.run.id}/{name}".encode()).hexdigest()[:8]
+    readable = re.sub(r"[^a-z0-9-]+", "-", f"dl-{cfg.run.id}-{name}".lower())
+    return f"{readable[:JOB_NAME_CHARS - len(digest) - 1].strip('-')}-{digest}"
 
 
 def remote_argv(cfg: Config, argv: list[str]) -> list[str]:
@@ -139,9 +149,12 @@ def queued_resource_commands(cfg: Config, learner_id: str, argv: list[str], conf
     where = [f"--project={s.project}", f"--zone={s.zone}"]
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, "--worker=all", *where, "--command"]
     # the config goes to the ssh user's home (config_dir is root's); the container sees it at config_dir
+    # a root shell on every host runs this: every value from the config is validated there and quoted here
+    q = shlex.quote
     docker = (f"sudo docker rm -f diloco >/dev/null 2>&1; sudo docker run --rm --name diloco --privileged --net=host "
-              f"-v $HOME/{REMOTE_CONFIG}:{b.config_dir}/config.yaml:ro -v {b.corpus_dir}:{b.corpus_dir}:ro {b.image} "
-              + " ".join(remote_argv(cfg, argv)))
+              f"-v \"$HOME\"/{REMOTE_CONFIG}:{q(b.config_dir + '/config.yaml')}:ro "
+              f"-v {q(b.corpus_dir + ':' + b.corpus_dir)}:ro {q(b.image)} "
+              + " ".join(q(a) for a in remote_argv(cfg, argv)))
     return {
         "create": ["gcloud", "compute", "tpus", "queued-resources", "create", node, f"--node-id={node}", *where,
                    f"--accelerator-type={slice_shape(s).accelerator_type}", f"--runtime-version={s.runtime_version}",

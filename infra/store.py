@@ -10,8 +10,8 @@ Layout under `<store.url>/<run>/`:
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/opt/<state leaf>  zarr3 float32 arrays
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/residual/<tensor> zarr3 float32: quantization error the
                                              syncer carries into the next update
-    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/update/<tensor>   the encoded update from v-1 (raw bytes,
-                                             quantize.encode_update): what learners fetch
+    fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/update/<tensor>   the encoded update from the snapshot before
+                                             v (raw bytes, quantize.encode_update): what learners fetch
     fragments/<ppp>/v<vvvvvvvv>/meta.json    written last, names its e<eeeeee> folder: a version
                                              without it is incomplete
     fragments/<ppp>/committed.json           {"version": v}: the newest version the syncer knows is
@@ -28,8 +28,13 @@ existed (or by hand): its newest complete version counts, as it always did.
 
 Snapshots: params, opt and residual are written only at snapshot versions (version 0 and every
 `store.snapshot_every`-th one); a version between two snapshots stores its update alone, the only
-thing learners read (its meta says `snapshot: false` and which snapshot it follows). Its parameters
-are the snapshot's with the updates applied, bit for bit what every learner holds (`read_params`);
+thing learners read (its meta says `snapshot: false` and which snapshot it follows). Every update
+after version 0 is relative to the newest snapshot before its version (meta `update.from`; a
+snapshot's own update is relative to the snapshot before it), so one update takes a reader holding
+that snapshot to any version, however many were committed in between, and a reader holding an
+older snapshot walks the snapshots' updates first. A version's parameters are its base's with its
+one update applied, bit for bit what every learner holds (`read_params`); stores written with
+updates from version - 1 (`from` = v - 1) read the same way, one link per version;
 its outer state and residual are rebuilt by the syncer by replaying the merges since the snapshot
 (syncer.Syncer._rebuild). So a version costs its update's bytes, not 13 bytes per parameter.
 Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at an emulator).
@@ -44,6 +49,7 @@ fenced commit in Redis that follows the write.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -84,6 +90,12 @@ def _zarr_dtype(arr: np.ndarray) -> str:
     return "bfloat16" if arr.dtype == _BF16 else arr.dtype.name
 
 
+def array_digest(a: np.ndarray) -> str:
+    """The digest of an array's bytes in C order, as version 0's meta stores it per tensor (`digests`):
+    a learner whose template is version 0 (the same model init) can tell without reading it."""
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:32]
+
+
 class StoreError(RuntimeError):
     pass
 
@@ -92,6 +104,13 @@ def is_snapshot(meta: dict) -> bool:
     """Whether a version holds its parameters, outer state and residual (versions written before
     snapshots existed all do)."""
     return meta.get("snapshot", True)
+
+
+def update_base(meta: dict) -> int:
+    """The version a version's update is relative to: the snapshot before it (stores written with
+    updates from version - 1 say so too)."""
+    info = meta.get("update") or {}
+    return info["from"] if isinstance(info.get("from"), int) else meta["version"] - 1
 
 
 def marker_version(raw: bytes) -> int:
@@ -155,6 +174,9 @@ class FragmentStore:
 
     def _array_spec(self, key: str, shape=None, dtype: str = "float32", blocks: list[int] | None = None) -> dict:
         spec = {"driver": "zarr3", "kvstore": {**self._base, "path": self._base["path"] + key + "/"}}
+        # every chunk is stored, zeros too, and a chunk that is not there is an error where it is read:
+        # a lost chunk of a snapshot must never read as zeros (every later version would build on them)
+        spec["store_data_equal_to_fill_value" if shape is not None else "fill_missing_data_reads"] = shape is not None
         if shape is not None:
             chunk = list(shape) if shape else []
             spec["metadata"] = {"shape": list(shape), "data_type": dtype,
@@ -170,10 +192,12 @@ class FragmentStore:
 
     def write(self, fragment: int, version: int, params: dict[str, np.ndarray], opt: dict[str, np.ndarray],
               meta: dict, *, epoch: int = 0, residual: dict[str, np.ndarray] | None = None,
-              update: dict[str, bytes] | None = None, update_scheme: str = "", snapshot_at: int | None = None) -> None:
+              update: dict[str, bytes] | None = None, update_scheme: str = "", snapshot_at: int | None = None,
+              update_from: int | None = None) -> None:
         """Write one version; meta.json goes last so readers never see a half-written version.
-        `update` (encoded with `update_scheme`) takes version-1 to this one. With `snapshot_at` (an
-        earlier snapshot version) only the update is written: the version is not a snapshot."""
+        `update` (encoded with `update_scheme`) takes version `update_from` (default version - 1) to
+        this one. With `snapshot_at` (an earlier snapshot version) only the update is written: the
+        version is not a snapshot."""
         data = f"e{epoch:06d}/"
         d = self._dir(fragment, version) + data
         residual = residual or {}
@@ -202,7 +226,10 @@ class FragmentStore:
                 "params": sorted(params), "opt": sorted(opt), "residual": sorted(residual),
                 "snapshot": snapshot, "snapshot_at": version if snapshot else snapshot_at}
         if update:
-            body["update"] = {"from": version - 1, "scheme": update_scheme, "tensors": sorted(update)}
+            base = version - 1 if update_from is None else update_from
+            if not 0 <= base < version:
+                raise StoreError(f"fragment {fragment} v{version}: an update from v{base} cannot lead to it")
+            body["update"] = {"from": base, "scheme": update_scheme, "tensors": sorted(update)}
         self._commit_meta(fragment, version, epoch, json.dumps(body, sort_keys=True).encode())
 
     @staticmethod
@@ -250,18 +277,15 @@ class FragmentStore:
         return FragmentVersion(out["params"], out.get("opt", {}), meta, out.get("residual", {}))
 
     def read_params(self, fragment: int, version: int, meta: dict | None = None) -> tuple[dict[str, np.ndarray], int]:
-        """(a version's parameters, bytes read): at a snapshot its arrays, else the snapshot's with
-        each update since applied, as a learner applies them (the same bits)."""
+        """(a version's parameters, bytes read): at a snapshot its arrays, else its update's base with
+        the update applied, as a learner applies it (the same bits)."""
         meta = meta or self.read_meta(fragment, version)
         if is_snapshot(meta):
             fv = self.read(fragment, version, with_opt=False)
             return fv.params, sum(a.nbytes for a in fv.params.values())
-        params, nbytes = self.read_params(fragment, meta["snapshot_at"])
-        for u in range(meta["snapshot_at"] + 1, version + 1):
-            scheme, update = self.read_update(fragment, u)
-            params = quantize.apply_update(params, update, scheme)
-            nbytes += sum(len(b) for b in update.values())
-        return params, nbytes
+        params, nbytes = self.read_params(fragment, update_base(meta))
+        scheme, update = self.read_update(fragment, version, meta)
+        return quantize.apply_update(params, update, scheme), nbytes + sum(len(b) for b in update.values())
 
     def read_blocks(self, fragment: int, version: int, blocks: dict[str, list[Region]]
                     ) -> dict[str, dict[Region, np.ndarray]]:
@@ -269,17 +293,15 @@ class FragmentStore:
         (between snapshots: the snapshot's blocks plus each update's, one tensor at a time)."""
         meta = self.read_meta(fragment, version)
         if not is_snapshot(meta):
-            out = self.read_blocks(fragment, meta["snapshot_at"], blocks)
-            for u in range(meta["snapshot_at"] + 1, version + 1):
-                scheme, update = self.read_update(fragment, u)
-                for n, rs in out.items():
-                    dtype = next(iter(rs.values())).dtype
-                    shape = self._shape_of(n)
-                    step = quantize.decode(update[n], shape, scheme)
-                    for r in rs:
-                        block = step[tuple(slice(a, b) for a, b in r)]
-                        rs[r] = (rs[r].astype(np.float32) + block).astype(dtype)
-                    del step
+            out = self.read_blocks(fragment, update_base(meta), blocks)
+            scheme, update = self.read_update(fragment, version, meta)
+            for n, rs in out.items():
+                dtype = next(iter(rs.values())).dtype
+                step = quantize.decode(update[n], self._shape_of(n), scheme)
+                for r in rs:
+                    block = step[tuple(slice(a, b) for a, b in r)]
+                    rs[r] = (rs[r].astype(np.float32) + block).astype(dtype)
+                del step
             return out
         d = self.data_dir(fragment, version, meta)
         if missing := sorted(set(blocks) - set(meta.get("params", []))):
@@ -301,12 +323,12 @@ class FragmentStore:
             raise StoreError(f"{self.url}: tensor {name!r} is not in the run's plan")
         return self._plan.by_name[name].shape
 
-    def read_update(self, fragment: int, version: int) -> tuple[str, dict[str, bytes]]:
-        """(scheme, encoded tensors) of the update that takes version-1 to `version`."""
-        meta = self.read_meta(fragment, version)
+    def read_update(self, fragment: int, version: int, meta: dict | None = None) -> tuple[str, dict[str, bytes]]:
+        """(scheme, encoded tensors) of the update that takes its base (`update_base(meta)`) to `version`."""
+        meta = meta or self.read_meta(fragment, version)
         info = meta.get("update")
-        if not info or info.get("from") != version - 1:
-            raise StoreError(f"{self.url}: fragment {fragment} v{version} has no update from v{version - 1}")
+        if not info or not isinstance(info.get("from"), int) or not 0 <= info["from"] < version:
+            raise StoreError(f"{self.url}: fragment {fragment} v{version} has no update")
         d = self.data_dir(fragment, version, meta) + "update/"
         reads = {n: self._kv.read(d + n) for n in info["tensors"]}
         out = {}

@@ -26,13 +26,40 @@ from diloco.spec import DataShard, ModelSpec, load_spec
 log = logging.getLogger(__name__)
 
 
-def make_train_step(loss, opt: optax.GradientTransformation):
-    """The jitted inner step of a loss `(params, batch) -> scalar` under an optax optimizer."""
+def is_trainable(leaf) -> bool:
+    """Floating-point leaves are differentiated; the rest (RNG keys and counts, integer counters and
+    buffers) is state the loss may read and, with `ModelSpec.stateful`, update."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+
+
+def partition(params):
+    """(trainable leaves, the rest): two trees of the structure of `params`, None where the other holds a leaf."""
+    trainable = jax.tree_util.tree_map(lambda x: x if is_trainable(x) else None, params)
+    rest = jax.tree_util.tree_map(lambda x: None if is_trainable(x) else x, params)
+    return trainable, rest
+
+
+def combine(trainable, rest):
+    """The inverse of `partition`."""
+    return jax.tree_util.tree_map(lambda t, r: r if t is None else t, trainable, rest, is_leaf=lambda x: x is None)
+
+
+def make_train_step(loss, opt: optax.GradientTransformation, *, stateful: bool = False):
+    """The jitted inner step of a loss `(params, batch) -> scalar` (or, `stateful`, -> (scalar, params
+    with its state updated)) under an optax optimizer, which sees the trainable leaves only."""
     @jax.jit
     def train_step(params, opt_state, batch):
-        value, grads = jax.value_and_grad(loss)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+        trainable, rest = partition(params)
+
+        def objective(t):
+            out = loss(combine(t, rest), batch)
+            return out if stateful else (out, None)
+
+        (value, updated), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+        updates, opt_state = opt.update(grads, opt_state, trainable)
+        new_rest = partition(updated)[1] if stateful else rest
+        return combine(optax.apply_updates(trainable, updates), new_rest), opt_state, value
     return train_step
 
 
@@ -44,8 +71,8 @@ def initial_params(cfg: Config, spec: ModelSpec, mesh: LearnerMesh):
 
 def compile_step(spec: ModelSpec, mesh: LearnerMesh, opt: optax.GradientTransformation, params, batch):
     """(the optimizer state placed like `params`, the inner step compiled for these shapes)."""
-    opt_state = mesh.init_optimizer(opt, params)
-    return opt_state, make_train_step(spec.loss, opt).lower(params, opt_state, batch).compile()
+    opt_state = mesh.init_optimizer(opt, partition(params)[0])
+    return opt_state, make_train_step(spec.loss, opt, stateful=spec.stateful).lower(params, opt_state, batch).compile()
 
 
 def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec: ModelSpec | None = None,

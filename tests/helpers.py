@@ -13,7 +13,8 @@ from diloco.infra.store import FragmentStore
 from diloco.syncer import state as state_mod
 from diloco.plan import flatten
 from diloco.spec import initial_plan, load_spec
-from diloco.syncer.syncer import Syncer, provision
+from diloco.syncer.provision import provision
+from diloco.syncer.syncer import Syncer
 
 
 def published_manifests(cfg, run_id) -> list[messages.Manifest]:

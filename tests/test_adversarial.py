@@ -65,6 +65,7 @@ def _attack(cfg, run_id: str, shapes: dict[int, dict[str, tuple]]) -> dict[str, 
     contribution("non_finite", fill=float("nan"))
     contribution("unknown_learner", learner="us-9")
     contribution("unknown_learner", learner="eu-0", region="us")      # not that region's
+    contribution("misrouted", learner="eu-0", region="eu")            # eu's learner, written on us's topic
     m, frames = _contribution("another-run", 0, shapes[0])
     send(frames)
     expect[m.id] = "wrong_run"

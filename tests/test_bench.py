@@ -45,7 +45,8 @@ def test_mean_rule_is_a_plain_weighted_mean_of_every_tensor():
 def test_config_takes_the_merge_options_and_rejects_unknown_rules():
     cfg = build_config({"syncer": {"merge": "mean", "token_weighting": False}})
     assert (cfg.syncer.merge, cfg.syncer.token_weighting) == ("mean", False)
-    assert (build_config({}).syncer.merge, build_config({}).syncer.token_weighting) == ("rda", True)
+    assert (build_config({}).syncer.merge, build_config({}).syncer.token_weighting) == ("mean", True)
+    assert build_config({"preset": "paper"}).syncer.merge == "rda"
     with pytest.raises(ConfigError, match="syncer.merge"):
         build_config({"syncer": {"merge": "median"}})
 

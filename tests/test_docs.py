@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from diloco.config import load_config
 from diloco.run import train
 
 pytestmark = pytest.mark.integration
@@ -29,11 +28,10 @@ def test_the_readme_quick_start_trains_a_users_flax_model(tiny_config, tmp_path,
     (tmp_path / "my_model.py").write_text(code)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT}")    # the learners import the user's file
     monkeypatch.syspath_prepend(str(tmp_path))
-    demo = load_config(ROOT / "configs/local.yaml")                # the README runs with the demo's method settings
-    cfg = tiny_config(model={"entry": "my_model:spec", "options": {}}, inner={"steps": 60, "warmup_steps": 5},
-                      outer=demo.outer.model_dump(), syncer={k: getattr(demo.syncer, k) for k in (
-                          "scale_partial_rounds", "quorum_of_fresh", "staleness_discount")},
-                      fragments={k: getattr(demo.fragments, k) for k in ("apply", "one_delta_per_version")}, regions=[{"name": "us", "learners": 2, "speed": 0.25}, {"name": "eu", "learners": 2, "speed": 0.25}])  # steps ~30 ms (see test_end_to_end)
+    # the README runs on the defaults (preset decoupled); steps ~30 ms (see test_end_to_end)
+    cfg = tiny_config(preset="decoupled", model={"entry": "my_model:spec", "options": {}},
+                      inner={"steps": 60, "warmup_steps": 5},
+                      regions=[{"name": "us", "learners": 2, "speed": 0.25}, {"name": "eu", "learners": 2, "speed": 0.25}])
     s = train(cfg, progress=False, console=Console(quiet=True))
     c = s["contributions"]
     assert c["applied"] == c["published"] > 0 and c["applied_twice"] == 0

@@ -17,7 +17,7 @@ from diloco.cli import app
 from diloco.config import dump_config
 from diloco.flows.evals import read_versions
 from diloco.syncer.durability import EXIT_STATE_LOST, StateLost
-from diloco.syncer.syncer import provision
+from diloco.syncer.provision import provision
 
 pytestmark = pytest.mark.integration
 cli = CliRunner()

@@ -31,8 +31,8 @@ def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_pa
     # The demo's outer step (plain averaging, rebase): with the defaults' Nesterov 0.9 this tiny run's
     # ~20 outer steps per fragment diverge (docs/bench.md, issue #21).
     cfg = tiny_config(regions=[{"name": "us", "learners": 2, "speed": 0.25}, {"name": "eu", "learners": 2, "speed": 0.25}],
-                      outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase"},
-                      syncer={"scale_partial_rounds": True})
+                      outer={"lr": 1.0, "momentum": 0.0},
+                      syncer={"scale_partial_rounds": True}, fragments={"apply": "rebase", "fetch": "before_sync"})
     summary = train(cfg, summary_json=tmp_path / "summary.json", progress=False, console=Console(quiet=True))
     assert summary["eval_loss_end"] < 0.9 * summary["eval_loss_start"]
     c = summary["contributions"]
@@ -42,10 +42,15 @@ def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_pa
     assert summary["tokens"] == cfg.num_learners * cfg.inner.steps * cfg.inner.batch_size * cfg.model.transformer.seq_len
     assert summary["bytes_dp_equivalent"] == dp_allreduce_bytes(summary["params"], 4, summary["inner_steps"])
     assert 0 < summary["bytes_sent"] < summary["bytes_dp_equivalent"]
-    # learners fetch the first version of each fragment whole (fp32), then int8 updates, ~1/4 of that
+    # learners start from their own init (version 0, checked by digest: nothing read), then fetch int8
+    # updates, ~1/4 of each version whole
     whole, L = 4 * summary["params"], cfg.num_learners
     every_version = L * sum(map(int, summary["versions"].values())) * whole / cfg.fragments.count
-    assert L * whole < summary["bytes_fetched"] < L * whole + 0.5 * every_version
+    assert 0 < summary["bytes_fetched"] < 0.5 * every_version
+    # each learner fetches a fragment once per sync period (fragments.fetch: before_sync), one update
+    # from the snapshot however many versions came between: downloads about match the uploads
+    # (int8 both ways), where fetching every version cost ~2x (docs/bench.md)
+    assert summary["bytes_fetched"] < 1.3 * summary["bytes_sent"], (summary["bytes_fetched"], summary["bytes_sent"])
     assert summary["bytes_across"] == summary["bytes_sent"] + summary["bytes_fetched"]
     state, published, _ = assert_exact_accounting(cfg, summary["run_id"])
     assert len(published) == c["published"]
@@ -61,9 +66,11 @@ def test_a_learner_ahead_sends_one_delta_per_version_and_every_token_is_merged(t
     and sends it once the next version is applied: no two of its deltas of a fragment come from one
     version (the hand-in at the end aside), it sends fewer deltas than it has sync points, and every
     token trained is in some merge."""
+    # 240 steps: the tiny model's steps take a few ms, and us must still train when the first merges
+    # (which wait for eu) come back (80 steps were over in 0.7 s, before its first fetch had returned)
     cfg = tiny_config(regions=[{"name": "us", "learners": 1, "speed": 0.5}, {"name": "eu", "learners": 1, "speed": 0.25}],
                       outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase", "one_delta_per_version": True},
-                      syncer={"quorum": 2, "scale_partial_rounds": True})
+                      syncer={"quorum": 2, "scale_partial_rounds": True}, inner={"steps": 240})
     summary = train(cfg, progress=False, console=Console(quiet=True))
     c = summary["contributions"]
     assert c["applied_twice"] == 0 and c["rejected"] == 0 and c["pending"] == 0 and c["published"] == c["applied"]
@@ -83,7 +90,10 @@ def test_a_learner_ahead_sends_one_delta_per_version_and_every_token_is_merged(t
     applied = [json.loads(line) for line in log if '"msg": "applied"' in line]  # each version once, in order
     for p in range(cfg.fragments.count):
         versions = [a["version"] for a in applied if a["fragment"] == p]
-        assert versions and versions == sorted(set(versions)), f"fragment {p}: applied {versions}"
+        assert versions == sorted(set(versions)), f"fragment {p}: applied {versions}"
+    # (with K = M a fragment moves only once eu, which may start seconds later, sent its delta: on a
+    # loaded machine us-0 can finish before the last fragment's first merge, so not every fragment)
+    assert applied, "us-0 applied no version at all"
     assert all(a["steps_since_send"] >= 0 for a in applied)
     for p in range(cfg.fragments.count):
         held = bases[("us-0", p)][:-1]  # the last is the hand-in, from whatever version it ended on

@@ -59,9 +59,9 @@ def test_views_refuse_sizes_that_do_not_fit():
 
 @settings(max_examples=40, deadline=None)
 @given(k=st.integers(1, 5), scheme=st.sampled_from(quantize.SCHEMES), seed=st.integers(0, 2**16),
-       rule=st.sampled_from(["rda", "mean"]), share=st.sampled_from([1.0, 0.5]),
-       cancel=st.booleans())
-def test_the_fused_merge_equals_the_reference(k, scheme, seed, rule, share, cancel):
+       rule=st.sampled_from(["rda", "mean"]), share=st.sampled_from([1.0, 0.5, 1.5]),
+       cancel=st.booleans(), owners=st.lists(st.sampled_from("abc"), min_size=5, max_size=5))
+def test_the_fused_merge_equals_the_reference(k, scheme, seed, rule, share, cancel, owners):
     rng = np.random.default_rng(seed)
     contribs, encoded = [], []
     for i in range(k):
@@ -74,23 +74,27 @@ def test_the_fused_merge_equals_the_reference(k, scheme, seed, rule, share, canc
         contribs.append(messages.decode_payload(manifest, payload))
         encoded.append(fused.encoded_delta(manifest, payload))
     weights = ref.token_weights(rng.integers(1, 1000, k), rng.integers(1, 10, k))
-    want = ref.merge_deltas(contribs, weights, ("t1",), rule=rule)
-    got = fused.merge(encoded, weights, ("t1",), rule=rule, share=share, threads=2)
+    learners = owners[:k]  # some learners with several contributions in the round
+    want = ref.merge_deltas(contribs, weights, ("t1",), rule=rule, learners=learners, share=share)
+    got = fused.merge(encoded, weights, ("t1",), rule=rule, share=share, threads=2, learners=learners)
     for n in want:
         scale = max(float(np.abs(want[n]).max()), 1e-30)
-        np.testing.assert_allclose(got[n], share * want[n], rtol=2e-5, atol=2e-6 * scale, err_msg=n)
+        np.testing.assert_allclose(got[n], want[n], rtol=2e-5, atol=2e-6 * scale, err_msg=n)
 
 
+@pytest.mark.parametrize("relative_to_snapshot", [False, True])
 @pytest.mark.parametrize("scheme", quantize.SCHEMES)
-def test_the_fused_update_encoding_is_bit_identical(scheme):
+def test_the_fused_update_encoding_is_bit_identical(scheme, relative_to_snapshot):
     rng = np.random.default_rng(1)
     old = {f"t{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate(SHAPES)}
     old["bf"] = rng.normal(size=(6, 5)).astype(ml_dtypes.bfloat16)           # a bf16 tensor: the NumPy path
     new = {n: (a.astype(np.float32) + 1e-2 * rng.normal(size=a.shape)).astype(a.dtype) for n, a in old.items()}
     new["t1"] = old["t1"].copy()                                              # a tensor that did not move
     residual = {n: (1e-4 * rng.normal(size=a.shape)).astype(np.float32) for n, a in old.items() if n != "t0"}
-    want = quantize.encode_update(old, new, residual, scheme)
-    got = fused.encode_update(old, new, residual, scheme, threads=2)
+    base = ({n: (a.astype(np.float32) - 3e-2 * rng.normal(size=a.shape)).astype(a.dtype) for n, a in old.items()}
+            if relative_to_snapshot else None)
+    want = quantize.encode_update(old, new, residual, scheme, base=base)
+    got = fused.encode_update(old, new, residual, scheme, threads=2, base=base)
     for w, g in zip(want, got):
         assert w.keys() == g.keys()
         for n in w:
@@ -134,12 +138,13 @@ def test_norms_of_huge_finite_values_are_finite(scheme):
 
 @settings(max_examples=30, deadline=None)
 @given(scheme=st.sampled_from(quantize.SCHEMES), momentum=st.sampled_from([0.0, 0.5, 0.9]), nesterov=st.booleans(),
-       seed=st.integers(0, 2**16), scaled=st.booleans(), with_residual=st.booleans())
+       seed=st.integers(0, 2**16), scaled=st.booleans(), with_residual=st.booleans(), snapshot=st.booleans())
 def test_the_outer_step_fused_with_the_update_equals_the_two_apart(scheme, momentum, nesterov, seed, scaled,
-                                                                   with_residual):
+                                                                   with_residual, snapshot):
     """fused.outer_update is outer_sgd then encode_update, bit for bit: update bytes, published values,
     residual and momentum trace, over three steps (the trace and residual carried), a bf16 tensor
-    (the NumPy path) and a tensor whose delta is zero."""
+    (the NumPy path) and a tensor whose delta is zero; with `snapshot` every update is relative to
+    the first version, as between two snapshots."""
     rng = np.random.default_rng(seed)
     old = {f"t{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate(SHAPES)}
     old["bf"] = rng.normal(size=(4, 6)).astype(ml_dtypes.bfloat16)
@@ -154,9 +159,10 @@ def test_the_outer_step_fused_with_the_update_equals_the_two_apart(scheme, momen
         scales = {n: float(rng.uniform(0.1, 2.0)) for n in delta} if scaled else None
         stepped = {n: np.float32(scales[n]) * d for n, d in delta.items()} if scaled else delta
         new, state_a = fused.outer_sgd(pub_a, state_a, stepped, lr=0.7, momentum=momentum, nesterov=nesterov)
-        want = fused.encode_update(pub_a, new, res_a, scheme)
+        base = old if snapshot and step else None
+        want = fused.encode_update(pub_a, new, res_a, scheme, base=base)
         got = fused.outer_update(pub_b, state_b, delta, res_b, lr=0.7, momentum=momentum, nesterov=nesterov,
-                                 scheme=scheme, scales=scales, threads=2)
+                                 scheme=scheme, scales=scales, threads=2, base=base)
         for w, g in zip(want, got):
             assert w.keys() == g.keys()
             for n in w:

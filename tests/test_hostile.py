@@ -266,7 +266,7 @@ def test_finished_ids_are_forgotten_once_replay_is_past_them_so_the_status_stays
         for i in range(30):                                    # invented ids, each refused with its id
             h.raw("us", messages.frame({"kind": "chunk", "id": f"invented-{i}", "index": 5, "count": 2}), partition=0)
         h.pump(lambda: h.state.counters().get("rejected:malformed", 0) == 30)
-        h.syncer._last_prune = 0.0
+        h.syncer.every_prune.reset()
         h.syncer.save_offsets(force=True)
         kept = {c for c in h.state.statuses() if c.startswith("invented-")}
         assert kept == {"invented-27", "invented-28", "invented-29"}            # the newest status_keep

@@ -3,6 +3,8 @@ requests to a local run, membership over time, and a live run that grows and shr
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 from types import SimpleNamespace
 import time
@@ -275,3 +277,46 @@ def _wait_until(condition, what: str, timeout_s: float = 180.0) -> None:
         if time.time() > deadline:
             raise TimeoutError(f"{what} in {timeout_s:.0f}s")
         time.sleep(0.2)
+
+
+def test_a_request_of_any_shape_gets_an_answer_and_the_runner_goes_on(tmp_path):
+    """`learners remove '[/]'` raised rich's MarkupError, and {"op": "add", "region": ["us"]} a TypeError,
+    out of serve_requests: the run stopped and the unanswered request killed the next runner too."""
+    cfg = build_config(BUDGET)
+    run = LocalRun(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), _Jobs(), None, Console(), [])
+    asks = [{"op": "remove", "learner": "[/]"}, {"op": "remove", "learner": "[/x]"}, {"op": "add", "region": ["us"]},
+            {"op": "add", "region": "us", "count": "[bold]"}, {"op": ["add"]}, [1, 2], "[/]", None]
+    answers = [membership.submit(tmp_path, op) for op in asks]
+    run.serve_requests(0.0)
+    assert membership.pending(tmp_path) == []
+    for path in answers:
+        got = json.loads(path.read_text())
+        assert got["ok"] is False and got["error"], got
+
+
+def test_forged_events_are_skipped_by_the_runner_not_fatal_to_it():
+    from diloco.run import Progress, progress_table
+    prog = Progress()
+    for bad in ({"kind": "contribution_rejected", "eid": "a", "reason": 7},
+                {"kind": "contribution_rejected", "eid": "b", "reason": "x" * 1000},
+                {"kind": "learner_left", "eid": "c", "learner": "us-0", "time": "later"},
+                {"kind": "merge", "eid": "d", "fragment": "0", "version": 1, "ids": []}):
+        with pytest.raises(ValueError):
+            prog.apply(bad)
+    prog.apply({"kind": "contribution_rejected", "eid": "e", "reason": "[/]"})   # a string: shown as text
+    cfg = build_config(BUDGET)
+    Console(file=io.StringIO()).print(progress_table(cfg, prog, "r", 1.0))
+    assert prog.rejections == {"[/]": 1} and prog.membership == []
+
+
+def test_a_fifo_in_the_control_folder_is_answered_as_bad_not_read(tmp_path):
+    import os
+    (tmp_path / membership.CONTROL).mkdir()
+    fifo = tmp_path / membership.CONTROL / "stuck.json"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(membership.pending(tmp_path)), daemon=True)
+    reader.start()
+    reader.join(timeout=5)
+    assert not reader.is_alive(), "reading the control folder blocked on a FIFO"
+    assert got == [[(fifo, None)]]

@@ -124,6 +124,40 @@ def test_a_partial_round_carries_its_share_of_a_full_one():
     assert merge.round_share(2, 4) == 0.5 and merge.round_share(4, 4) == 1.0
     assert merge.round_share(6, 4) == 1.5   # a lagging syncer's round holds more than one delta per learner
     assert merge.round_share(1, 0) == 1.0
+    assert merge.learner_share(1.5, ["a", "a", "b", "b", "c", "c"]) == 0.75  # RDA counts the 3 learners of 4
+
+
+def test_rda_averages_learners_not_the_pieces_of_one_learners_progress():
+    """A learner ahead of the merges sends several deltas before one round closes: each is a piece of
+    its own progress since its last send. RDA must treat their sum as that learner's delta; over the
+    pieces, a round of 3 learners x 4 near-orthogonal pieces with share 12/4 moved ~3.5x further
+    than the same progress in one delta each (the flaky own-loop example's divergence)."""
+    rng = np.random.default_rng(0)
+    pieces = {lid: [rng.normal(size=4096).astype(np.float32) for _ in range(4)] for lid in "abc"}
+    deltas = [d for lid in "abc" for d in pieces[lid]]
+    learners = [lid for lid in "abc" for _ in range(4)]
+    w = np.full(12, 1 / 12)
+    whole = [np.sum(pieces[lid], axis=0) for lid in "abc"]
+    want = merge.rda(whole, np.full(3, 1 / 3)) * 0.75                          # 3 learners of 4
+    got = merge.merge_deltas([{"t": d} for d in deltas], w, learners=learners, share=merge.round_share(12, 4))["t"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    naive = merge.rda(deltas, w) * merge.round_share(12, 4)                   # over the pieces
+    assert np.linalg.norm(naive) > 1.5 * np.linalg.norm(got)
+    # the weighted mean already counts each piece 1/M: grouping leaves it as it was
+    mean = merge.merge_deltas([{"t": d} for d in deltas], w, rule="mean", learners=learners, share=3.0)["t"]
+    np.testing.assert_allclose(mean, np.sum(deltas, axis=0) / 4, rtol=1e-5, atol=1e-5)
+
+
+def test_by_learner_sums_a_learners_pieces_and_their_weights():
+    a1, a2, b = (np.full(3, x, np.float32) for x in (1.0, 2.0, 5.0))
+    deltas, w = merge.by_learner([a1, b, a2], np.array([0.25, 0.5, 0.25]), ["a", "b", "a"])
+    np.testing.assert_array_equal(deltas[0], a1 + a2)
+    np.testing.assert_array_equal(deltas[1], b)
+    np.testing.assert_allclose(w, [0.5, 0.5])
+    # tokens^2/steps of the union equals the sum of the parts' at one step rate
+    assert merge.token_weights([200, 100], [20, 10], weighted=True).tolist() == pytest.approx([2 / 3, 1 / 3])
+    with pytest.raises(ValueError):
+        merge.by_learner([a1, b], np.array([0.5, 0.5]), ["a", "a", "b"])
 
 
 @settings(max_examples=60, deadline=None)

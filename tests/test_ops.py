@@ -37,7 +37,7 @@ cli = CliRunner()
 def done(tmp_path_factory, kafka_bootstrap, redis_url, data_dir):
     """One finished tiny run: (config with run.id, run id, the run's config.yaml, checkpoint URL)."""
     tmp = tmp_path_factory.mktemp("ops")
-    tree = {k: dict(v) for k, v in TINY.items()}
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in TINY.items()}
     tree["inner"]["steps"] = 40
     tree["data"]["dir"] = str(data_dir)
     tree["run"]["dir"] = str(tmp / "runs")
@@ -375,3 +375,38 @@ def test_ckpt_reads_a_version_between_snapshots_by_replaying_updates(tmp_path):
     invoke_json("ckpt", "export", store.url, "-o", tmp_path / "v2.npz")
     with np.load(tmp_path / "v2.npz") as z:
         np.testing.assert_array_equal(z["b"], held["b"])
+
+
+def test_a_lost_snapshot_chunk_is_an_error_wherever_it_is_read_never_zeros(tmp_path):
+    """A version between snapshots is its snapshot plus updates: with a chunk of the snapshot gone,
+    every later version read as built on zeros. Now each reader fails, naming the chunk."""
+    import shutil
+
+    from diloco import quantize
+    from diloco.infra.store import StoreError
+
+    store, v0 = bf16_store(tmp_path / "store", run="lostrun")
+    update, held, _ = quantize.encode_update(v0, {n: (a.astype(np.float32) + 0.01).astype(a.dtype) for n, a in v0.items()},
+                                             {}, "int8")
+    store.write(0, 1, held, {}, {"tokens": 10}, update=update, update_scheme="int8", snapshot_at=0)
+    np.testing.assert_array_equal(store.read_params(0, 1)[0]["w"], held["w"])
+    [chunks] = (tmp_path / "store" / "lostrun" / "fragments" / "000" / "v00000000").glob("*/params/w/c")
+    assert chunks.is_dir()
+    shutil.rmtree(chunks)                                     # the snapshot's chunk of w, lost
+    for read in (lambda: store.read(0, 0), lambda: store.read_params(0, 1)):
+        with pytest.raises(StoreError, match="missing"):
+            read()
+    fails_clearly(["ckpt", "show", store.url, "--fragment", 0, "--version", 1], "missing")
+
+
+def test_ckpt_show_in_a_pipe_prints_whole_values(tmp_path):
+    """In a pipe (no terminal) rich cut every column to fit 80 characters ("128x5…", "floa…")."""
+    params = {"encoder.layers.0.attention.query_key_value.kernel_with_a_long_name": np.ones((128, 512), np.float32),
+              "b": np.zeros(5, np.float32)}
+    store = FragmentStore(f"file://{tmp_path}/store", "piperun")
+    store.write_plan(make_plan(params, fragments=1))
+    store.write(0, 0, params, {}, {})
+    res = cli.invoke(app, ["ckpt", "show", store.url, "--fragment", "0", "--version", "0"])
+    assert res.exit_code == 0, res.output
+    assert "encoder.layers.0.attention.query_key_value.kernel_with_a_long_name" in res.output
+    assert "128x512" in res.output and "float32" in res.output and "…" not in res.output

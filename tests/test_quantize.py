@@ -81,6 +81,26 @@ def test_a_receiver_following_the_updates_holds_the_published_global_bit_for_bit
             assert len(wire[n]) == quantize.encoded_nbytes(target[n].shape, scheme)
 
 
+@pytest.mark.parametrize("scheme", quantize.SCHEMES)
+def test_one_update_relative_to_the_snapshot_brings_a_receiver_to_any_later_version(scheme):
+    """Updates encoded against the snapshot: a receiver holding only the snapshot reaches each
+    version, bit for bit, with that version's update alone, and the published global stays within
+    one quantization step of the exact walk (the error is carried, not accumulated)."""
+    targets = _walk(3, 10)
+    snapshot = published = targets[0]
+    residual = {}
+    for before, target in zip(targets, targets[1:]):  # each outer step taken from the published global
+        new = {n: published[n] + (target[n] - before[n]) for n in target}
+        wire, published, residual = quantize.encode_update(published, new, residual, scheme, base=snapshot)
+        receiver = quantize.apply_update(snapshot, wire, scheme)
+        for n in target:
+            np.testing.assert_array_equal(receiver[n], published[n])
+            np.testing.assert_allclose(published[n] + residual[n], target[n], atol=1e-5)
+            if scheme in quantize.LEVELS:  # off by at most half a step of the update's largest row
+                step = np.max(np.abs(target[n] - snapshot[n])) / quantize.LEVELS[scheme]
+                assert np.max(np.abs(residual[n])) <= 0.5 * step * 1.01 + 1e-6
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_update_error_is_carried_not_lost(scheme):
     walk = _walk(1, 12)

@@ -59,6 +59,7 @@ def _deterministic(tiny_config, **sections):
                        outer={"lr": 1.0, "momentum": 0.0}, **sections)
 
 
+@pytest.mark.integration
 def test_fsdp_over_8_devices_trains_to_the_parameters_of_one_device(tiny_config, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", XLA.format(1))
     one = train(_deterministic(tiny_config), progress=False, console=_quiet())
@@ -97,6 +98,7 @@ def _two_hosts(tiny_config, monkeypatch, fsdp: int, **inner):
                        outer={"lr": 1.0, "momentum": 0.0})
 
 
+@pytest.mark.integration
 def test_a_two_host_learner_trains_and_its_hosts_end_bit_identical(tiny_config, monkeypatch):
     cfg = _two_hosts(tiny_config, monkeypatch, fsdp=2)  # fsdp inside each host, data across the two
     s = train(cfg, progress=False, console=_quiet())
@@ -111,6 +113,7 @@ def test_a_two_host_learner_trains_and_its_hosts_end_bit_identical(tiny_config, 
     assert s["eval_loss_end"] < s["eval_loss_start"]
 
 
+@pytest.mark.integration
 def test_killing_one_host_restarts_the_whole_learner_without_a_hang(tiny_config, monkeypatch):
     cfg = _two_hosts(tiny_config, monkeypatch, fsdp=4)  # parameters sharded across both hosts
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"restart_backoff_s": 0.5})})

@@ -49,6 +49,7 @@ def test_a_dead_shards_fragments_are_spread_over_the_live_ones():
 
 
 # --- fencing in Redis and TensorStore ---------------------------------------------------------
+@pytest.mark.integration
 def test_a_claim_fences_the_previous_owners_writes(tiny_config):
     cfg = tiny_config()
     h = Harness(cfg, f"fence-{time.time_ns() % 10**6}", in_process=False)
@@ -72,6 +73,7 @@ def test_a_claim_fences_the_previous_owners_writes(tiny_config):
     assert st.lease_holder(0) == "1:c"                                        # the same shard takes over at once
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("where", ["file", "gs"])
 def test_a_stale_owner_cannot_replace_a_newer_version_in_tensorstore(where, tmp_path, request):
     url = f"file://{tmp_path}/store" if where == "file" else request.getfixturevalue("gcs_emulator")
@@ -91,6 +93,7 @@ def test_a_stale_owner_cannot_replace_a_newer_version_in_tensorstore(where, tmp_
     np.testing.assert_array_equal(got.params["w"], retry["w"])
 
 
+@pytest.mark.integration
 def test_a_stalled_shard_loses_its_fragments_and_its_late_merge_is_refused(tiny_config):
     cfg = tiny_config(syncer={"shards": 2, "lease_ttl_s": 1.0, "quorum": 3, "grace_max_s": 0.0, "stuck_after_s": 1.0})
     h = Harness(cfg, f"stall-{time.time_ns() % 10**6}", in_process=False)
@@ -111,7 +114,7 @@ def test_a_stalled_shard_loses_its_fragments_and_its_late_merge_is_refused(tiny_
     assert h.state.versions()[1] == 1 and h.state.statuses()[first.id] == "applied:1:1"
     assert [(m["fragment"], len(m["ids"])) for m in h.state.merges()] == [(1, 3)]
     assert FragmentStore(cfg.store.url, h.run_id).read_meta(1, 1)["epoch"] == a.epochs[1]
-    b._last_lease = 0
+    b.every_lease.reset()
     b.rebalance()                                                             # renewing fails: b lets go
     assert 1 not in b.fragments
     deadline = time.time() + 15
@@ -121,6 +124,7 @@ def test_a_stalled_shard_loses_its_fragments_and_its_late_merge_is_refused(tiny_
         b.step()
 
 
+@pytest.mark.integration
 def test_a_long_step_keeps_its_leases_and_a_second_process_of_a_shard_stands_by(tiny_config):
     cfg = tiny_config(syncer={"shards": 2, "lease_ttl_s": 1.0, "quorum": 3, "grace_max_s": 0.0})
     h = Harness(cfg, f"busy-{time.time_ns() % 10**6}", in_process=False)
@@ -151,6 +155,7 @@ def test_a_long_step_keeps_its_leases_and_a_second_process_of_a_shard_stands_by(
 
 
 # --- shard processes ---------------------------------------------------------------------------
+@pytest.mark.integration
 def test_syncer_cli_runs_n_shards_and_hands_everything_back_on_sigterm(tiny_config, tmp_path):
     run_id = f"cli-shards-{time.time_ns() % 10**6}"
     cfg = tiny_config(run={"id": run_id}, syncer={"lease_ttl_s": 2.0})
@@ -178,6 +183,7 @@ def test_syncer_cli_runs_n_shards_and_hands_everything_back_on_sigterm(tiny_conf
     assert h.state.live_shards(2) == set()
 
 
+@pytest.mark.integration
 def test_three_shards_survive_one_killed_and_rebalance_when_it_returns(tiny_config, tmp_path):
     ttl = 1.5
     # ~30 s of training: the killed shard is down for a few seconds early on and back well before the end

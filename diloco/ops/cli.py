@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -18,7 +19,9 @@ from rich.markup import escape
 from rich.table import Table
 
 err_console = Console(stderr=True)
-out = Console()
+# In a pipe or a file there is no terminal width to fit: tables print whole values (as wide as they
+# need) instead of cutting every column to 80 characters; --json is the form for scripts.
+out = Console() if sys.stdout.isatty() else Console(width=100_000)
 
 ckpt_app = typer.Typer(help="Inspect the fragment versions a run wrote to TensorStore (file:// or gs://).",
                        no_args_is_help=True)
