@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import helpers  # tests/helpers.py: pytest puts this folder on sys.path for its conftest
 from diloco.config import Config, build_config
 from diloco.infra import services
 
@@ -37,6 +38,14 @@ def pytest_unconfigure(config):
     # a reconnecting client writes hundreds, and a CI log shows its last lines only.
     logging.raiseExceptions = False
     logging.disable(logging.CRITICAL)
+
+
+@pytest.fixture(autouse=True)
+def close_harnesses():
+    """Close the harnesses a test made (their syncer and Kafka clients), pass or fail."""
+    yield
+    while helpers.OPEN_HARNESSES:
+        helpers.OPEN_HARNESSES.pop().close()
 
 
 @pytest.fixture(scope="session")

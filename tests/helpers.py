@@ -66,6 +66,9 @@ def assert_exact_accounting(cfg, run_id):
     return state, published, status
 
 
+OPEN_HARNESSES: list[Harness] = []  # closed after each test by conftest.py
+
+
 class Harness:
     """A provisioned run fed crafted contributions; with `in_process`, its syncer runs in this process."""
 
@@ -82,11 +85,22 @@ class Harness:
         self.topics = kafka_io.Topics.for_run(cfg, run_id)
         self.sent = {}
         self.syncer = self.new_syncer() if in_process else None
+        OPEN_HARNESSES.append(self)
+
+    def close(self):
+        """Stop this harness's syncer and close its Kafka clients: their threads would otherwise outlive
+        the test, reconnecting to a broker the fixtures stopped (conftest closes every harness a test made)."""
+        if self.syncer is not None:
+            self.syncer.close()
+            self.syncer.consumer.close()
+            self.syncer = None
+        self.producer.close(timeout=5)
 
     def new_syncer(self, shard=0):
         """A syncer started in this process; one that was running here stops first, as if it crashed."""
         if getattr(self, "syncer", None) is not None and self.syncer.shard == shard:
             self.syncer.close()
+            self.syncer.consumer.close()
         s = Syncer(self.cfg, self.run_id, state=self.state, store=self.store, producer=self.producer,
                    consumer=kafka_io.consumer(self.cfg.transport, group_id=self.topics.syncer_group), shard=shard)
         s.start()
