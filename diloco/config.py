@@ -159,7 +159,10 @@ class OuterConfig(_Section):
 class FragmentsConfig(_Section):
     count: int = Field(4, ge=1)
     sync_every: int = Field(40, ge=1, description="H: inner steps between two syncs of one fragment")
-    quantization: Literal["fp32", "bf16", "int8", "int4"] = "int8"
+    quantization: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field(
+        "int8", description="encoding of each delta a learner sends (docs/wire-format.md); what it leaves out stays "
+                            "in the learner's parameters and goes with its next delta (error feedback), so int2 "
+                            "and topk (8 of every 256 values) lose nothing, they only send it later")
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=32 * 1024 * 1024)
     apply: Literal["rebase", "overwrite", "mix"] = Field(
         "rebase", description="a new global fragment: rebase = it plus the local steps not sent yet; "
@@ -193,6 +196,7 @@ class FragmentsConfig(_Section):
 
 
 class SyncerConfig(_Section):
+
     quorum: int = Field(2, ge=1, description="K: contributions needed before a round may close")
     quorum_of_fresh: bool = Field(True, description="only contributions trained from the fragment's current "
                                   "version count towards K and the grace window: a late one waits for the next "
@@ -233,14 +237,23 @@ class SyncerConfig(_Section):
     scale_partial_rounds: bool = Field(True, description="a round with n of M learners applies n/M of its merged delta")
     staleness_discount: float = Field(2.0, ge=0, description="weigh a contribution by (1 + staleness) ** -discount, its "
                                       "staleness being the versions its fragment gained since its base; 0 = off")
-    broadcast: Literal["fp32", "bf16", "int8", "int4"] = Field(
+    broadcast: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field(
         "int8", description="encoding of each global update learners fetch (its error is carried to the next)")
-    update_base: Literal["snapshot", "previous"] = Field(
-        "snapshot", description="what each update is encoded against: snapshot = the fragment's newest snapshot, so "
+    update_base: Literal["auto", "snapshot", "previous"] = Field(
+        "auto", description="what each update is encoded against: snapshot = the fragment's newest snapshot, so "
                                 "one update brings a learner to any later version (its values span the versions since "
                                 "the snapshot: coarser codes); previous = the version before, finer codes, one update "
-                                "per version to catch up")
+                                "per version to catch up; auto = snapshot, but previous for broadcast int2 / topk, "
+                                "whose code of everything since the snapshot would stay that coarse (topk: the "
+                                "global could differ from the snapshot in 3% of its values)")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
+
+    @property
+    def updates_from(self) -> Literal["snapshot", "previous"]:
+        """update_base with auto resolved for the broadcast code."""
+        if self.update_base != "auto":
+            return self.update_base
+        return "previous" if self.broadcast in ("int2", "topk") else "snapshot"
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")
     poll_ms: int = Field(100, ge=1)

@@ -205,7 +205,10 @@ def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
     for t in manifest.tensors:
         if t.nbytes != quantize.encoded_nbytes(t.shape, t.scheme):
             raise WireError(f"tensor {t.name}: nbytes {t.nbytes} does not fit {t.scheme} {t.shape}")
-        out[t.name] = quantize.decode(memoryview(payload)[pos:pos + t.nbytes], t.shape, t.scheme)
+        try:
+            out[t.name] = quantize.decode(memoryview(payload)[pos:pos + t.nbytes], t.shape, t.scheme)
+        except quantize.CodecError as err:
+            raise WireError(f"tensor {t.name}: {err}") from None
         pos += t.nbytes
     return out
 

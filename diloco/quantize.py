@@ -1,8 +1,18 @@
-"""Delta codecs for the wire: fp32, bf16, and int8 / int4 with one float32 scale per row.
+"""Delta codecs for the wire: fp32, bf16, int8 / int4 / int2 with one float32 scale per row, and
+topk, a sparse code of the largest values of each block.
 
 A tensor of shape (..., C) is treated as rows of C values (a 1-D tensor is one row). intB stores
 `round(x / s)` with s = max|row| / L (L = 127 for int8, 7 for int4), so every element is off by at
 most s / 2. int4 packs two values per byte (low nibble first, a row padded to an even length).
+
+The two lossy codes below 4 bits are meant for error feedback (the sender keeps what a code left
+out and adds it to its next message: a learner in an error buffer, `learners.session.outer_deltas`,
+the syncer with its carried residual):
+- int2: four levels (c - 1.5) x s for a code c in 0..3, s = the row's root mean square, so values
+  beyond 1.5 s are clipped; four codes per byte, low bits first.
+- topk: the flat tensor in blocks of TOPK_BLOCK values; each block keeps its TOPK_KEEP largest
+  magnitudes as (uint8 index, int8 code) pairs with one float32 scale max|block| / 127, the rest
+  decode as zero. A receiver rejects indices that are not strictly increasing inside the block.
 """
 
 from __future__ import annotations
@@ -12,8 +22,11 @@ import math
 import ml_dtypes
 import numpy as np
 
-SCHEMES = ("fp32", "bf16", "int8", "int4")
-LEVELS = {"int8": 127, "int4": 7}
+SCHEMES = ("fp32", "bf16", "int8", "int4", "int2", "topk")
+LEVELS = {"int8": 127, "int4": 7}  # the max-scaled row codes (int2 is RMS-scaled: its own path)
+TOPK_BLOCK, TOPK_KEEP = 256, 8     # topk keeps 8 of every 256 values (3.1%): 20 bytes per block
+# codes whose sender keeps what they left out beside its values, not in them (learners.session.outer_deltas)
+ERROR_BUFFERED = ("int2", "topk")
 
 
 class CodecError(ValueError):
@@ -25,6 +38,14 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
         return 1, 1
     cols = shape[-1]
     return (math.prod(shape[:-1]) if len(shape) > 1 else 1), cols
+
+
+def _topk_blocks(n: int) -> tuple[int, int]:
+    """(blocks, values kept in all of them) of a topk code of n values."""
+    blocks = -(-n // TOPK_BLOCK)
+    if blocks == 0:
+        return 0, 0
+    return blocks, (blocks - 1) * TOPK_KEEP + min(TOPK_KEEP, n - (blocks - 1) * TOPK_BLOCK)
 
 
 def encoded_nbytes(shape: tuple[int, ...], scheme: str) -> int:
@@ -39,6 +60,12 @@ def encoded_nbytes(shape: tuple[int, ...], scheme: str) -> int:
     if scheme == "int4":
         rows, cols = _rows(shape)
         return 4 * rows + rows * ((cols + 1) // 2)
+    if scheme == "int2":
+        rows, cols = _rows(shape)
+        return 4 * rows + rows * ((cols + 3) // 4)
+    if scheme == "topk":
+        blocks, kept = _topk_blocks(n)
+        return 4 * blocks + 2 * kept
     raise CodecError(f"unknown quantization scheme {scheme!r}; known: {SCHEMES}")
 
 
@@ -59,7 +86,52 @@ def encode(x: np.ndarray, scheme: str) -> bytes:
             q = np.pad(q, ((0, 0), (0, cols % 2))) + 8                 # 1..15 in a nibble
             q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
         return scale.tobytes() + q.tobytes()
+    if scheme == "int2":
+        return _encode_int2(x)
+    if scheme == "topk":
+        return _encode_topk(x)
     raise CodecError(f"unknown quantization scheme {scheme!r}; known: {SCHEMES}")
+
+
+def _encode_int2(x: np.ndarray) -> bytes:
+    rows, cols = _rows(x.shape)
+    m = x.reshape(rows, cols)
+    scale = np.sqrt(np.mean(np.square(m, dtype=np.float64), axis=1)) if cols else np.zeros(rows)
+    scale = scale.astype("<f4")
+    safe = np.where(scale > 0, scale, np.float32(1))  # an all-zero row: scale 0, every value decodes to 0
+    codes = np.clip(np.floor(m / safe[:, None]) + 2, 0, 3).astype(np.uint8)
+    codes = np.pad(codes, ((0, 0), (0, -cols % 4)))
+    packed = codes[:, 0::4] | (codes[:, 1::4] << 2) | (codes[:, 2::4] << 4) | (codes[:, 3::4] << 6)
+    return scale.tobytes() + packed.astype(np.uint8).tobytes()
+
+
+def _encode_topk(x: np.ndarray) -> bytes:
+    flat = x.reshape(-1)
+    n = flat.size
+    blocks, _ = _topk_blocks(n)
+    if blocks == 0:
+        return b""
+    padded = np.zeros(blocks * TOPK_BLOCK, np.float32)
+    padded[:n] = flat
+    m = np.abs(padded.reshape(blocks, TOPK_BLOCK))
+    # the TOPK_KEEP largest magnitudes, ties to the lower index (a stable sort of -|x|), then in index order
+    order = np.sort(np.argsort(-m, axis=1, kind="stable")[:, :TOPK_KEEP], axis=1)
+    values = np.take_along_axis(padded.reshape(blocks, TOPK_BLOCK), order, axis=1)
+    scale = np.max(np.abs(values), axis=1) / np.float32(127)
+    scale = np.where(scale > 0, scale, np.float32(1))
+    # a block with a value that is not finite gets a NaN scale, so a receiver rejects it (non_finite)
+    # instead of the sort leaving the value out unseen
+    scale = np.where(np.isfinite(padded.reshape(blocks, TOPK_BLOCK)).all(axis=1), scale, np.nan).astype("<f4")
+    with np.errstate(invalid="ignore"):
+        codes = np.clip(np.nan_to_num(np.rint(values / scale[:, None])), -127, 127).astype(np.int8)
+    last = n - (blocks - 1) * TOPK_BLOCK            # a short last block keeps min(TOPK_KEEP, its length)
+    idx, val = order.astype(np.uint8), codes
+    if last < TOPK_KEEP:
+        idx = np.concatenate([idx[:-1].reshape(-1), np.arange(last, dtype=np.uint8)])
+        with np.errstate(invalid="ignore"):
+            tail = np.nan_to_num(np.rint(padded[-TOPK_BLOCK:][:last] / scale[-1])).clip(-127, 127).astype(np.int8)
+        val = np.concatenate([val[:-1].reshape(-1), tail])
+    return scale.tobytes() + idx.tobytes() + val.tobytes()
 
 
 def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.ndarray:
@@ -71,8 +143,14 @@ def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.n
         return np.frombuffer(buf, dtype="<f4").reshape(shape).astype(np.float32)
     if scheme == "bf16":
         return np.frombuffer(buf, dtype=ml_dtypes.bfloat16).astype(np.float32).reshape(shape)
+    if scheme == "topk":
+        return _decode_topk(buf, shape)
     rows, cols = _rows(shape)
     scale = np.frombuffer(buf, dtype="<f4", count=rows)
+    if scheme == "int2":
+        packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, (cols + 3) // 4)
+        codes = np.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], axis=-1).reshape(rows, 4 * packed.shape[1])[:, :cols]
+        return ((codes.astype(np.float32) - np.float32(1.5)) * scale[:, None]).reshape(shape)
     if scheme == "int4":
         packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, (cols + 1) // 2)
         q = np.empty((rows, 2 * packed.shape[1]), np.int8)
@@ -82,6 +160,30 @@ def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.n
     else:
         q = np.frombuffer(buf, dtype=np.int8, offset=4 * rows).reshape(rows, cols)
     return (q.astype(np.float32) * scale[:, None]).reshape(shape)
+
+
+def _decode_topk(buf, shape: tuple[int, ...]) -> np.ndarray:
+    n = math.prod(shape)
+    blocks, kept = _topk_blocks(n)
+    out = np.zeros(blocks * TOPK_BLOCK, np.float32)
+    if blocks == 0:
+        return out.reshape(shape)
+    scale = np.frombuffer(buf, dtype="<f4", count=blocks)
+    idx = np.frombuffer(buf, dtype=np.uint8, count=kept, offset=4 * blocks).astype(np.int64)
+    codes = np.frombuffer(buf, dtype=np.int8, count=kept, offset=4 * blocks + kept)
+    block = np.minimum(np.arange(kept) // TOPK_KEEP, blocks - 1)
+    start = np.r_[0, np.flatnonzero(np.diff(block)) + 1]          # where each block's indices begin
+    step = np.diff(idx)
+    increasing = np.ones(kept, bool)
+    increasing[1:] = step > 0
+    increasing[start] = True
+    last = n - (blocks - 1) * TOPK_BLOCK
+    if not increasing.all() or (idx[block == blocks - 1] >= last).any():
+        bad = int(np.flatnonzero(~increasing)[0] // TOPK_KEEP) if not increasing.all() else blocks - 1
+        raise CodecError(f"topk block {bad}: indices must be strictly increasing and inside the block "
+                         f"(of {TOPK_BLOCK} values, {last} in the last)")
+    out[block * TOPK_BLOCK + idx] = codes.astype(np.float32) * scale[block]
+    return out[:n].reshape(shape)
 
 
 def roundtrip(x: np.ndarray, scheme: str) -> np.ndarray:

@@ -424,6 +424,7 @@ class Session:
         self._sent_from: dict[int, int] = {}  # fragment -> the version its last delta was trained from
         self._held: set[int] = set()  # fragments due but held until a new version (one_delta_per_version)
         self._base: dict[str, Any] = {}  # float32 reference each next delta starts from, placed like its leaf
+        self._error: dict[str, np.ndarray] = {}  # what an int2 / topk delta left out, added to the next one
         self._version: dict[int, int] = {}
         self._last_t: float | None = None
         self._params = None
@@ -696,7 +697,7 @@ class Session:
 
     def _sync(self, p: int, params) -> None:
         names = self._names[p]
-        deltas = outer_deltas(self._base, flatten(params, self.plan), names, self._schemes)
+        deltas = outer_deltas(self._base, flatten(params, self.plan), names, self._schemes, self._error)
         s = self._since[p]
         if self.leader:
             job = {"fragment": p, "base_version": self._version[p], "tokens": s["tokens"], "steps": s["steps"],
@@ -775,20 +776,31 @@ class Session:
         return self.store.read_blocks(p, v, {n: need})[n]
 
 
-def outer_deltas(base: dict[str, Any], leaves: dict[str, Any], names: list[str], schemes: dict[str, str]
-                 ) -> dict[str, np.ndarray]:
+def outer_deltas(base: dict[str, Any], leaves: dict[str, Any], names: list[str], schemes: dict[str, str],
+                 error: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The outer deltas (global - local) of tensors `names`, as the syncer will decode them, on this
     host. One tensor at a time leaves the devices, so the host never holds more than the fragment;
     on a learner sharded across hosts every host must call it (each tensor is an all-gather).
 
     Each `base[n]` (float32, placed like its leaf) moves to what was just sent, so that if the merged
     global value is slow to arrive, two contributions never carry the same progress twice; what
-    quantization left out stays in the difference and travels with the next delta (error feedback)."""
+    quantization left out stays in the difference and travels with the next delta (error feedback).
+
+    For the codes below 4 bits (quantize.ERROR_BUFFERED), which leave out a third or more of a delta,
+    what was left out waits in `error` (host arrays) instead, and `base[n]` moves to the local value:
+    the learner then trains on from the merged global plus its own steps since the send, not from a
+    point its residual keeps apart from the other learners'."""
     deltas = {}
     for n in names:
         delta = gather(base[n] - _float32(leaves[n]))
-        deltas[n] = quantize.roundtrip(delta, schemes[n])
-        base[n] = base[n] - place(deltas[n], base[n])
+        if error is not None and schemes[n] in quantize.ERROR_BUFFERED:
+            delta = delta + error[n] if n in error else delta
+            deltas[n] = quantize.roundtrip(delta, schemes[n])
+            error[n] = (delta - deltas[n]).astype(np.float32)
+            base[n] = _float32(leaves[n])
+        else:
+            deltas[n] = quantize.roundtrip(delta, schemes[n])
+            base[n] = base[n] - place(deltas[n], base[n])
         del delta
     return deltas
 

@@ -80,10 +80,14 @@ def views(manifest: Manifest, payload: bytes) -> dict[str, Encoded]:
 
 
 def encoded_delta(manifest: Manifest, payload: bytes) -> EncodedDelta:
-    """The payload's tensors and their norms; a norm is nan where a value is not finite."""
+    """The payload's tensors and their norms; a norm is nan where a value is not finite. Raises
+    WireError for codes no encoder writes (a topk block's indices out of order or range)."""
     tensors = views(manifest, payload)
-    return EncodedDelta(tensors, {n: math.sqrt(s) if s == s else math.nan for n, s in
-                                  ((n, sumsq(e)) for n, e in tensors.items())})
+    try:
+        squares = {n: sumsq(e) for n, e in tensors.items()}
+    except quantize.CodecError as err:
+        raise WireError(str(err)) from None
+    return EncodedDelta(tensors, {n: math.sqrt(s) if s == s else math.nan for n, s in squares.items()})
 
 
 def sumsq(e: Encoded) -> float:
@@ -93,7 +97,10 @@ def sumsq(e: Encoded) -> float:
         if e.scheme == "int8":
             return float(kernels.sumsq_q8(codes, scale))
         return float(kernels.sumsq_q4(codes, scale, quantize._rows(e.shape)[1]))
-    return float(kernels.sumsq_f32(e.flat()) if e.scheme == "fp32" else kernels.sumsq_bf16(e.flat()))
+    if e.scheme in ("fp32", "bf16"):
+        return float(kernels.sumsq_f32(e.flat()) if e.scheme == "fp32" else kernels.sumsq_bf16(e.flat()))
+    s = squared_norm(e.decode())  # int2, topk: a quarter and a thirteenth of int8's bytes, decoded once
+    return s if math.isfinite(s) else math.nan
 
 
 def squared_norm(a: np.ndarray) -> float:
@@ -112,8 +119,10 @@ def axpy(acc: np.ndarray, e: Encoded, coef: float) -> None:
         (kernels.axpy_q8 if e.scheme == "int8" else kernels.axpy_q4)(target, codes, scale, coef)
     elif e.scheme == "fp32":
         kernels.axpy_f32(acc.reshape(-1), e.flat(), coef)
-    else:
+    elif e.scheme == "bf16":
         kernels.axpy_bf16(acc.reshape(-1), e.flat(), coef)
+    else:  # int2, topk: decoded to float32 first, then the fp32 kernel
+        kernels.axpy_f32(acc.reshape(-1), e.decode().reshape(-1), coef)
 
 
 def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.ndarray, *, plain: bool,

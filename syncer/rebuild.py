@@ -77,7 +77,7 @@ def rebuild(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, mer
     meta = store.read_meta(p, v)
     s = meta.get("snapshot_at", v) if not is_snapshot(meta) else v
     st = snapshot_state(store, plan, opt, p, s)
-    if cfg.syncer.update_base == "previous":  # each update from the version before: no base kept
+    if cfg.syncer.updates_from == "previous":  # each update from the version before: no base kept
         st.snapshot = None
     snapshot = st.snapshot
     if s == v:

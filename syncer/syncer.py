@@ -709,7 +709,7 @@ class Syncer:
         crash_point("merge_committed")
         st.version += 1
         st.params, st.opt_state, st.residual, st._scale = closed.params, closed.opt_state, closed.residual, None
-        if snapshot != st.snapshot_at and sc.update_base == "snapshot":  # the base of every next update
+        if snapshot != st.snapshot_at and sc.updates_from == "snapshot":  # the base of every next update
             st.snapshot = closed.params
         st.snapshot_at = snapshot
         self.sync_time_s = ema

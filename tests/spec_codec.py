@@ -42,7 +42,10 @@ def rows_cols(shape) -> tuple[int, int]:
 
 def nbytes(shape, scheme: str) -> int:
     n, (rows, cols) = math.prod(shape), rows_cols(shape)
-    return {"fp32": 4 * n, "bf16": 2 * n, "int8": 4 * rows + n, "int4": 4 * rows + rows * ((cols + 1) // 2)}[scheme]
+    if scheme == "topk":
+        return sum(4 + 2 * min(8, n - b) for b in range(0, n, 256))
+    return {"fp32": 4 * n, "bf16": 2 * n, "int8": 4 * rows + n, "int4": 4 * rows + rows * ((cols + 1) // 2),
+            "int2": 4 * rows + rows * ((cols + 3) // 4)}[scheme]
 
 
 def encode(x, scheme: str) -> bytes:
@@ -52,7 +55,11 @@ def encode(x, scheme: str) -> bytes:
     if scheme == "bf16":  # the upper 16 bits, rounded to nearest, ties to even
         u = x.astype("<f4").view("<u4").astype(np.uint64)
         return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    if scheme == "topk":
+        return encode_topk(x.reshape(-1))
     rows, cols = rows_cols(x.shape)
+    if scheme == "int2":
+        return encode_int2(x.reshape(rows, cols))
     m, level = x.reshape(rows, cols), LEVELS[scheme]
     scale = np.array([np.abs(r).max() / level if r.size and np.abs(r).max() > 0 else 1.0 for r in m], "<f4")
     q = np.clip(np.rint(m / scale[:, None]), -level, level).astype(np.int64)
@@ -63,14 +70,64 @@ def encode(x, scheme: str) -> bytes:
     return scale.tobytes() + (nib[:, 0::2] | nib[:, 1::2] << 4).astype(np.uint8).tobytes()
 
 
+def encode_int2(m: np.ndarray) -> bytes:
+    """Per row: s = RMS (0 for a zero row), code c = clip(floor(x / s) + 2, 0, 3), four codes a byte."""
+    scales, body = [], bytearray()
+    for row in m:
+        s = np.float32(math.sqrt(sum(float(v) ** 2 for v in row) / len(row))) if len(row) else np.float32(0)
+        codes = [int(min(3, max(0, math.floor(np.float32(v) / s) + 2))) if s > 0 else 2 for v in row]
+        codes += [0] * (-len(codes) % 4)
+        body += bytes(codes[i] | codes[i + 1] << 2 | codes[i + 2] << 4 | codes[i + 3] << 6
+                      for i in range(0, len(codes), 4))
+        scales.append(s)
+    return np.array(scales, "<f4").tobytes() + bytes(body)
+
+
+def encode_topk(flat: np.ndarray) -> bytes:
+    """Blocks of 256: the min(8, length) largest magnitudes (ties to the lower index), in index order."""
+    scales, indices, codes = [], [], []
+    for start in range(0, len(flat), 256):
+        block = flat[start:start + 256]
+        keep = sorted(sorted(range(len(block)), key=lambda i: (-abs(float(block[i])), i))[:min(8, len(block))])
+        top = max(abs(float(block[i])) for i in keep)
+        s = np.float32(np.float32(top) / np.float32(127)) if top > 0 else np.float32(1)
+        scales.append(s)
+        indices += keep
+        codes += [int(np.clip(np.rint(np.float32(block[i]) / s), -127, 127)) for i in keep]
+    return np.array(scales, "<f4").tobytes() + bytes(indices) + np.array(codes, "<i1").tobytes()
+
+
+def decode_topk(buf: bytes, n: int) -> np.ndarray:
+    starts = list(range(0, n, 256))
+    kept = [min(8, n - b) for b in starts]
+    k = sum(kept)
+    scales = np.frombuffer(buf[:4 * len(starts)], "<f4")
+    idx = buf[4 * len(starts):4 * len(starts) + k]
+    codes = np.frombuffer(buf[4 * len(starts) + k:], "<i1")
+    out, pos = np.zeros(n, np.float32), 0
+    for b, (start, kb) in enumerate(zip(starts, kept)):
+        mine = list(idx[pos:pos + kb])
+        assert all(a < c for a, c in zip(mine, mine[1:])) and all(i < min(256, n - start) for i in mine), (b, mine)
+        for j, i in enumerate(mine):
+            out[start + i] = np.float32(codes[pos + j]) * scales[b]
+        pos += kb
+    return out
+
+
 def decode(buf: bytes, shape, scheme: str) -> np.ndarray:
     assert len(buf) == nbytes(shape, scheme), (len(buf), shape, scheme)
     if scheme == "fp32":
         return np.frombuffer(buf, "<f4").reshape(shape)
     if scheme == "bf16":
         return (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    if scheme == "topk":
+        return decode_topk(buf, math.prod(shape)).reshape(shape)
     rows, cols = rows_cols(shape)
     scale = np.frombuffer(buf[:4 * rows], "<f4")
+    if scheme == "int2":
+        packed = np.frombuffer(buf[4 * rows:], np.uint8).reshape(rows, (cols + 3) // 4).astype(np.int64)
+        c = np.stack([(packed >> sh) & 3 for sh in (0, 2, 4, 6)], axis=-1).reshape(rows, 4 * packed.shape[1])[:, :cols]
+        return ((c.astype(np.float32) - np.float32(1.5)) * scale[:, None]).astype(np.float32).reshape(shape)
     if scheme == "int8":
         q = np.frombuffer(buf[4 * rows:], "<i1").reshape(rows, cols).astype(np.int64)
     else:

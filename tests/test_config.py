@@ -97,3 +97,11 @@ def test_a_learner_belongs_to_its_own_region_when_one_regions_name_starts_anothe
     assert cfg.is_member_id("us-east-1") and not cfg.is_member_id("us-2") and not cfg.is_member_id(["us-0"])
     with pytest.raises(ConfigError, match="unknown learner 'us-east-2'"):
         cfg.region_of("us-east-2")
+
+
+def test_updates_come_from_the_snapshot_unless_the_broadcast_code_is_below_4_bits():
+    assert build_config({}).syncer.updates_from == "snapshot"
+    assert build_config({"syncer": {"broadcast": "int4"}}).syncer.updates_from == "snapshot"
+    for code in ("int2", "topk"):   # a code that coarse of everything since the snapshot would stay that coarse
+        assert build_config({"syncer": {"broadcast": code}}).syncer.updates_from == "previous"
+    assert build_config({"syncer": {"broadcast": "topk", "update_base": "snapshot"}}).syncer.updates_from == "snapshot"

@@ -73,6 +73,34 @@ def test_spec_codec_and_project_codec_agree_bit_for_bit(scheme):
         np.testing.assert_array_equal(spec.decode(blob, shape, scheme), quantize.decode(blob, shape, scheme))
 
 
+VECTORS = [("int2", [[0.5, -1.0, 0.25, 2.0, 0.0]], "7b f0 83 3f e6 02"),
+           ("topk", [0.1, -0.9, 0.0, 0.3, 0.05, -0.2, 0.6, 0.0, -0.01, 0.45],
+            "d4 36 e8 3b 00 01 03 04 05 06 08 09 0e 81 2a 07 e4 55 ff 40")]
+
+
+@pytest.mark.parametrize("scheme,values,hexed", VECTORS)
+def test_the_specs_codec_vectors_are_what_both_codecs_write_and_read(scheme, values, hexed):
+    assert hexed in " ".join(DOC.read_text().replace("|", " ").split())
+    x = np.array(values, np.float32)
+    assert quantize.encode(x, scheme) == spec.encode(x, scheme) == bytes.fromhex(hexed)
+    np.testing.assert_array_equal(quantize.decode(bytes.fromhex(hexed), x.shape, scheme),
+                                  spec.decode(bytes.fromhex(hexed), x.shape, scheme))
+
+
+def test_topk_blocks_the_spec_refuses_are_refused_by_the_project_reader():
+    x = np.random.default_rng(1).normal(size=(600,)).astype(np.float32)   # blocks of 256, 256 and 88
+    good = spec.encode(x, "topk")
+    repeated = bytearray(good)
+    repeated[4 * 3 + 1] = repeated[4 * 3]                   # block 0's second index equals its first
+    outside = bytearray(good)
+    outside[4 * 3 + 16 + 7] = 100                           # the last block holds 88 values
+    for bad in (repeated, outside):
+        with pytest.raises(AssertionError):
+            spec.decode(bytes(bad), x.shape, "topk")
+        with pytest.raises(quantize.CodecError, match="strictly increasing"):
+            quantize.decode(bytes(bad), x.shape, "topk")
+
+
 def test_the_project_reader_keeps_the_specs_edge_rules():
     # an empty payload travels as one empty chunk: the one empty chunk the spec allows
     manifest, frames = spec.contribution(run="r1", learner="us-0", fragment=0, base_version=0, tokens=1, steps=1,

@@ -315,7 +315,7 @@ def test_claims_that_contradict_the_payload_are_refused_or_consistent(sent, what
     elif what == "scheme":
         t["scheme"] = data.draw(st.sampled_from(quantize.SCHEMES))
     elif what == "unknown_scheme":
-        t["scheme"] = data.draw(st.sampled_from(["fp8", "FP32", "int2", "", "pickle"]))
+        t["scheme"] = data.draw(st.sampled_from(["fp8", "FP32", "int3", "", "pickle"]))
     elif what in ("nbytes", "total_bytes", "n_chunks"):
         target = t if what == "nbytes" else h
         target[what] += data.draw(st.sampled_from([-3, -2, -1, 1, 2, 3]))

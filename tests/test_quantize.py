@@ -39,10 +39,69 @@ def test_integer_codes_are_off_by_at_most_half_a_step_of_their_row(scheme, level
 def test_sizes_shrink_as_promised():
     x = np.ones((64, 32), np.float32)
     sizes = {s: len(quantize.encode(x, s)) for s in quantize.SCHEMES}
-    assert sizes == {"fp32": 8192, "bf16": 4096, "int8": 64 * 4 + 2048, "int4": 64 * 4 + 1024}
+    assert sizes == {"fp32": 8192, "bf16": 4096, "int8": 64 * 4 + 2048, "int4": 64 * 4 + 1024, "int2": 64 * 4 + 512,
+                     "topk": 8 * (4 + 2 * 8)}  # 2048 values: 8 blocks of 256, each 8 (index, code) pairs
     assert all(quantize.encoded_nbytes(x.shape, s) == n for s, n in sizes.items())
     odd = np.ones((3, 5), np.float32)
     assert len(quantize.encode(odd, "int4")) == quantize.encoded_nbytes(odd.shape, "int4") == 3 * 4 + 3 * 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=arrays(np.float32, shapes, elements=finite))
+def test_int2_takes_the_nearest_of_four_levels_of_the_rows_rms(x):
+    y = quantize.roundtrip(x, "int2").reshape(-1, x.shape[-1]).astype(np.float64)
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    s = np.sqrt(np.mean(rows ** 2, axis=1, keepdims=True))
+    levels = np.array([-1.5, -0.5, 0.5, 1.5]) * s[..., None]                 # rows x 1 x 4
+    nearest = np.min(np.abs(rows[..., None] - levels), axis=-1)
+    assert np.all(np.abs(y - rows) <= nearest + 1e-5 * s + 1e-30)            # no level is closer (ties either way)
+    assert np.all(np.abs(y) <= 1.5 * s * (1 + 1e-6) + 1e-30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=arrays(np.float32, st.integers(0, 700).map(lambda n: (n,)), elements=finite))
+def test_topk_keeps_the_largest_of_each_block_within_half_a_step(x):
+    y = quantize.roundtrip(x, "topk")
+    for start in range(0, x.size, quantize.TOPK_BLOCK):
+        block, got = x[start:start + quantize.TOPK_BLOCK], y[start:start + quantize.TOPK_BLOCK]
+        keep = min(quantize.TOPK_KEEP, block.size)
+        kept = np.flatnonzero(got)
+        assert kept.size <= keep
+        top = np.sort(np.abs(block))[::-1]
+        # what is left out is no larger than the smallest value kept
+        dropped = np.setdiff1d(np.arange(block.size), kept)
+        step = np.abs(block).max() / 127
+        assert np.all(np.abs(block[dropped]) <= top[keep - 1] + step / 2 * (1 + 1e-5) + 1e-30)
+        assert np.all(np.abs(got[kept] - block[kept]) <= step / 2 * (1 + 1e-5) + 1e-30)
+
+
+@pytest.mark.parametrize("scheme", ["int2", "topk"])
+def test_error_feedback_sends_what_the_messages_sum_to_and_plain_compression_does_not(scheme):
+    """A sender that adds what the code left out to its next message (what a learner's base does)
+    sends, over many messages, their sum but for one bounded residual, so its relative error falls
+    as messages add up; compressing each message alone keeps losing the same share."""
+    rng = np.random.default_rng(0)
+    signal = rng.normal(size=(16, 64)).astype(np.float32) * 0.1
+    residual, fed, plain, total = (np.zeros_like(signal) for _ in range(4))
+    error = {}
+    for k in range(1, 201):
+        g = signal + rng.normal(size=signal.shape).astype(np.float32)
+        y = quantize.roundtrip(g + residual, scheme)
+        residual, fed, total = g + residual - y, fed + y, total + g
+        plain += quantize.roundtrip(g, scheme)
+        if k in (50, 200):
+            error[k] = np.linalg.norm(fed - total) / np.linalg.norm(total)
+    assert error[200] < 0.6 * error[50]                        # falls as 1/k, not flat
+    assert error[200] < 0.2 * np.linalg.norm(plain - total) / np.linalg.norm(total)
+
+
+def test_a_topk_or_int2_block_with_a_non_finite_value_decodes_non_finite():
+    x = np.ones(300, np.float32)
+    x[270] = np.nan                                                          # in the second block, not among its top 8
+    x[3] = 1e4
+    y = quantize.roundtrip(x, "topk")
+    assert np.isfinite(y[:256]).all() and not np.isfinite(y[256:]).all()
+    assert not np.isfinite(quantize.roundtrip(x.reshape(3, 100), "int2")[2]).all()
 
 
 def test_bf16_matches_ml_dtypes_rounding():

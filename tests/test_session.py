@@ -75,3 +75,29 @@ def test_a_learner_that_joins_a_run_under_way_starts_from_its_latest_version_not
             assert session.versions[0] == 1 and all(session.versions[p] == 0 for p in range(1, cfg.fragments.count))
     finally:
         h.producer.close()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int2", "topk"])
+def test_what_a_delta_left_out_goes_with_the_next_one_and_the_learner_keeps_training_from_the_global(scheme):
+    """outer_deltas, a learner's side of error feedback. For int8 the residual stays in the learner's
+    values (base moves by what was sent); for int2 / topk, which leave out a third or more, it waits
+    in the error buffer and base moves to the local values, so a rebase lands on the new global plus
+    the steps since the send. Either way the deltas sent plus what is left add up to all progress."""
+    import jax.numpy as jnp
+
+    from diloco.learners.session import outer_deltas
+
+    rng = np.random.default_rng(0)
+    start = rng.normal(size=(8, 300)).astype(np.float32)
+    base, local, error = {"w": jnp.asarray(start)}, jnp.asarray(start), {}
+    sent = np.zeros_like(start)
+    for _ in range(5):
+        local = local - jnp.asarray(rng.normal(size=start.shape).astype(np.float32) * 0.01)  # inner steps
+        sent += outer_deltas(base, {"w": local}, ["w"], {"w": scheme}, error)["w"]
+        left = np.asarray(base["w"]) - np.asarray(local) + error.get("w", 0.0)       # what is still to send
+        np.testing.assert_allclose(sent + left, start - np.asarray(local), atol=1e-4)
+    if scheme == "int8":
+        assert error == {} and np.abs(np.asarray(base["w"]) - np.asarray(local)).max() > 0
+    else:
+        np.testing.assert_array_equal(np.asarray(base["w"]), np.asarray(local))
+        assert np.abs(error["w"]).max() > 0.01 * np.abs(sent).max()

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import crc32c
 import numpy as np
 import pytest
 
-from diloco import messages
+from diloco import messages, quantize
 from diloco.config import build_config
 from diloco.messages import Assembled, ChunkAssembler
 from diloco.plan import Plan, Tensor
@@ -98,6 +99,30 @@ def test_a_checksum_mismatch_is_said_as_such():
     corrupt[-1] ^= 0xFF
     got = Intake(CFG, "run", PLAN).check(m, bytes(corrupt), members=MEMBERS, fragment=_fragment())
     assert got.reason == Reason.CHECKSUM
+
+
+@pytest.mark.parametrize("scheme", ["int2", "topk"])
+def test_the_codecs_below_4_bits_are_judged_as_strictly_as_int8(scheme):
+    """Honest int2 / topk deltas enter with the norm of what they decode to; a topk block whose indices
+    repeat (no encoder writes that, and it would add one value twice) is malformed, even re-signed."""
+    x = np.linspace(-1, 1, 300, dtype=np.float32)
+    plan = Plan((Tensor("v", (300,), "float32", 0, "rda"),), 1)
+    _, frames = messages.encode_contribution(run="run", learner="us-0", region="us", fragment=0, base_version=3,
+                                             tokens=100, steps=10, step_time=0.1, deltas={"v": x}, scheme=scheme,
+                                             chunk_bytes=1 << 20)
+    m = messages.Manifest.from_header(messages.parse_frame(frames[0])[0])
+    payload = b"".join(bytes(messages.parse_frame(f)[1]) for f in frames[1:])
+    intake = Intake(CFG, "run", plan)
+    frag = FragmentState(3, {"v": np.ones(300, np.float32)}, None)
+    got = intake.check(m, payload, members=MEMBERS, fragment=frag)
+    assert isinstance(got, fused.EncodedDelta)
+    assert got.norm == pytest.approx(np.linalg.norm(quantize.roundtrip(x, scheme)), rel=1e-6)
+    if scheme == "topk":
+        bad = bytearray(payload)
+        bad[4 * 2 + 1] = bad[4 * 2]                                   # block 0's first two indices equal
+        forged = dataclasses.replace(m, crc32c=crc32c.crc32c(bytes(bad)))
+        verdict = intake.check(forged, bytes(bad), members=MEMBERS, fragment=frag)
+        assert verdict.reason == Reason.MALFORMED and "strictly increasing" in verdict.detail
 
 
 def _pending(learner: str, base: int, arrival: float, norm: float = 1.0, cid: str | None = None) -> Pending:
