@@ -187,6 +187,73 @@ def seeds_markdown(results: list[dict]) -> str:
             f"{seeds[0]}'s)\n\n" + "\n".join(lines) + "\n")
 
 
+CODEC_COLUMNS = ["method", "up", "down", "seeds", "MB up", "MB down", "all traffic vs DP", "up only vs DP",
+                 "held-out loss, mean ± se", "gap to decoupled, paired ± se"]
+
+
+def _codecs(r: dict) -> tuple[str, str]:
+    codecs = r.get("codecs") or {}
+    return codecs.get("up", "–"), codecs.get("down", "–")
+
+
+def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
+
+
+def bytes_quality(results: list[dict], reference: str = "decoupled") -> list[dict]:
+    """Per DiLoCo method of the healthy scenario over seeds: bytes up and down, the all-traffic and
+    up-only ratios to data-parallel (each the mean of per-seed ratios), the final loss (mean and
+    standard error) and its gap to `reference` paired by seed (mean and standard error)."""
+    healthy = [r for r in results if r["scenario"] == "healthy" and r["bytes_sent"] is not None
+               and r["method"] not in ("dp", "ideal", "ideal-late")]
+    by_method: dict[str, dict[int, dict]] = {}
+    for r in healthy:
+        by_method.setdefault(r["method"], {})[r.get("seed", 0)] = r
+    ref = by_method.get(reference, {})
+    out = []
+    for method, seeds in by_method.items():
+        rs = list(seeds.values())
+        loss, loss_se = _mean_se([r["loss_end"] for r in rs])
+        paired = [metrics.gap_percent(seeds[s]["loss_end"], ref[s]["loss_end"]) for s in seeds if s in ref]
+        gap, gap_se = _mean_se(paired) if paired and method != reference else (None, None)
+        up, down = _codecs(rs[0])
+        out.append({"method": method, "up": up, "down": down, "seeds": len(rs),
+                    "mb_up": statistics.fmean(r["bytes_sent"] for r in rs) / 1e6,
+                    "mb_down": statistics.fmean(r.get("bytes_fetched", 0) for r in rs) / 1e6,
+                    "ratio": statistics.fmean(r["bytes_dp"] / across(r) for r in rs),
+                    "ratio_up": statistics.fmean(r["bytes_dp"] / r["bytes_sent"] for r in rs),
+                    "loss": loss, "loss_se": loss_se, "gap": gap, "gap_se": gap_se})
+    return sorted(out, key=lambda row: row["ratio"])
+
+
+def bytes_quality_markdown(table: list[dict], reference: str = "decoupled") -> str:
+    lines = [f"**Bytes against quality** (healthy; gaps paired by seed against `{reference}`)\n",
+             "| " + " | ".join(CODEC_COLUMNS) + " |", "|" + "---|" * len(CODEC_COLUMNS)]
+    for row in table:
+        gap = "–" if row["gap"] is None else f"{row['gap']:+.2f}% ± {_fmt(row['gap_se'], '.2f', '%')}"
+        lines.append("| " + " | ".join([
+            row["method"], row["up"], row["down"], str(row["seeds"]), f"{row['mb_up']:.2f}", f"{row['mb_down']:.2f}",
+            f"{row['ratio']:,.0f}x", f"{row['ratio_up']:,.0f}x",
+            f"{row['loss']:.4f} ± {_fmt(row['loss_se'], '.4f')}", gap]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_bytes_quality(table: list[dict], out: Path) -> list[str]:
+    """Final held-out loss (mean ± se over seeds) against the all-traffic ratio to data-parallel."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, row in enumerate(table):
+        se = row["loss_se"] if math.isfinite(row["loss_se"]) else 0.0
+        ax.errorbar(row["ratio"], row["loss"], yerr=se, marker="o", capsize=3, color=f"C{i % 10}",
+                    label=f"{row['method']} ({row['up']} up, {row['down']} down)")
+    ax.set(xscale="log", xlabel="all traffic: data-parallel bytes / bytes (higher is fewer bytes)",
+           ylabel="final held-out loss (nats), mean ± se")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "bytes_vs_loss.png", dpi=110)
+    plt.close(fig)
+    return ["bytes_vs_loss.png"]
+
+
 def write(results: list[dict], out: Path, header: str = "", groups: dict[str, list[str]] | None = None) -> Path:
     """bench.md and the plots. With several seeds the main table and the plots show the first seed and a
     second table the mean and spread over all of them."""
@@ -198,6 +265,10 @@ def write(results: list[dict], out: Path, header: str = "", groups: dict[str, li
     tables = [group_markdown(name, first, cases) for name, cases in (groups or {}).items() if ran & set(cases)]
     if len(seeds) > 1:
         tables.append(seeds_markdown(results))
+    table = bytes_quality(results)
+    if len(table) > 1:
+        tables.append(bytes_quality_markdown(table))
+        files += plot_bytes_quality(table, out)
     md = out / "bench.md"
     md.write_text(header + markdown(first) + "".join("\n" + t for t in tables) + "\nPlots: " + ", ".join(files) + "\n")
     return md

@@ -73,7 +73,8 @@ def run_diloco(cfg: Config, scenario: str, held: np.ndarray, points: int, consol
             "idle": 1 - compute / wall if wall else math.nan, "merge": metrics.merge_stats(events),
             "step_times": lt["step_s"], "phase_step_s": phase_step_s(cfg, events, lt),
             "outages_s": summary.get("outages_s", {}), "kills": summary.get("kills", {}),
-            "contributions": summary["contributions"], "time_s": curve["time_s"][-1]}
+            "contributions": summary["contributions"], "time_s": curve["time_s"][-1],
+            "codecs": {"up": cfg.fragments.quantization, "down": cfg.syncer.broadcast}}
 
 
 def phase_step_s(cfg: Config, events: list[dict], lt: dict) -> list[float]:

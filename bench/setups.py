@@ -83,6 +83,20 @@ METHODS: dict[str, dict] = {
                                                   "syncer": {"broadcast": "int4", "update_base": "previous"}}),
     # int8 deltas up, int4 updates down
     "decoupled-int4-down": _merge(DECOUPLED, {"syncer": {"broadcast": "int4"}}),
+    # below 4 bits, with error feedback (what a code leaves out goes with the next delta or update):
+    # int2 or topk (8 of every 256 values) up with int4 down, or both ways (each update from the
+    # version before: a code this coarse of everything since the snapshot would stay that coarse)
+    "decoupled-int2-up": _merge(DECOUPLED, {"fragments": {"quantization": "int2"}, "syncer": {"broadcast": "int4"}}),
+    "decoupled-topk-up": _merge(DECOUPLED, {"fragments": {"quantization": "topk"}, "syncer": {"broadcast": "int4"}}),
+    "decoupled-int2": _merge(DECOUPLED, {"fragments": {"quantization": "int2"},
+                                         "syncer": {"broadcast": "int2", "update_base": "previous"}}),
+    "decoupled-topk": _merge(DECOUPLED, {"fragments": {"quantization": "topk"},
+                                         "syncer": {"broadcast": "topk", "update_base": "previous"}}),
+    # int4 deltas up, and updates down below 4 bits
+    "decoupled-int2-down": _merge(DECOUPLED, {"fragments": {"quantization": "int4"},
+                                              "syncer": {"broadcast": "int2", "update_base": "previous"}}),
+    "decoupled-topk-down": _merge(DECOUPLED, {"fragments": {"quantization": "int4"},
+                                              "syncer": {"broadcast": "topk", "update_base": "previous"}}),
     # learners fetch a fragment only shortly before they sync it: fewer downloads, older globals
     "decoupled-before-sync": _merge(DECOUPLED, {"fragments": {"fetch": "before_sync"}}),
     # the round policy alone, the paper's comparison on mixed hardware: every learner waited for

@@ -444,3 +444,26 @@ def test_several_seeds_give_a_mean_and_spread_per_method_and_the_gap_to_sync(tmp
                               {"kind": "merge", "ids": ["a"], "seconds": 0.01, "time": 0.5}])
     merged = [{**r, "merge": {**ms, "round_size": 2.0 + r["seed"], "late_share": 0.25}} for r in results]
     assert "| 90.0% | 2.50 ± 0.71 | 25% ± 0% |" in report.write(merged, tmp_path / "m").read_text()
+
+
+def _coded_run(method: str, seed: int, loss: float, up: float, down: float, codecs=("int8", "int8")) -> dict:
+    return {"method": method, "scenario": "healthy", "seed": seed, "loss_end": loss, "bytes_sent": up,
+            "bytes_fetched": down, "bytes_dp": 1000.0, "codecs": {"up": codecs[0], "down": codecs[1]}}
+
+
+def test_the_bytes_quality_table_pairs_gaps_by_seed_and_ratios_count_both_ways(tmp_path):
+    results = [_coded_run("decoupled", 0, 2.0, 5.0, 5.0), _coded_run("decoupled", 1, 3.0, 5.0, 5.0),
+               _coded_run("decoupled-topk", 0, 2.02, 0.5, 0.5, ("topk", "topk")),
+               _coded_run("decoupled-topk", 1, 3.06, 0.5, 1.5, ("topk", "topk")),
+               {"method": "dp", "scenario": "healthy", "seed": 0, "loss_end": 1.9, "bytes_sent": 1000.0,
+                "bytes_fetched": 0, "bytes_dp": 1000.0}]
+    table = {row["method"]: row for row in report.bytes_quality(results)}
+    assert set(table) == {"decoupled", "decoupled-topk"}                      # data-parallel is the unit, not a row
+    topk = table["decoupled-topk"]
+    assert topk["ratio"] == pytest.approx((1000 / 1 + 1000 / 2) / 2) and topk["ratio_up"] == pytest.approx(2000)
+    assert topk["gap"] == pytest.approx((1.0 + 2.0) / 2) and topk["gap_se"] == pytest.approx(0.5)  # paired: +1%, +2%
+    assert table["decoupled"]["gap"] is None and (topk["up"], topk["down"]) == ("topk", "topk")
+    md = report.bytes_quality_markdown(report.bytes_quality(results))
+    assert "| decoupled-topk | topk | topk | 2 |" in md and "+1.50% ± 0.50%" in md
+    assert report.plot_bytes_quality(list(table.values()), tmp_path) == ["bytes_vs_loss.png"]
+    assert (tmp_path / "bytes_vs_loss.png").stat().st_size > 0

@@ -173,3 +173,27 @@ def test_bytes_fetched_and_tokens_add_up_over_a_learners_incarnations():
     assert prog.fetched == {("us-0", "one"): 320, ("us-0", "two"): 90}
     assert prog.learners["us-0"]["incarnation"] == "two"
     assert prog.tokens() == 210 + 150  # every incarnation's tokens (the summary's and run.token_budget's count)
+
+
+def test_a_run_on_the_codecs_below_4_bits_trains_and_accounts_for_every_contribution(tiny_config, tmp_path):
+    """topk deltas up (8 of every 256 values, error buffered on the learner) and int2 updates down (each
+    from the version before, the syncer's residual carried): the syncer accepts every one of them,
+    nothing is applied twice or lost, the run still learns, and learners send about a thirteenth of
+    what int8 deltas would take."""
+    cfg = tiny_config(regions=[{"name": "us", "learners": 1, "speed": 0.25}, {"name": "eu", "learners": 1, "speed": 0.25}],
+                      outer={"lr": 1.0, "momentum": 0.0}, syncer={"scale_partial_rounds": True, "broadcast": "int2"},
+                      fragments={"apply": "rebase", "quantization": "topk"})
+    assert cfg.syncer.updates_from == "previous"
+    summary = train(cfg, progress=False, console=Console(quiet=True))
+    assert summary["eval_loss_end"] < 0.95 * summary["eval_loss_start"]
+    c = summary["contributions"]
+    assert c["applied_twice"] == 0 and c["rejected"] == 0 and c["pending"] == 0
+    assert c["published"] == c["applied"] == c["accepted"] > 0
+    assert_exact_accounting(cfg, summary["run_id"])
+    store = FragmentStore(cfg.store.url, summary["run_id"])
+    newest = {int(p): int(v) for p, v in summary["versions"].items()}[0]
+    meta = store.read_meta(0, newest)
+    assert meta["update"]["scheme"] == "int2" and meta["update"]["from"] == newest - 1
+    # per contribution: topk's 20 bytes per 256 values against int8's ~256, plus frame headers
+    per_delta = summary["bytes_sent"] / c["published"]
+    assert per_delta < 0.2 * summary["params"] / cfg.fragments.count, (per_delta, summary["params"])
