@@ -37,7 +37,7 @@ for _size in SIZES.values():
     _size["preset"] = "paper"  # every setting a method relies on is named here or in METHODS
     _size["outer"] = {"lr": 1.0, "momentum": 0.0}
     _size["fragments"]["apply"] = "rebase"
-    _size["syncer"] = {"scale_partial_rounds": True}
+    _size["syncer"] = {"scale_partial_rounds": True, "broadcast": "int8"}  # `decoupled` is int8 both ways
 
 
 def _merge(base: dict, top: dict) -> dict:

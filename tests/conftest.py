@@ -113,7 +113,7 @@ TINY = {
     "data": {"max_corpus_bytes": 2_000_000},
     "inner": {"steps": 80, "batch_size": 8, "lr": 0.01, "warmup_steps": 5},
     "fragments": {"count": 4, "sync_every": 10, "quantization": "int8", "chunk_bytes": 4096},
-    "syncer": {"quorum": 2, "grace_max_s": 0.5},
+    "syncer": {"quorum": 2, "grace_max_s": 0.5, "broadcast": "int8"},  # int8 both ways, as they were written
     "run": {"heartbeat_s": 0.5, "eval_batches": 4, "eval_batch_size": 8, "timeout_s": 600},
 }
 

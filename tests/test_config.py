@@ -6,7 +6,7 @@ from diloco.config import ConfigError, build_config, load_config
 def test_defaults_and_the_demo_config_load(tmp_path):
     cfg = load_config("configs/local.yaml")
     assert cfg.num_learners == 4 and cfg.learner_ids() == ["us-0", "us-1", "eu-0", "eu-1"]
-    assert load_config(None).fragments.quantization == "int8"
+    assert (load_config(None).fragments.quantization, load_config(None).syncer.broadcast) == ("int4", "int4")
 
 
 def test_overrides_are_typed_and_reach_lists():
@@ -64,8 +64,8 @@ def test_the_defaults_are_the_recommended_settings_and_presets_name_the_others()
     from pathlib import Path
     demo = load_config(Path(__file__).resolve().parents[1] / "configs/local.yaml")
     cfg = build_config({})
-    keys = {"outer": ("lr", "momentum"), "fragments": ("apply", "one_delta_per_version"),
-            "syncer": ("merge", "scale_partial_rounds", "quorum_of_fresh", "staleness_discount")}
+    keys = {"outer": ("lr", "momentum"), "fragments": ("apply", "one_delta_per_version", "quantization"),
+            "syncer": ("merge", "scale_partial_rounds", "quorum_of_fresh", "staleness_discount", "broadcast")}
     for section, names in keys.items():
         for name in names:
             assert getattr(getattr(cfg, section), name) == getattr(getattr(demo, section), name), f"{section}.{name}"
