@@ -160,10 +160,10 @@ class FragmentsConfig(_Section):
     count: int = Field(4, ge=1)
     sync_every: int = Field(40, ge=1, description="H: inner steps between two syncs of one fragment")
     quantization: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field(
-        "int4", description="encoding of each delta a learner sends (int4: within 0.25% of int8 over ten seeds at "
-                            "half its bytes, docs/bench.md) (docs/wire-format.md); what it leaves out stays "
-                            "in the learner's parameters and goes with its next delta (error feedback), so int2 "
-                            "and topk (8 of every 256 values) lose nothing, they only send it later")
+        "int4", description="encoding of each delta a learner sends (docs/wire-format.md; int4: +0.25% from int8 "
+                            "over ten seeds at half its bytes, docs/bench.md); what it leaves out goes with its "
+                            "next delta (error feedback: for int2 and topk, 8 of every 256 values, from a buffer "
+                            "beside the parameters), so nothing is lost, some of it is sent later")
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=32 * 1024 * 1024)
     apply: Literal["rebase", "overwrite", "mix"] = Field(
         "rebase", description="a new global fragment: rebase = it plus the local steps not sent yet; "
@@ -197,7 +197,6 @@ class FragmentsConfig(_Section):
 
 
 class SyncerConfig(_Section):
-
     quorum: int = Field(2, ge=1, description="K: contributions needed before a round may close")
     quorum_of_fresh: bool = Field(True, description="only contributions trained from the fragment's current "
                                   "version count towards K and the grace window: a late one waits for the next "
@@ -248,13 +247,6 @@ class SyncerConfig(_Section):
                                 "whose code of everything since the snapshot would stay that coarse (topk: the "
                                 "global could differ from the snapshot in 3% of its values)")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
-
-    @property
-    def updates_from(self) -> Literal["snapshot", "previous"]:
-        """update_base with auto resolved for the broadcast code."""
-        if self.update_base != "auto":
-            return self.update_base
-        return "previous" if self.broadcast in ("int2", "topk") else "snapshot"
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")
     poll_ms: int = Field(100, ge=1)
@@ -262,6 +254,15 @@ class SyncerConfig(_Section):
     lease_ttl_s: float = Field(3.0, gt=0, description="a shard silent this long loses its fragments to the others")
     stuck_after_s: float = Field(300.0, gt=0, description="a shard whose main loop shows no progress this long stops "
                                  "renewing its leases (renewal runs on its own thread, so long merges keep them)")
+
+    @property
+    def updates_from(self) -> Literal["snapshot", "previous"]:
+        """update_base with auto resolved for the broadcast code."""
+        from diloco.quantize import BELOW_4_BITS  # numpy stays out of the config's import
+
+        if self.update_base != "auto":
+            return self.update_base
+        return "previous" if self.broadcast in BELOW_4_BITS else "snapshot"
 
 
 class TransportConfig(_Section):

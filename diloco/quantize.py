@@ -25,8 +25,10 @@ import numpy as np
 SCHEMES = ("fp32", "bf16", "int8", "int4", "int2", "topk")
 LEVELS = {"int8": 127, "int4": 7}  # the max-scaled row codes (int2 is RMS-scaled: its own path)
 TOPK_BLOCK, TOPK_KEEP = 256, 8     # topk keeps 8 of every 256 values (3.1%): 20 bytes per block
-# codes whose sender keeps what they left out beside its values, not in them (learners.session.outer_deltas)
-ERROR_BUFFERED = ("int2", "topk")
+# the codes below 4 bits: a learner keeps what they left out beside its values, not in them
+# (learners.session.outer_deltas), and the syncer encodes their updates from the version before
+# (SyncerConfig.updates_from)
+BELOW_4_BITS = ("int2", "topk")
 
 
 class CodecError(ValueError):
@@ -108,7 +110,7 @@ def _encode_int2(x: np.ndarray) -> bytes:
 def _encode_topk(x: np.ndarray) -> bytes:
     flat = x.reshape(-1)
     n = flat.size
-    blocks, _ = _topk_blocks(n)
+    blocks, kept = _topk_blocks(n)
     if blocks == 0:
         return b""
     padded = np.zeros(blocks * TOPK_BLOCK, np.float32)
@@ -124,14 +126,9 @@ def _encode_topk(x: np.ndarray) -> bytes:
     scale = np.where(np.isfinite(padded.reshape(blocks, TOPK_BLOCK)).all(axis=1), scale, np.nan).astype("<f4")
     with np.errstate(invalid="ignore"):
         codes = np.clip(np.nan_to_num(np.rint(values / scale[:, None])), -127, 127).astype(np.int8)
-    last = n - (blocks - 1) * TOPK_BLOCK            # a short last block keeps min(TOPK_KEEP, its length)
-    idx, val = order.astype(np.uint8), codes
-    if last < TOPK_KEEP:
-        idx = np.concatenate([idx[:-1].reshape(-1), np.arange(last, dtype=np.uint8)])
-        with np.errstate(invalid="ignore"):
-            tail = np.nan_to_num(np.rint(padded[-TOPK_BLOCK:][:last] / scale[-1])).clip(-127, 127).astype(np.int8)
-        val = np.concatenate([val[:-1].reshape(-1), tail])
-    return scale.tobytes() + idx.tobytes() + val.tobytes()
+    # a last block shorter than TOPK_KEEP keeps its values only: padding never outranks them (ties go to
+    # the lower index) and it sorts last, so cutting the flat selection at `kept` drops just the padding
+    return scale.tobytes() + order.astype(np.uint8).reshape(-1)[:kept].tobytes() + codes.reshape(-1)[:kept].tobytes()
 
 
 def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.ndarray:
@@ -171,15 +168,11 @@ def _decode_topk(buf, shape: tuple[int, ...]) -> np.ndarray:
     scale = np.frombuffer(buf, dtype="<f4", count=blocks)
     idx = np.frombuffer(buf, dtype=np.uint8, count=kept, offset=4 * blocks).astype(np.int64)
     codes = np.frombuffer(buf, dtype=np.int8, count=kept, offset=4 * blocks + kept)
-    block = np.minimum(np.arange(kept) // TOPK_KEEP, blocks - 1)
-    start = np.r_[0, np.flatnonzero(np.diff(block)) + 1]          # where each block's indices begin
-    step = np.diff(idx)
-    increasing = np.ones(kept, bool)
-    increasing[1:] = step > 0
-    increasing[start] = True
+    block = np.arange(kept) // TOPK_KEEP
+    repeated = (block[1:] == block[:-1]) & (idx[1:] <= idx[:-1])   # within a block, not increasing
     last = n - (blocks - 1) * TOPK_BLOCK
-    if not increasing.all() or (idx[block == blocks - 1] >= last).any():
-        bad = int(np.flatnonzero(~increasing)[0] // TOPK_KEEP) if not increasing.all() else blocks - 1
+    if repeated.any() or (idx[block == blocks - 1] >= last).any():
+        bad = int(block[1:][repeated][0]) if repeated.any() else blocks - 1
         raise CodecError(f"topk block {bad}: indices must be strictly increasing and inside the block "
                          f"(of {TOPK_BLOCK} values, {last} in the last)")
     out[block * TOPK_BLOCK + idx] = codes.astype(np.float32) * scale[block]

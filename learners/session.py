@@ -786,14 +786,14 @@ def outer_deltas(base: dict[str, Any], leaves: dict[str, Any], names: list[str],
     global value is slow to arrive, two contributions never carry the same progress twice; what
     quantization left out stays in the difference and travels with the next delta (error feedback).
 
-    For the codes below 4 bits (quantize.ERROR_BUFFERED), which leave out a third or more of a delta,
+    For the codes below 4 bits (quantize.BELOW_4_BITS), which leave out a third or more of a delta,
     what was left out waits in `error` (host arrays) instead, and `base[n]` moves to the local value:
     the learner then trains on from the merged global plus its own steps since the send, not from a
     point its residual keeps apart from the other learners'."""
     deltas = {}
     for n in names:
         delta = gather(base[n] - _float32(leaves[n]))
-        if error is not None and schemes[n] in quantize.ERROR_BUFFERED:
+        if error is not None and schemes[n] in quantize.BELOW_4_BITS:
             delta = delta + error[n] if n in error else delta
             deltas[n] = quantize.roundtrip(delta, schemes[n])
             error[n] = (delta - deltas[n]).astype(np.float32)
