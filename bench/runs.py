@@ -74,7 +74,13 @@ def run_diloco(cfg: Config, scenario: str, held: np.ndarray, points: int, consol
             "step_times": lt["step_s"], "phase_step_s": phase_step_s(cfg, events, lt),
             "outages_s": summary.get("outages_s", {}), "kills": summary.get("kills", {}),
             "contributions": summary["contributions"], "time_s": curve["time_s"][-1],
-            "codecs": {"up": cfg.fragments.quantization, "down": cfg.syncer.broadcast}}
+            "codecs": {"up": codec_name(cfg.fragments.quantization, cfg.fragments.packing),
+                       "down": codec_name(cfg.syncer.broadcast, cfg.syncer.broadcast_packing)}}
+
+
+def codec_name(scheme: str, packing: str) -> str:
+    """A direction's code as the bytes table names it: the scheme, and `+zstd` when packed."""
+    return scheme if packing == "none" else f"{scheme}+{packing}"
 
 
 def phase_step_s(cfg: Config, events: list[dict], lt: dict) -> list[float]:

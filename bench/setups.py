@@ -78,6 +78,9 @@ METHODS: dict[str, dict] = {
     "decoupled-bf16": _merge(DECOUPLED, {"fragments": {"quantization": "bf16"}}),
     # int4 both ways: deltas up and the syncer's updates down (quality held in healthy quick runs)
     "decoupled-int4": _merge(DECOUPLED, {"fragments": {"quantization": "int4"}, "syncer": {"broadcast": "int4"}}),
+    # int4 both ways with the codes as they are (no zstd packing): what packing saves, in the same run
+    "decoupled-int4-unpacked": _merge(DECOUPLED, {"fragments": {"quantization": "int4", "packing": "none"},
+                                                  "syncer": {"broadcast": "int4", "broadcast_packing": "none"}}),
     # int4 both ways, each update from the version before (finer codes, one download per version)
     "decoupled-int4-previous": _merge(DECOUPLED, {"fragments": {"quantization": "int4"},
                                                   "syncer": {"broadcast": "int4", "update_base": "previous"}}),

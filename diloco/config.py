@@ -164,6 +164,10 @@ class FragmentsConfig(_Section):
                             "over ten seeds at half its bytes, docs/bench.md); what it leaves out goes with its "
                             "next delta (error feedback: for int2 and topk, 8 of every 256 values, from a buffer "
                             "beside the parameters), so nothing is lost, some of it is sent later")
+    packing: Literal["none", "zstd"] = Field(
+        "zstd", description="the lossless stage over each delta's codes (diloco.packing): zstd takes about a sixth "
+                            "off int4 codes and changes no bit of what the syncer decodes; none = the codes as "
+                            "they are (docs/wire-format.md)")
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=32 * 1024 * 1024)
     apply: Literal["rebase", "overwrite", "mix"] = Field(
         "rebase", description="a new global fragment: rebase = it plus the local steps not sent yet; "
@@ -239,6 +243,9 @@ class SyncerConfig(_Section):
                                       "staleness being the versions its fragment gained since its base; 0 = off")
     broadcast: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field(
         "int4", description="encoding of each global update learners fetch (its error is carried to the next)")
+    broadcast_packing: Literal["none", "zstd"] = Field(
+        "zstd", description="the lossless stage over each stored update's codes, as fragments.packing for deltas: "
+                            "learners read fewer bytes and apply the same bits")
     update_base: Literal["auto", "snapshot", "previous"] = Field(
         "auto", description="what each update is encoded against: snapshot = the fragment's newest snapshot, so "
                                 "one update brings a learner to any later version (its values span the versions since "

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import crc32c as _crc32c
 import numpy as np
 
+from diloco import packing as packing_mod
 from diloco import quantize
 
 MAGIC = b"DLCO"
@@ -73,10 +74,18 @@ class Manifest:
     n_chunks: int
     crc32c: int              # CRC-32C (Castagnoli) of the whole payload, as Kafka and GCS use it
     created: float
+    packing: str = "none"    # the lossless stage over the tensors' codes (diloco.packing); total_bytes counts its output
+
+    @property
+    def codes_bytes(self) -> int:
+        """The bytes of the tensors' codes once unpacked."""
+        return sum(t.nbytes for t in self.tensors)
 
     def to_header(self) -> dict:
         d = asdict(self)
         d["tensors"] = [asdict(t) | {"shape": list(t.shape)} for t in self.tensors]
+        if d["packing"] == "none":  # the field is optional: an unpacked manifest reads as before packing existed
+            del d["packing"]
         return {"kind": "manifest", **d}
 
     @staticmethod
@@ -120,13 +129,15 @@ class Manifest:
             fragment=need("fragment", int), base_version=need("base_version", int), tokens=need("tokens", int),
             steps=need("steps", int), step_time=number("step_time"), tensors=tuple(tensors),
             total_bytes=need("total_bytes", int), n_chunks=need("n_chunks", int), crc32c=need("crc32c", int),
-            created=number("created"),
+            created=number("created"), packing=h.get("packing", "none"),
         )
+        if m.packing not in packing_mod.PACKINGS:
+            raise WireError(f"manifest packing must be one of {packing_mod.PACKINGS}, got {short(m.packing)}")
         if not 0 <= m.crc32c < 1 << 32:
             raise WireError(f"manifest crc32c must be a 32-bit unsigned integer, got {short(m.crc32c, 40)}")
         if m.n_chunks < 1 or m.total_bytes < 0:
             raise WireError(f"manifest n_chunks={short(m.n_chunks, 40)} total_bytes={short(m.total_bytes, 40)} are not possible")
-        if sum(t.nbytes for t in m.tensors) != m.total_bytes:
+        if m.packing == "none" and m.codes_bytes != m.total_bytes:
             raise WireError("manifest total_bytes is not the sum of its tensors' nbytes")
         return m
 
@@ -160,9 +171,10 @@ def parse_frame(raw: bytes) -> tuple[dict, memoryview]:
 def encode_contribution(
     *, run: str, learner: str, region: str, fragment: int, base_version: int, tokens: int, steps: int,
     step_time: float, deltas: Mapping[str, np.ndarray], scheme: str | Mapping[str, str], chunk_bytes: int,
+    packing: str = "none",
 ) -> tuple[Manifest, list[bytes]]:
-    """Quantize a fragment's deltas (one scheme, or one per tensor) and cut them into a manifest
-    frame plus chunk frames."""
+    """Quantize a fragment's deltas (one scheme, or one per tensor), pack the codes (`packing`) and
+    cut them into a manifest frame plus chunk frames."""
     blobs, specs = [], []
     for name in sorted(deltas):
         x = np.asarray(deltas[name], dtype=np.float32)
@@ -170,12 +182,13 @@ def encode_contribution(
         blob = quantize.encode(x, codec)
         blobs.append(blob)
         specs.append(TensorSpec(name, tuple(x.shape), codec, len(blob)))
-    payload = b"".join(blobs)
+    packing, payload = packing_mod.pack_smaller(b"".join(blobs), packing)
     n_chunks = max(1, math.ceil(len(payload) / chunk_bytes))
     manifest = Manifest(
         id=uuid.uuid4().hex, run=run, learner=learner, region=region, fragment=fragment,
         base_version=base_version, tokens=tokens, steps=steps, step_time=step_time, tensors=tuple(specs),
         total_bytes=len(payload), n_chunks=n_chunks, crc32c=checksum(payload), created=time.time(),
+        packing=packing,
     )
     frames = [frame(manifest.to_header())]
     for i in range(n_chunks):
@@ -199,14 +212,29 @@ def verify_payload(manifest: Manifest, payload: bytes) -> None:
         raise WireError("checksum mismatch: payload CRC-32C differs from the manifest")
 
 
-def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
-    verify_payload(manifest, payload)
-    out, pos = {}, 0
+def codes_of(manifest: Manifest, payload: bytes | memoryview) -> bytes | memoryview:
+    """The tensors' codes of a payload of the manifest's size: checked to fit their shapes and
+    schemes, then unpacked. Raises WireError; the CRC is verify_payload's (this does not read it)."""
+    if len(payload) != manifest.total_bytes:
+        raise WireError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
     for t in manifest.tensors:
         if t.nbytes != quantize.encoded_nbytes(t.shape, t.scheme):
             raise WireError(f"tensor {t.name}: nbytes {t.nbytes} does not fit {t.scheme} {t.shape}")
+    if manifest.packing == "none":
+        return payload
+    try:
+        return packing_mod.unpack(payload, manifest.packing, manifest.codes_bytes)
+    except packing_mod.PackingError as err:
+        raise WireError(f"payload packing: {err}") from None
+
+
+def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
+    verify_payload(manifest, payload)
+    codes = memoryview(codes_of(manifest, payload))
+    out, pos = {}, 0
+    for t in manifest.tensors:
         try:
-            out[t.name] = quantize.decode(memoryview(payload)[pos:pos + t.nbytes], t.shape, t.scheme)
+            out[t.name] = quantize.decode(codes[pos:pos + t.nbytes], t.shape, t.scheme)
         except quantize.CodecError as err:
             raise WireError(f"tensor {t.name}: {err}") from None
         pos += t.nbytes

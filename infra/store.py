@@ -60,7 +60,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from diloco import quantize
+from diloco import packing, quantize
 from diloco.config import redact_url
 from diloco.plan import Plan, PlanError, Region
 
@@ -111,6 +111,16 @@ def update_base(meta: dict) -> int:
     updates from version - 1 say so too)."""
     info = meta.get("update") or {}
     return info["from"] if isinstance(info.get("from"), int) else meta["version"] - 1
+
+
+def stored_update_bytes(meta: dict, shapes: dict[str, tuple[int, ...]]) -> int:
+    """The bytes a reader of a version's update reads: its packed tensors as stored (the codes
+    themselves in stores written before packing)."""
+    info = meta["update"]
+    stored = info.get("stored")
+    if isinstance(stored, dict) and all(isinstance(stored.get(n), int) for n in info["tensors"]):
+        return sum(stored[n] for n in info["tensors"])
+    return sum(quantize.encoded_nbytes(tuple(shapes[n]), info["scheme"]) for n in info["tensors"])
 
 
 def marker_version(raw: bytes) -> int:
@@ -192,11 +202,11 @@ class FragmentStore:
 
     def write(self, fragment: int, version: int, params: dict[str, np.ndarray], opt: dict[str, np.ndarray],
               meta: dict, *, epoch: int = 0, residual: dict[str, np.ndarray] | None = None,
-              update: dict[str, bytes] | None = None, update_scheme: str = "", snapshot_at: int | None = None,
-              update_from: int | None = None) -> None:
+              update: dict[str, bytes] | None = None, update_scheme: str = "", update_packing: str = "none",
+              snapshot_at: int | None = None, update_from: int | None = None) -> None:
         """Write one version; meta.json goes last so readers never see a half-written version.
-        `update` (encoded with `update_scheme`) takes version `update_from` (default version - 1) to
-        this one. With `snapshot_at` (an earlier snapshot version) only the update is written: the
+        `update` (encoded with `update_scheme`, each tensor's codes stored packed with `update_packing`)
+        takes version `update_from` (default version - 1) to this one. With `snapshot_at` (an earlier snapshot version) only the update is written: the
         version is not a snapshot."""
         data = f"e{epoch:06d}/"
         d = self._dir(fragment, version) + data
@@ -206,7 +216,8 @@ class FragmentStore:
             if not update:
                 raise StoreError(f"fragment {fragment} v{version}: a version that is not a snapshot needs its update")
             params, opt, residual = {}, {}, {}
-        futures = [self._kv.write(f"{d}update/{_safe(n)}", blob) for n, blob in (update or {}).items()]
+        packed = {n: packing.pack_smaller(blob, update_packing) for n, blob in (update or {}).items()}
+        futures = [self._kv.write(f"{d}update/{_safe(n)}", blob) for n, (_, blob) in packed.items()]
         # Every array opened at once, then every write issued, so no round trip waits on another. The
         # epoch folder is this writer's own; a retry of the same version in it finds arrays of the same
         # names and shapes (one chunk each) and overwrites them whole, so no delete is needed first.
@@ -229,7 +240,9 @@ class FragmentStore:
             base = version - 1 if update_from is None else update_from
             if not 0 <= base < version:
                 raise StoreError(f"fragment {fragment} v{version}: an update from v{base} cannot lead to it")
-            body["update"] = {"from": base, "scheme": update_scheme, "tensors": sorted(update)}
+            body["update"] = {"from": base, "scheme": update_scheme, "tensors": sorted(update),
+                              "packing": {n: how for n, (how, _) in sorted(packed.items())},
+                              "stored": {n: len(b) for n, (_, b) in sorted(packed.items())}}
         self._commit_meta(fragment, version, epoch, json.dumps(body, sort_keys=True).encode())
 
     @staticmethod
@@ -284,8 +297,8 @@ class FragmentStore:
             fv = self.read(fragment, version, with_opt=False)
             return fv.params, sum(a.nbytes for a in fv.params.values())
         params, nbytes = self.read_params(fragment, update_base(meta))
-        scheme, update = self.read_update(fragment, version, meta)
-        return quantize.apply_update(params, update, scheme), nbytes + sum(len(b) for b in update.values())
+        scheme, update, read = self.read_update(fragment, version, meta)
+        return quantize.apply_update(params, update, scheme), nbytes + read
 
     def read_blocks(self, fragment: int, version: int, blocks: dict[str, list[Region]]
                     ) -> dict[str, dict[Region, np.ndarray]]:
@@ -294,7 +307,7 @@ class FragmentStore:
         meta = self.read_meta(fragment, version)
         if not is_snapshot(meta):
             out = self.read_blocks(fragment, update_base(meta), blocks)
-            scheme, update = self.read_update(fragment, version, meta)
+            scheme, update, _ = self.read_update(fragment, version, meta)
             for n, rs in out.items():
                 dtype = next(iter(rs.values())).dtype
                 step = quantize.decode(update[n], self._shape_of(n), scheme)
@@ -323,21 +336,28 @@ class FragmentStore:
             raise StoreError(f"{self.url}: tensor {name!r} is not in the run's plan")
         return self._plan.by_name[name].shape
 
-    def read_update(self, fragment: int, version: int, meta: dict | None = None) -> tuple[str, dict[str, bytes]]:
-        """(scheme, encoded tensors) of the update that takes its base (`update_base(meta)`) to `version`."""
+    def read_update(self, fragment: int, version: int, meta: dict | None = None) -> tuple[str, dict[str, bytes], int]:
+        """(scheme, encoded tensors, bytes read) of the update that takes its base (`update_base(meta)`)
+        to `version`: the codes unpacked, each checked to have its tensor's size."""
         meta = meta or self.read_meta(fragment, version)
         info = meta.get("update")
         if not info or not isinstance(info.get("from"), int) or not 0 <= info["from"] < version:
             raise StoreError(f"{self.url}: fragment {fragment} v{version} has no update")
         d = self.data_dir(fragment, version, meta) + "update/"
+        how = info.get("packing") or {}  # per tensor; stores written before packing hold the codes as they are
         reads = {n: self._kv.read(d + n) for n in info["tensors"]}
-        out = {}
+        out, nbytes = {}, 0
         for n, f in reads.items():
             r = f.result()
             if r.state != "value":
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} update/{n} is missing")
-            out[n] = bytes(r.value)
-        return info["scheme"], out
+            nbytes += len(r.value)
+            try:
+                out[n] = packing.unpack(r.value, how.get(n, "none"),
+                                        quantize.encoded_nbytes(self._shape_of(n), info["scheme"]))
+            except (packing.PackingError, quantize.CodecError) as err:
+                raise StoreError(f"{self.url}: fragment {fragment} v{version} update/{n}: {err}") from None
+        return info["scheme"], out, nbytes
 
     def write_plan(self, plan: Plan) -> None:
         """Store the run's plan (once, at provisioning; a rewrite must say the same)."""

@@ -49,7 +49,7 @@ from diloco import messages, metrics, quantize
 from diloco.config import Config, ConfigError, load_config
 from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore, StoreError, array_digest, is_snapshot, update_base
+from diloco.infra.store import FragmentStore, StoreError, array_digest, is_snapshot, stored_update_bytes, update_base
 from diloco.plan import (Plan, Region, check_tree, flatten, gather, is_whole, place, place_blocks, regions, whole,
                          with_leaves)
 
@@ -103,7 +103,7 @@ class Publisher(threading.Thread):
             run=self.run_id, learner=self.learner, region=self.region, fragment=fragment, base_version=base_version,
             tokens=tokens, steps=steps, step_time=step_time, deltas=deltas,
             scheme=schemes or self.cfg.fragments.quantization,
-            chunk_bytes=self.cfg.fragments.chunk_bytes)
+            chunk_bytes=self.cfg.fragments.chunk_bytes, packing=self.cfg.fragments.packing)
         topic = self.topics.fragments[self.region]
         part = self.topics.partition_of(fragment)
         key = str(fragment).encode()
@@ -333,8 +333,7 @@ class Fetcher(threading.Thread):
             u = update_base(meta)
 
         def link_bytes(meta: dict) -> int:
-            scheme = meta["update"].get("scheme", self.cfg.syncer.broadcast)
-            return sum(quantize.encoded_nbytes(self.plan.shapes[n], scheme) for n in names)
+            return stored_update_bytes(meta, self.plan.shapes)
 
         # choices: start from what is held (every link's update), or read chain[i] whole (a snapshot)
         # and apply the links after it
@@ -353,9 +352,9 @@ class Fetcher(threading.Thread):
             params, nbytes = self.store.read_params(p, chain[start][0], chain[start][1])
             self._reached(p, chain[start][0], chain[start][1], params)
         for version, meta in reversed(chain[:start]):
-            scheme, update = self.store.read_update(p, version, meta)
+            scheme, update, read = self.store.read_update(p, version, meta)
             params = quantize.apply_update(params, update, scheme)
-            nbytes += sum(len(b) for b in update.values())
+            nbytes += read
             self._reached(p, version, meta, params)
         return params, nbytes
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diloco import quantize
+from diloco import messages, quantize
 from diloco.messages import Manifest, WireError
 from diloco.syncer import kernels
 from diloco.syncer.merge import _CANCELLED, learner_share
@@ -68,12 +68,8 @@ class EncodedDelta:
 
 def views(manifest: Manifest, payload: bytes) -> dict[str, Encoded]:
     """The payload's tensors as `Encoded` views (no copy); raises WireError if a size does not fit."""
-    out, pos, buf = {}, 0, memoryview(payload)
-    if len(payload) != manifest.total_bytes:
-        raise WireError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
+    out, pos, buf = {}, 0, memoryview(messages.codes_of(manifest, payload))
     for t in manifest.tensors:
-        if t.nbytes != quantize.encoded_nbytes(t.shape, t.scheme):
-            raise WireError(f"tensor {t.name}: nbytes {t.nbytes} does not fit {t.scheme} {t.shape}")
         out[t.name] = Encoded(t.scheme, tuple(t.shape), buf[pos:pos + t.nbytes])
         pos += t.nbytes
     return out

@@ -685,7 +685,8 @@ class Syncer:
         try:
             self.store.write(p, version, closed.params, merge_math.flatten_state(closed.opt_state), record,
                              epoch=self.epochs[p], residual=closed.residual, update=closed.update,
-                             update_scheme=sc.broadcast, snapshot_at=snapshot, update_from=st.update_from())
+                             update_scheme=sc.broadcast, update_packing=sc.broadcast_packing, snapshot_at=snapshot,
+                             update_from=st.update_from())
         except StoreFenced as err:
             raise Fenced(p, str(err)) from None
         crash_point("store_written")

@@ -14,6 +14,7 @@ import uuid
 
 import crc32c
 import numpy as np
+import zstandard
 
 MAGIC, VERSION = b"DLCO", 2
 PREFIX = struct.Struct("<4sHI")       # magic, wire version, header length H
@@ -137,11 +138,15 @@ def decode(buf: bytes, shape, scheme: str) -> np.ndarray:
 
 
 def contribution(*, run: str, learner: str, fragment: int, base_version: int, tokens: int, steps: int,
-                 step_time: float, tensors: dict[str, tuple[np.ndarray, str]], chunk_bytes: int) -> tuple[dict, list[bytes]]:
-    """The manifest header and every frame (manifest first) of one contribution, tensors in name order."""
+                 step_time: float, tensors: dict[str, tuple[np.ndarray, str]], chunk_bytes: int,
+                 packing: str = "none") -> tuple[dict, list[bytes]]:
+    """The manifest header and every frame (manifest first) of one contribution, tensors in name order;
+    with packing "zstd" the payload is one zstd frame of the codes (a level of this codec's own choosing)."""
     names = sorted(tensors)
     blobs = [encode(*tensors[n]) for n in names]
     payload = b"".join(blobs)
+    if packing == "zstd":
+        payload = zstandard.ZstdCompressor(level=19).compress(payload)
     n_chunks = max(1, -(-len(payload) // chunk_bytes))
     cid = uuid.uuid4().hex
     manifest = {
@@ -151,6 +156,8 @@ def contribution(*, run: str, learner: str, fragment: int, base_version: int, to
                     for n, b in zip(names, blobs)],
         "total_bytes": len(payload), "n_chunks": n_chunks, "crc32c": crc32c.crc32c(payload), "created": time.time(),
     }
+    if packing != "none":
+        manifest["packing"] = packing
     chunks = [frame({"kind": "chunk", "id": cid, "index": i, "count": n_chunks},
                     payload[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n_chunks)]
     return manifest, [frame(manifest), *chunks]
@@ -178,6 +185,10 @@ def assemble(values) -> dict[str, tuple[dict, bytes]]:
 
 def tensors_of(manifest: dict, payload: bytes) -> dict[str, np.ndarray]:
     out, pos = {}, 0
+    if manifest.get("packing", "none") == "zstd":
+        size = sum(t["nbytes"] for t in manifest["tensors"])
+        assert zstandard.frame_content_size(payload) == size, "the frame must state the codes' size"
+        payload = zstandard.ZstdDecompressor().decompress(payload, allow_extra_data=False)
     for t in manifest["tensors"]:
         assert t["nbytes"] == nbytes(t["shape"], t["scheme"]), t
         out[t["name"]] = decode(payload[pos:pos + t["nbytes"]], tuple(t["shape"]), t["scheme"])

@@ -101,6 +101,57 @@ def test_topk_blocks_the_spec_refuses_are_refused_by_the_project_reader():
             quantize.decode(bytes(bad), x.shape, "topk")
 
 
+def test_packed_payloads_cross_between_the_codecs_and_decode_to_the_same_codes():
+    rng = np.random.default_rng(2)
+    tensors = {"w": (rng.laplace(size=(64, 96)).astype(np.float32), "int4"),
+               "b": (rng.normal(size=(96,)).astype(np.float32), "int8")}
+    kw = dict(run="r1", learner="us-0", fragment=0, base_version=0, tokens=64, steps=2, step_time=0.1)
+    header, frames = spec.contribution(**kw, tensors=tensors, chunk_bytes=1024, packing="zstd")
+    (_, packed), = spec.assemble(frames).values()
+    m = messages.Manifest.from_header(messages.parse_frame(frames[0])[0])
+    assert m.packing == "zstd" and m.total_bytes == len(packed) < 0.9 * m.codes_bytes  # Laplace int4 packs well
+    ours = messages.decode_payload(m, packed)  # the spec's level-19 frame, read by the project
+    m2, frames2 = messages.encode_contribution(**kw, region="us", deltas={n: x for n, (x, _) in tensors.items()},
+                                               scheme={n: s for n, (_, s) in tensors.items()}, chunk_bytes=1024,
+                                               packing="zstd")
+    (header2, packed2), = spec.assemble(frames2).values()
+    assert header2["packing"] == "zstd" and len(packed2) == m2.total_bytes
+    for name, x in spec.tensors_of(header2, packed2).items():  # the project's level-1 frame, read by the spec
+        np.testing.assert_array_equal(x, ours[name])
+        np.testing.assert_array_equal(x, quantize.decode(quantize.encode(tensors[name][0], tensors[name][1]),
+                                                         x.shape, tensors[name][1]))
+
+
+def _packed_manifest(payload: bytes, codes: bytes) -> messages.Manifest:
+    return messages.Manifest(id="x", run="r", learner="us-0", region="us", fragment=0, base_version=0, tokens=1,
+                             steps=1, step_time=0.0, tensors=(messages.TensorSpec("v", (len(codes) // 4,), "fp32",
+                                                                                   len(codes)),),
+                             total_bytes=len(payload), n_chunks=1, crc32c=crc32c.crc32c(payload), created=0.0,
+                             packing="zstd")
+
+
+def test_a_packed_payload_must_state_exactly_the_codes_size_and_hold_nothing_more():
+    import zstandard
+
+    codes = np.arange(1000, dtype=np.float32).tobytes()
+    good = zstandard.ZstdCompressor().compress(codes)
+    assert messages.decode_payload(_packed_manifest(good, codes), good)["v"][999] == 999.0
+    bomb = zstandard.ZstdCompressor().compress(bytes(1 << 24))  # 16 MiB of zeros in a few hundred bytes
+    bad = {
+        "unstated": zstandard.ZstdCompressor(write_content_size=False).compress(codes),
+        "larger": bomb, "smaller": zstandard.ZstdCompressor().compress(codes[:-4]),
+        "trailing": good + b"\0", "truncated": good[:-2], "not zstd": b"DLCO" + codes[:100],
+    }
+    for what, payload in bad.items():
+        with pytest.raises(messages.WireError, match="packing") as err:
+            messages.decode_payload(_packed_manifest(payload, codes), payload)
+        assert len(str(err.value)) < 400, what
+    # an unknown packing is refused where the manifest is read
+    header = dict(_packed_manifest(good, codes).to_header(), packing="brotli")
+    with pytest.raises(messages.WireError, match="packing must be one of"):
+        messages.Manifest.from_header(header)
+
+
 def test_the_project_reader_keeps_the_specs_edge_rules():
     # an empty payload travels as one empty chunk: the one empty chunk the spec allows
     manifest, frames = spec.contribution(run="r1", learner="us-0", fragment=0, base_version=0, tokens=1, steps=1,

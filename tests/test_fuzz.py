@@ -177,6 +177,26 @@ def test_a_valid_contribution_round_trips_exactly_in_any_order(sent, data):
             np.testing.assert_array_equal(decoded[n], x)
 
 
+@given(contributions(), st.integers(16, 4096), st.data())
+def test_a_packed_contribution_decodes_to_what_its_unpacked_twin_does(sent, chunk_bytes, data):
+    m = sent.manifest
+    manifest, frames = messages.encode_contribution(
+        run=m.run, learner=m.learner, region=m.region, fragment=m.fragment, base_version=m.base_version,
+        tokens=m.tokens, steps=m.steps, step_time=m.step_time, deltas=sent.deltas, scheme=sent.codecs,
+        chunk_bytes=chunk_bytes, packing="zstd")
+    assert manifest.codes_bytes == len(sent.payload)
+    # packed where the frame is smaller than the codes (tiny or random ones travel as they are)
+    assert (manifest.total_bytes < manifest.codes_bytes) if manifest.packing == "zstd" else (
+        manifest.packing == "none" and manifest.total_bytes == manifest.codes_bytes)
+    assert messages.Manifest.from_header(messages.parse_frame(frames[0])[0]) == manifest
+    got = assemble(frames, data.draw(st.permutations(range(len(frames)))))
+    assert isinstance(got, tuple), got
+    assembled, decoded = got
+    assert len(assembled.payload) == manifest.total_bytes and list(decoded) == sorted(sent.deltas)
+    for n, x in sent.deltas.items():
+        np.testing.assert_array_equal(decoded[n], quantize.roundtrip(x, sent.codecs[n]))
+
+
 @pytest.mark.parametrize("scheme", quantize.SCHEMES)
 def test_empty_tensors_round_trip_in_every_codec(scheme):
     """Found by the fuzz: int8 / int4 could not encode a row of no values (a max of nothing), nor

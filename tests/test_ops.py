@@ -399,6 +399,37 @@ def test_a_lost_snapshot_chunk_is_an_error_wherever_it_is_read_never_zeros(tmp_p
     fails_clearly(["ckpt", "show", store.url, "--fragment", 0, "--version", 1], "missing")
 
 
+def test_a_packed_update_is_stored_smaller_read_bit_for_bit_and_refused_when_damaged(tmp_path):
+    """syncer.broadcast_packing=zstd stores each tensor's update codes as one zstd frame: the meta
+    names the packing and the stored bytes, a reader gets the very codes back (and counts what it
+    read), and a damaged frame is an error naming the tensor, never other values."""
+    from diloco import quantize
+    from diloco.infra.store import StoreError, stored_update_bytes
+
+    rng = np.random.default_rng(1)
+    v0 = {"w": rng.normal(size=(64, 96)).astype(np.float32), "b": np.zeros(3, np.float32)}
+    store = FragmentStore(f"file://{tmp_path}/store", "packrun")
+    store.write_plan(make_plan(v0, fragments=1))
+    store.write(0, 0, v0, {}, {})
+    new = {n: a + 0.01 * rng.laplace(size=a.shape).astype(np.float32) for n, a in v0.items()}
+    update, held, _ = quantize.encode_update(v0, new, {}, "int4")
+    store.write(0, 1, held, {}, {"tokens": 10}, update=update, update_scheme="int4", update_packing="zstd",
+                snapshot_at=0)
+    info = store.read_meta(0, 1)["update"]
+    # w's codes pack; b's 14 bytes would grow in a frame, so they are stored as they are
+    assert info["packing"] == {"w": "zstd", "b": "none"} and info["stored"]["b"] == len(update["b"])
+    scheme, codes, read = store.read_update(0, 1)
+    assert scheme == "int4" and codes == update
+    assert read == sum(info["stored"].values()) == stored_update_bytes(store.read_meta(0, 1), store.read_plan().shapes)
+    assert read < sum(len(b) for b in update.values())
+    params, nbytes = store.read_params(0, 1)
+    assert all(np.array_equal(params[n], held[n]) for n in held) and nbytes == sum(a.nbytes for a in v0.values()) + read
+    [blob] = (tmp_path / "store" / "packrun" / "fragments" / "000" / "v00000001").glob("*/update/w")
+    blob.write_bytes(blob.read_bytes()[:-3])                  # a frame cut short
+    with pytest.raises(StoreError, match="update/w: zstd frame does not decode"):
+        store.read_update(0, 1)
+
+
 def test_ckpt_show_in_a_pipe_prints_whole_values(tmp_path):
     """In a pipe (no terminal) rich cut every column to fit 80 characters ("128x5…", "floa…")."""
     params = {"encoder.layers.0.attention.query_key_value.kernel_with_a_long_name": np.ones((128, 512), np.float32),

@@ -10,6 +10,7 @@ from helpers import Harness
 
 from diloco import messages, quantize
 from diloco.infra import kafka as kafka_io
+from diloco.infra.store import stored_update_bytes
 from diloco.learners.session import Counters, Fetcher
 from diloco.syncer import merge as merge_math
 
@@ -46,9 +47,11 @@ def test_quorum_merge_matches_rda_and_nesterov_by_hand(harness):
         np.testing.assert_allclose(got.params[n], expect[n], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(h.syncer.fragments[0].residual[n], residual[n], atol=1e-7)
     # learners holding v0 fetch the encoded update and hold v1 bit for bit
-    scheme, update = h.store.read_update(0, 1)
-    assert scheme == h.cfg.syncer.broadcast == "int8"
-    assert {n: len(b) for n, b in update.items()} == {n: len(b) for n, b in wire.items()}
+    scheme, update, read = h.store.read_update(0, 1)
+    assert scheme == h.cfg.syncer.broadcast == "int8" and update == wire  # the codes, unpacked
+    info = h.store.read_meta(0, 1)["update"]
+    assert h.cfg.syncer.broadcast_packing == "zstd" and "zstd" in info["packing"].values()
+    assert read == sum(info["stored"].values()) < sum(len(b) for b in wire.values())  # zstd took some off
     for n, held in quantize.apply_update(v0.params, update, scheme).items():
         np.testing.assert_array_equal(held, got.params[n])
     assert got.meta["ids"] == [b.id, a.id] and got.meta["tokens"] == 1700 and got.meta["share"] == 0.5  # by learner
@@ -113,8 +116,9 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
     stored = h.store.read(0, 3)                                    # however many versions came between
     for n, a in stored.params.items():
         np.testing.assert_array_equal(v3[n], a)
-    per_update = sum(quantize.encoded_nbytes(a.shape, "int8") for a in v0.values())
-    assert update_bytes == per_update and per_update < 0.3 * whole_bytes  # ~1 byte per parameter, not 4
+    per_update = stored_update_bytes(h.store.read_meta(0, 3), h.run_plan.shapes)  # as stored: packed
+    codes = sum(quantize.encoded_nbytes(a.shape, "int8") for a in v0.values())
+    assert update_bytes == per_update < codes < 0.3 * whole_bytes  # under 1 byte per parameter, not 4
     assert h.store.read_meta(0, 3)["update"]["from"] == 0
     # v3 is not a snapshot (store.snapshot_every 8): the store holds its update only, yet a restart
     # rebuilds the exact state, the quantization error not published yet included, by replaying the
@@ -154,7 +158,8 @@ def test_a_learner_crosses_snapshots_by_their_updates_and_reaches_every_version_
     (snapshots) and v5, v4 becomes its base, and from there v7 costs the updates of v6 and v7. With
     update_base=previous every version's update is from the one before (one per version). Every
     version read equals the stored one bit for bit, and a rebuild replays against the right base."""
-    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "norm_outlier_factor": 0, "update_base": update_base},
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0, "norm_outlier_factor": 0, "update_base": update_base,
+                              "broadcast_packing": "none"},  # every link the same bytes, so links are counted
                       store={"url": f"file://{tmp_path}/snapshots", "snapshot_every": 2})
     h = Harness(cfg, f"snap-{time.time_ns() % 10**8}")
     try:
