@@ -335,8 +335,8 @@ class StoreConfig(_Section):
 
 class JoinConfig(_Section):
     """Learners the local runner adds by itself once the run has trained a share of its token budget."""
-    at_tokens_fraction: float = Field(gt=0, lt=1, description="share of run.token_budget the learners' heartbeats "
-                                      "add up to when these learners are added")
+    at_tokens_fraction: float = Field(gt=0, lt=1, description="share of run.token_budget merged into the global "
+                                      "model when these learners are added")
     region: str = Field(pattern=_ID)
     count: int = Field(1, ge=1, description="learners added to the region (the next free ids <region>-<k>)")
 
@@ -355,9 +355,11 @@ class RunConfig(_Section):
     spares: int = Field(0, ge=0, description="warm spare learner processes the local runner keeps (interpreter, JAX, "
                         "model and compiled step loaded): a learner that dies is replaced by one at once, no restart "
                         "delay, and a new spare starts behind it; 0 = restart the learner itself after the delay")
-    token_budget: int | None = Field(None, ge=1, description="tokens the whole run trains: once the learners' "
-                                     "heartbeats add up to it, the local runner asks every learner to stop (SIGTERM: "
-                                     "it hands in its last deltas and says left); a learner still stops at its "
+    token_budget: int | None = Field(None, ge=1, description="tokens the whole run trains into the global model: "
+                                     "once the merges the syncer stored hold that many (each token counted once, "
+                                     "not once per fragment; the learners' own claims do not count), the local "
+                                     "runner asks every learner to stop (SIGTERM: it hands in its last deltas and "
+                                     "says left, so up to a sync period more is merged); a learner still stops at its "
                                      "inner.steps if that comes first. None = off: every learner trains inner.steps, "
                                      "so learners that join add tokens")
     joins: tuple[JoinConfig, ...] = Field((), description="learners the local runner adds when the run has trained "

@@ -4,6 +4,7 @@ events topic, stop cleanly, evaluate, and summarise.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ from diloco.checkpoint import read_global
 from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
-from diloco.infra.store import FragmentStore
+from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import Corpus, corpus_for
 from diloco.messages import WireError
 from diloco.plan import Plan, flatten, unflatten
@@ -77,6 +78,18 @@ def check_event_fields(ev: dict) -> None:
             raise ValueError("merge event without integer fragment and version and a list of ids")
 
 
+def check_heartbeat_claims(cfg: Config, ev: dict) -> None:
+    """ValueError unless a (typed) heartbeat's step is within its learner's schedule (what a restart or
+    a spare resumes from: a forged step far ahead would have it train nothing) and its tokens within
+    what that many steps can hold at syncer.max_tokens_per_step."""
+    lid, step, tokens = ev["learner"], ev.get("step", 0), ev.get("tokens", 0)
+    if step > cfg.learner_steps(lid):
+        raise ValueError(f"heartbeat of {lid} at step {step}: its schedule ends at {cfg.learner_steps(lid)}")
+    if tokens > max(step, 1) * cfg.syncer.max_tokens_per_step:
+        raise ValueError(f"heartbeat of {lid} claims {tokens} tokens in {step} steps (syncer.max_tokens_per_step="
+                         f"{cfg.syncer.max_tokens_per_step})")
+
+
 @dataclass
 class Progress:
     """What the events topic has told us so far."""
@@ -91,6 +104,7 @@ class Progress:
     eids: set[str] = field(default_factory=set)
     fetched: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
     fetched_by_fragment: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)  # the same, per fragment
+    merged: dict[tuple[int, int], int] = field(default_factory=dict)  # (fragment, version) -> tokens, as stored
     trained: dict[tuple[str, str], int] = field(default_factory=dict)  # tokens per (learner, incarnation)
     membership: list[dict] = field(default_factory=list)  # learner_admitted, _left, _finished, ... events
 
@@ -98,6 +112,12 @@ class Progress:
         """Tokens all learners trained: each incarnation counts from zero (a restarted learner resumes at
         its last heartbeat's step), so the latest beat of every incarnation is summed."""
         return sum(self.trained.values())
+
+    def merged_tokens(self, fragments: int) -> int:
+        """Tokens in the global model: the merges' tokens as the syncer stored them with each version
+        (`merged`, filled by the runner once it checked a merge event against the store), over the
+        fragments (every token trains each fragment once)."""
+        return sum(self.merged.values()) // max(fragments, 1)
 
     def apply(self, ev: dict) -> None:
         """Take one event in; raises ValueError (the caller skips the event) on a field of the wrong
@@ -256,6 +276,7 @@ def finish(setup: RunSetup, run: LocalRun, console: Console, summary_json: str |
     summary["membership"] = membership.timeline(cfg.learner_ids(), run.prog.membership, start=run.first_beat)
     summary["members"] = list(run.members)
     summary["run_dir"] = str(setup.run_dir)
+    summary["bad_events"] = run.bad_events  # skipped: malformed, or claims nothing in the run backs
     warning = loss_warning(summary)
     summary["warnings"] = [warning] if warning else []
     (setup.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -324,6 +345,11 @@ class LocalRun:
         self.spares_owed = 0                    # replacements to start once no handover is still warming up
         self.handovers: list[dict] = []          # each learner a spare took the place of
         self.replaced: dict[str, str | None] = {}  # learner -> the incarnation its spare replaced
+
+    @functools.cached_property
+    def store(self) -> FragmentStore:
+        """The run's store, read for the merges that count towards run.token_budget."""
+        return FragmentStore(self.cfg.store.url, self.cfg.run.id)
 
     def _ours(self, region: str | None) -> bool:
         return self.regions is None or region in self.regions
@@ -427,7 +453,13 @@ class LocalRun:
             if not isinstance(ev.get("learner"), str) or not self.cfg.is_member_id(ev["learner"]):
                 raise KeyError(f"learner {messages.short(ev.get('learner'), 40)} is not in this run")
             messages.clean_heartbeat(ev)  # raises on a field of the wrong type or range; the beat is kept whole
+            check_heartbeat_claims(self.cfg, ev)
+        tokens = self._stored_merge(ev) if ev["kind"] == "merge" else None
+        if ev["kind"] == "syncer_started":
+            self._check_stored_versions(ev.get("versions"))
         self.prog.apply(ev)
+        if tokens is not None:
+            self.prog.merged[(ev["fragment"], ev["version"])] = tokens
         if ev["kind"] == "heartbeat":
             self.first_beat = self.first_beat or time.time()
             self.compute[(ev["learner"], ev.get("incarnation"))] = {"compute_s": ev.get("compute_s", 0.0),
@@ -445,6 +477,40 @@ class LocalRun:
                 and not ev["previous"].startswith(f"{ev['shard']}:"):
             self.takeovers.append(ev)
 
+    def _stored_merge(self, ev: dict) -> int:
+        """The tokens of the version a merge event announces, as the syncer stored them with it; KeyError
+        for a merge the store does not hold (any learner may write the events topic: only what the
+        syncer wrote to the store counts towards run.token_budget)."""
+        check_event_fields(ev)
+        p, v = ev["fragment"], ev["version"]
+        if not 0 <= p < self.cfg.fragments.count:
+            raise KeyError(f"merge of fragment {p}: the run has {self.cfg.fragments.count}")
+        for attempt in range(3):  # the syncer wrote the version before it said so: only a slow store fails here
+            try:
+                meta = self.store.read_meta(p, v)
+                break
+            except StoreError as err:  # no such version
+                raise KeyError(f"merge of fragment {p} v{v} is not in the store: {messages.bounded(str(err), 120)}") from None
+            except (OSError, ValueError) as err:
+                if attempt == 2:
+                    raise KeyError(f"merge of fragment {p} v{v}: the store did not answer: "
+                                   f"{messages.bounded(str(err), 120)}") from None
+                time.sleep(0.2 * 2 ** attempt)
+        tokens = meta.get("tokens")
+        if meta.get("ids") != ev["ids"] or not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise KeyError(f"merge event of fragment {p} v{v} does not match the stored version")
+        return tokens
+
+    def _check_stored_versions(self, versions) -> None:
+        """KeyError unless a syncer_started event's versions are ones the store holds (the evals and
+        the progress table follow them)."""
+        if not isinstance(versions, dict):
+            raise KeyError("syncer_started without a versions object")
+        for p, v in versions.items():
+            if not (isinstance(v, int) and not isinstance(v, bool) and str(p).isdigit()
+                    and int(p) < self.cfg.fragments.count and v >= 0 and (v == 0 or self.store.has(int(p), v))):
+                raise KeyError(f"syncer_started names fragment {messages.short(p, 20)} v{messages.short(v, 20)}, "
+                               "which the store does not hold")
 
     def serve_requests(self, now: float) -> None:
         """Carry out the operator's membership requests (`diloco learners add/remove`, diloco.membership)."""
@@ -483,12 +549,13 @@ class LocalRun:
         return result
 
     def follow_budget(self, now: float) -> None:
-        """run.joins once their share of run.token_budget is trained; once all of it is, every running
-        learner is asked to stop (it hands in its last deltas and says left)."""
+        """run.joins once their share of run.token_budget is in the global model; once all of it is,
+        every running learner is asked to stop (it hands in its last deltas and says left). Merged
+        tokens, not the heartbeats' claims: one forged heartbeat must not end a run."""
         budget = self.cfg.run.token_budget
         if budget is None:
             return
-        tokens = self.prog.tokens()
+        tokens = self.prog.merged_tokens(self.cfg.fragments.count)
         if tokens >= budget:
             self.joins.clear()  # nothing is left for them to train
             running = self._running()
@@ -570,6 +637,25 @@ class LocalRun:
             if time.time() - t0 > self.cfg.run.timeout_s:
                 raise RunError(f"the events topic {sorted(tp.topic for tp in tps)} was not read to its end in time")
 
+    def _resume_membership(self) -> None:
+        """After catching up on a live run's events (a region flow run started again by hand): this
+        runner's learners that left or finished stay down, and those admitted at run time are its
+        own too (started, or left down if they are done). A dropped learner (silent too long: its
+        process likely went with the runner before) is started again; so is one with no news."""
+        done: dict[str, bool] = {}
+        for ev in sorted(self.prog.membership, key=lambda e: e.get("time", 0.0)):
+            lid = ev.get("learner")
+            if isinstance(lid, str) and self.cfg.is_member_id(lid) and self._ours(self.cfg.region_of(lid).name):
+                done[lid] = ev["kind"] in ("learner_left", "learner_finished")
+        for lid in [*self.members, *done]:
+            if self.prog.learners.get(lid, {}).get("state") in ("left", "finished"):  # its last heartbeat said so
+                done[lid] = True
+        for lid, finished in done.items():
+            if lid not in self.members:
+                self.members.append(lid)
+            if finished:
+                self.finished.add(lid)
+
     # --- the loop ------------------------------------------------------------------------------
     def watch(self, progress: bool, t0: float, on_tick=None) -> None:
         """Until the syncer drained; `on_tick(self)` runs once per loop (evals, reports) and may take a while."""
@@ -586,8 +672,10 @@ class LocalRun:
                 self._pump(200)
         if self.members:
             self._catch_up(t0)
+            self._resume_membership()
         for lid in self.members:  # learners start once the syncer consumes: deltas would only pile up
-            self.start(lid)
+            if lid not in self.finished:
+                self.start(lid)
         for _ in range(cfg.run.spares if self.members else 0):  # spares stand in for this runner's learners
             self._start_spare()
         deadline = t0 + cfg.run.timeout_s

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import assert_exact_accounting, run_events
 from rich.console import Console
@@ -105,33 +106,103 @@ def _beat(run: LocalRun, lid: str, tokens: int) -> None:
                     "tokens": tokens, "step": tokens // 10})
 
 
+def _budget_run(tmp_path: Path, jobs) -> LocalRun:
+    cfg = build_config({**BUDGET, "run": {**BUDGET["run"], "id": "budget"}, "store": {"url": f"file://{tmp_path}/store"}})
+    return LocalRun(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), jobs, None, Console(quiet=True), [])
+
+
+def _merge(run: LocalRun, tokens: int) -> None:
+    """One merge of `tokens` tokens on every fragment, stored as the syncer stores a version, then
+    its merge event as the runner reads it from the events topic."""
+    for p in range(run.cfg.fragments.count):
+        v = run.prog.versions.get(p, 0) + 1
+        ids = [f"c{p}-{v}"]
+        run.store.write(p, v, {"w": np.zeros(2, np.float32)}, {}, {"ids": ids, "tokens": tokens})
+        run._apply_event({"kind": "merge", "eid": f"m{p}-{v}", "fragment": p, "version": v, "ids": ids, "time": 0.0})
+
+
 def test_the_runner_adds_the_joins_at_their_share_of_the_budget_and_stops_everyone_at_the_budget(tmp_path):
     import signal
 
-    cfg = build_config(BUDGET)
     jobs = _Jobs()
-    run = LocalRun(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), jobs, None,
-                   Console(quiet=True), [])
-    for lid in cfg.learner_ids():
-        _beat(run, lid, 74)                       # 296 of 1000: no join is due yet
+    run = _budget_run(tmp_path, jobs)
+    cfg = run.cfg
+    _merge(run, 296)                              # 296 of 1000 merged: no join is due yet
     run.follow_budget(0.0)
     assert run.members == cfg.learner_ids() and not jobs.signals
-    _beat(run, "us-0", 80)                        # 302: the first join (30%) is due, the second (50%) is not
+    _merge(run, 6)                                # 302: the first join (30%) is due, the second (50%) is not
     run.follow_budget(1.0)
     assert run.members[4:] == ["us-2", "us-3"] and set(jobs.jobs) == {"us-2", "us-3"}
     run.follow_budget(2.0)                        # carried out once
     assert len(run.members) == 6
-    for lid in run.members:
-        _beat(run, lid, 166)                      # 996 of 1000
+    _merge(run, 694)                              # 996 of 1000
     run.finished.add("us-1")                      # finished at its own inner.steps
     run.follow_budget(3.0)
     assert not jobs.signals and run.members[6:] == ["eu-2"]
-    _beat(run, "eu-0", 170)                       # 1000: everyone still running is asked to stop
+    _merge(run, 4)                                # 1000: everyone still running is asked to stop
     run.follow_budget(4.0)
     stopped = {"us-0", "eu-0", "eu-1", "us-2", "us-3", "eu-2"}
     assert sorted(jobs.signals) == sorted((lid, signal.SIGTERM) for lid in stopped) and run.removing == stopped
     run.follow_budget(5.0)                        # asked once
     assert len(jobs.signals) == len(stopped)
+
+
+def test_only_merges_the_store_holds_count_towards_the_budget_never_claimed_tokens(tmp_path):
+    """One forged heartbeat claiming 2^52 tokens stopped every learner (the budget summed the
+    heartbeats' claims); forged merge events counted too. Now the budget counts what the syncer
+    stored with each version, and a merge event the store does not back is skipped."""
+    jobs = _Jobs()
+    run = _budget_run(tmp_path, jobs)
+    _beat(run, "us-0", 2 ** 52)
+    run.follow_budget(0.0)
+    assert not jobs.signals and not run.removing and run.members == run.cfg.learner_ids()
+    _merge(run, 100)
+    forged = [{"fragment": 0, "version": 9, "ids": ["c0-9"]},        # a version that does not exist
+              {"fragment": 0, "version": 1, "ids": ["mine"]},        # a stored version, other contributions
+              {"fragment": 7, "version": 1, "ids": ["c7-1"]}]        # no such fragment
+    for i, ev in enumerate(forged):
+        with pytest.raises(KeyError):
+            run._apply_event({"kind": "merge", "eid": f"forged-{i}", "time": 0.0, **ev})
+    assert run.prog.merged_tokens(run.cfg.fragments.count) == 100
+    with pytest.raises(KeyError, match="store does not hold"):  # what the evals and the table follow
+        run._apply_event({"kind": "syncer_started", "eid": "forged-s", "time": 0.0, "shard": 0,
+                          "versions": {"0": 10 ** 6}})
+    assert run.prog.versions == {p: 1 for p in range(run.cfg.fragments.count)}
+    run.follow_budget(1.0)
+    assert not jobs.signals and len(run.members) == 4  # 10%: no join due, nobody stopped
+
+
+def test_a_heartbeat_past_its_learners_schedule_or_claiming_absurd_tokens_is_skipped(tmp_path):
+    """A forged heartbeat at step 10^12 made the next restart of that learner train nothing, and
+    one claiming 2^52 tokens counted in the summary; the runner skips both (counted as bad events)."""
+    run = _budget_run(tmp_path, _Jobs())
+    good = {"kind": "heartbeat", "eid": "a", "learner": "us-0", "incarnation": "1", "step": 10, "tokens": 640,
+            "time": 0.0}
+    run._apply_event(good)
+    for i, bad in enumerate(({"step": run.cfg.learner_steps("us-0") + 1}, {"step": 10 ** 12}, {"tokens": 2 ** 52},
+                             {"incarnation": "forged", "tokens": 2 ** 40})):
+        with pytest.raises(ValueError, match="schedule ends|claims"):
+            run._apply_event({**good, "eid": f"b{i}", **bad})
+    assert run.prog.learners["us-0"]["step"] == 10 and run.prog.tokens() == 640
+
+
+def test_a_runner_started_again_on_a_live_run_keeps_who_left_down_and_takes_on_the_joiners(tmp_path):
+    """A region flow run started again by hand restarted learners that had left or finished, and
+    forgot the ones added at run time. From the events it caught up on: us-1 left (removed by an
+    operator), us-0 finished by its last heartbeat, us-2 joined and is training, us-3 joined and
+    finished, eu-0 (another region's) is not this runner's, and a dropped eu learner is not ours."""
+    cfg = build_config({**BUDGET, "run": {"id": "rerun"}})
+    run = LocalRun(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), _Jobs(), None, Console(quiet=True),
+                   [], regions=("us",))
+    events = [("learner_admitted", "us-2", 1.0), ("learner_admitted", "us-3", 2.0), ("learner_left", "us-1", 3.0),
+              ("learner_finished", "us-3", 4.0), ("learner_dropped", "eu-1", 5.0), ("learner_admitted", "eu-2", 6.0)]
+    for i, (kind, lid, t) in enumerate(events):
+        run.prog.apply({"kind": kind, "eid": f"m{i}", "learner": lid, "time": t})
+    for lid, state in (("us-0", "finished"), ("us-2", "running"), ("eu-0", "finished")):
+        run.prog.apply({"kind": "heartbeat", "eid": f"hb-{lid}", "learner": lid, "step": 5, "state": state})
+    run._resume_membership()
+    assert run.members == ["us-0", "us-1", "us-2", "us-3"]
+    assert run.finished == {"us-0", "us-1", "us-3"}          # started: us-2 only
 
 
 def test_without_a_budget_the_runner_leaves_the_learners_alone(tmp_path):
@@ -178,6 +249,10 @@ def test_a_live_run_grows_from_two_learners_to_four_and_one_leaves(tiny_config, 
     def operate() -> None:
         run_dir = _wait_for_run_dir(Path(cfg.run.dir))
         state = _wait_for_merges(run_dir, 1)
+        # a fragment's first merge can come before any heartbeat past step 0 (fragments sync staggered,
+        # heartbeats every 0.5 s): wait until every learner has said it is past its first sync
+        _wait_until(lambda: len(reg := state.registry()) >= 2 and min(hb.get("step", 0) for hb in reg.values())
+                    > cfg.fragments.sync_every, "no heartbeat past the first sync")
         answers["add_us"] = membership.wait(membership.submit(run_dir, {"op": "add", "region": "us"}))
         answers["add_eu"] = membership.wait(membership.submit(run_dir, {"op": "add", "region": "eu", "count": 1}))
         try:
@@ -223,8 +298,8 @@ def test_a_live_run_grows_from_two_learners_to_four_and_one_leaves(tiny_config, 
 @pytest.mark.integration
 def test_a_run_with_a_token_budget_adds_its_scheduled_joiner_and_stops_everyone_at_the_budget(tiny_config):
     """2 slow learners that could train 1000 steps each; a learner joins at 5% of a budget of 500 steps
-    per starting learner, and everyone is asked to stop once the heartbeats add up to it: all say
-    left, every contribution is accounted for, the joiner contributed, and the run ends near the budget."""
+    per starting learner, and everyone is asked to stop once the merges hold that many tokens: all
+    say left, every contribution is accounted for, the joiner contributed, and the run ends near the budget."""
     per_step = 8 * 32
     budget = 2 * 500 * per_step
     cfg = tiny_config(regions=[{"name": "us", "learners": 1, "max_learners": 2, "speed": 0.25},
@@ -236,13 +311,16 @@ def test_a_run_with_a_token_budget_adds_its_scheduled_joiner_and_stops_everyone_
     assert summary["members"] == ["us-0", "eu-0", "us-1"]
     learners = summary["learners"]
     assert all(learners[lid]["state"] == "left" and learners[lid]["step"] < cfg.inner.steps for lid in learners)
-    # past the budget, each learner trains for as long as the runner takes to see it: a heartbeat
-    # period, the runner's tick and the signal (1 s here), at the step rate its heartbeats show
+    # past the budget, each learner trains for as long as the runner takes to see it: what it trained
+    # since its last merged delta of each fragment (up to H steps, and the overlap while a merge is
+    # in flight), then a heartbeat period, the runner's tick and the signal (1 s here), at the step
+    # rate its heartbeats show
     events = run_events(cfg, summary["run_id"])
     beats = {lid: [e for e in events if e["kind"] == "heartbeat" and e.get("learner") == lid and e.get("step")]
              for lid in learners}
     rate = {lid: (b[-1]["step"] - b[0]["step"]) / max(b[-1]["time"] - b[0]["time"], 1e-3) for lid, b in beats.items()}
-    lag_tokens = sum(rate.values()) * (cfg.run.heartbeat_s + 1.0) * per_step
+    unmerged = len(learners) * (cfg.fragments.sync_every + cfg.syncer.overlap_steps) * per_step
+    lag_tokens = unmerged + sum(rate.values()) * (cfg.run.heartbeat_s + 1.0) * per_step
     assert budget <= summary["tokens"] <= budget + lag_tokens, (summary["tokens"], rate)
     state, _, _ = assert_exact_accounting(cfg, summary["run_id"])
     assert {lid for m in state.merges() for lid in m["learners"]} == {"us-0", "eu-0", "us-1"}
@@ -320,3 +398,54 @@ def test_a_fifo_in_the_control_folder_is_answered_as_bad_not_read(tmp_path):
     reader.join(timeout=5)
     assert not reader.is_alive(), "reading the control folder blocked on a FIFO"
     assert got == [[(fifo, None)]]
+
+
+@pytest.mark.integration
+def test_a_run_outlives_a_hostile_operator_and_forged_events_with_exact_accounting(tiny_config):
+    """Mid-run, an operator asks `learners remove '[/]'` (rich markup), and a writer of the events
+    topic forges a heartbeat with 2^52 tokens at step 10^12, rejections with a numeric and a markup
+    reason and a merge of a version that does not exist. The run (live table on) trains to the end:
+    nobody is stopped by the budget the forged tokens would pass, every contribution is accounted for
+    once, and the summary counts the forged events as bad."""
+    from diloco.infra import kafka as kafka_io
+    from diloco import messages
+
+    steps, per_step = 120, 8 * 32
+    cfg = tiny_config(regions=[{"name": "us", "learners": 1, "speed": 0.5}, {"name": "eu", "learners": 1, "speed": 0.5}],
+                      inner={"steps": steps}, run={"token_budget": 100 * 2 * steps * per_step})
+    seen: dict[str, object] = {}
+
+    def operate() -> None:
+        run_dir = _wait_for_run_dir(Path(cfg.run.dir))
+        _wait_for_merges(run_dir, 1)
+        run_id = run_dir.name
+        try:
+            membership.wait(membership.submit(run_dir, {"op": "remove", "learner": "[/]"}))
+        except membership.RequestError as err:
+            seen["remove"] = str(err)
+        producer = kafka_io.producer(cfg.transport)
+        topic = kafka_io.Topics.for_run(cfg, run_id).events
+        forged = [messages.event("heartbeat", run=run_id, learner="us-0", incarnation="x", step=10 ** 12,
+                                 tokens=2 ** 52, state="running"),
+                  messages.event("contribution_rejected", run=run_id, source="syncer", id="f1", reason=7),
+                  messages.event("contribution_rejected", run=run_id, source="syncer", id="f2", reason="[/]"),
+                  messages.event("merge", run=run_id, source="syncer", fragment=0, version=10 ** 6, ids=["f3"],
+                                 tokens=2 ** 40)]
+        for value in forged:
+            producer.send(topic, value, partition=0)
+        producer.flush()
+        producer.close()
+        seen["forged"] = [json.loads(value)["eid"] for value in forged]
+
+    operator = threading.Thread(target=operate, daemon=True)
+    operator.start()
+    summary = train(cfg, progress=True, console=Console(file=io.StringIO(), width=120))
+    operator.join(timeout=30)
+    assert len(seen.get("forged", ())) == 4 and "[/]" in seen.get("remove", ""), seen
+    learners = summary["learners"]
+    assert all(learners[lid]["state"] == "finished" and learners[lid]["step"] == steps for lid in learners), learners
+    assert summary["tokens"] == 2 * steps * per_step          # the claim of 2^52 is not among them
+    assert summary["bad_events"] >= 3                         # the heartbeat, the numeric reason, the merge
+    c = summary["contributions"]
+    assert c["applied_twice"] == 0 and c["pending"] == 0 and c["published"] == c["applied"] + c["rejected"]
+    assert_exact_accounting(cfg, summary["run_id"], forged=seen["forged"])
