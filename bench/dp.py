@@ -15,9 +15,10 @@ import optax
 
 from diloco import membership
 from diloco.config import Config
-from diloco.learners.data import Corpus, sample_batches
+from diloco.learners.data import Corpus, shard_batches
 from diloco.models.transformer import adamw as inner_optimizer
 from diloco.models.transformer import evaluate, init_params, loss_fn
+from diloco.spec import DataShard
 
 
 def make_dp_step(cfg: Config, opt: optax.GradientTransformation):
@@ -33,10 +34,11 @@ def make_dp_step(cfg: Config, opt: optax.GradientTransformation):
 
 
 def worker_batches(cfg: Config, corpus: Corpus, workers: list[str]) -> list:
-    """Each worker's batch stream: the shard of the learner it stands for, seeded as that learner's
-    first incarnation."""
-    return [sample_batches(corpus.train_tokens(cfg.shard_index(w)), batch_size=cfg.inner.batch_size,
-                           seq_len=cfg.model.transformer.seq_len, seed=(cfg.data.seed, cfg.shard_index(w), 0, 0))
+    """Each worker's batch stream: the shard of the learner it stands for, read as that learner's
+    first incarnation reads it."""
+    return [shard_batches(corpus.train_tokens(cfg.shard_index(w)),
+                          DataShard(cfg.shard_index(w), cfg.num_shards, seed=cfg.data.seed),
+                          batch_size=cfg.inner.batch_size, seq_len=cfg.model.transformer.seq_len)
             for w in workers]
 
 
@@ -78,7 +80,7 @@ def train_dp(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8) -> d
     eval_at = set(np.linspace(0, steps, evals + 1).astype(int).tolist())
     curve = {"step": [0], "tokens": [0], "loss": [evaluate(params, held, cfg.model.transformer)]}
     shape = (cfg.inner.batch_size, cfg.model.transformer.seq_len + 1)
-    for _, workers in plan:  # compile each worker count outside the clock (batches are int32, as sample_batches')
+    for _, workers in plan:  # compile each worker count outside the clock (batches are int32, as shard_batches')
         step_fn(params, opt_state, jnp.zeros((len(workers), *shape), jnp.int32))[2].block_until_ready()
     compute_s, s, tokens = 0.0, 0, 0
     for n, workers in plan:

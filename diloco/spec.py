@@ -25,8 +25,9 @@ PyTree = Any
 
 @dataclass(frozen=True)
 class DataShard:
-    """Which batches a learner draws: its index among the run's learners, the step it starts from
-    (a restarted learner draws other batches than before its crash), and the run's data seed."""
+    """Which batches a learner reads: its index among the run's learners, the step it starts from
+    (a restarted learner, a spare or a joiner; `learners.data.shard_batches` reads on from the window
+    that step reached), and the run's data seed."""
     index: int
     count: int
     start_step: int = 0

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 import diloco
-from diloco.learners.data import corpus_for, eval_batches, sample_batches
+from diloco.learners.data import corpus_for, eval_batches, shard_batches
 
 SEQ, VOCAB = 32, 256
 
@@ -75,8 +75,8 @@ def spec(cfg: diloco.Config) -> diloco.ModelSpec:
         stateful=True,
         eval_loss=eval_loss,
         optimizer=optax.adamw(3e-3, weight_decay=0.1),
-        batches=lambda shard: sample_batches(corpus().train_tokens(shard.index), batch_size=cfg.inner.batch_size,
-                                             seq_len=SEQ, seed=(cfg.data.seed, shard.index, shard.start_step)),
+        batches=lambda shard: shard_batches(corpus().train_tokens(shard.index), shard, batch_size=cfg.inner.batch_size,
+                                            seq_len=SEQ),
         tokens=lambda batch: batch.shape[0] * (batch.shape[1] - 1),
         eval_batches=lambda: eval_batches(corpus().heldout_tokens(), n_batches=4, batch_size=8, seq_len=SEQ),
         mean_merge=("embed.*", "pos"),                                  # embeddings: plain mean, not RDA

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 import diloco
-from diloco.learners.data import corpus_for, eval_batches, sample_batches
+from diloco.learners.data import corpus_for, eval_batches, shard_batches
 
 CONTEXT, VOCAB, D, HIDDEN = 8, 256, 32, 128
 
@@ -59,8 +59,7 @@ def spec(cfg: diloco.Config) -> diloco.ModelSpec:
     corpus = lambda: corpus_for(cfg)  # noqa: E731
 
     def batches(shard: diloco.DataShard):
-        stream = sample_batches(corpus().train_tokens(shard.index), batch_size=cfg.inner.batch_size, seq_len=seq,
-                                seed=(cfg.data.seed, shard.index, shard.start_step))
+        stream = shard_batches(corpus().train_tokens(shard.index), shard, batch_size=cfg.inner.batch_size, seq_len=seq)
         return map(with_mask, stream)
 
     return diloco.ModelSpec(

@@ -84,14 +84,41 @@ class Corpus:
         return np.memmap(self.dir / self.manifest["heldout"]["name"], dtype=self.dtype, mode="r")
 
 
-def sample_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, seed):
-    """Endless (B, T + 1) int32 batches of random windows from one token stream."""
-    if len(tokens) < seq_len + 2:
-        raise DataError(f"shard has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
-    rng = np.random.default_rng(seed)
+def shard_batches(tokens: np.ndarray, shard, *, batch_size: int, seq_len: int):
+    """Endless (B, T + 1) int32 batches of this host's share of one learner's shard, read without
+    replacement: each epoch cuts the shard into windows of T + 1 tokens at a seeded phase and reads
+    them in a seeded order, so every window is trained once before any is trained again. `shard` (a
+    diloco.DataShard) says which: its seed and index fix every epoch's order, and a learner that
+    resumes at `start_step` (a restart, a spare, a joiner) reads on from the window that step
+    reached instead of a new random stream. Each step reads B x `processes` windows, this host
+    (`process`) the B-th slice of them."""
+    span = seq_len + 1
+    if len(tokens) < 2 * span:
+        raise DataError(f"shard has {len(tokens)} tokens, fewer than two sequences of {span}")
+    per_step = batch_size * shard.processes
+
+    def epoch(e: int) -> np.ndarray:  # the window starts of epoch e, in reading order
+        rng = np.random.default_rng([shard.seed, shard.index, e])
+        phase = int(rng.integers(0, span))
+        n = (len(tokens) - phase) // span
+        return phase + span * rng.permutation(n).astype(np.int64)
+
+    e, order = 0, epoch(0)
+    skip = shard.start_step * per_step  # windows the steps before start_step read
+    while skip >= len(order):
+        skip -= len(order)
+        e += 1
+        order = epoch(e)
+    pos = skip
+    lo, hi = shard.process * batch_size, (shard.process + 1) * batch_size
     while True:
-        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
-        yield np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+        starts = order[pos:pos + per_step]
+        pos += per_step
+        while len(starts) < per_step:  # the step spans an epoch's end: the next epoch's first windows
+            e += 1
+            order, pos = epoch(e), per_step - len(starts)
+            starts = np.concatenate([starts, order[:pos]])
+        yield np.stack([tokens[s:s + span] for s in starts[lo:hi]]).astype(np.int32)
 
 
 def eval_batches(tokens: np.ndarray, *, n_batches: int, batch_size: int, seq_len: int) -> np.ndarray:

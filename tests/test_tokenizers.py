@@ -7,6 +7,7 @@ runs on the FnApiRunner over a few tiny files.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -17,9 +18,10 @@ import typer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
-from diloco.learners.data import Corpus, DataError, ensure_corpus, sample_batches, shard_name, token_dtype
+from diloco.learners.data import Corpus, DataError, ensure_corpus, shard_batches, shard_name, token_dtype
 from diloco.pipelines import corpus as cp
 from diloco.pipelines.cli import data_app
+from diloco.spec import DataShard
 
 FN_API = ["--runner=FnApiRunner"]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -157,8 +159,9 @@ def test_vocabulary_over_65536_gives_uint32_shards(tmp_path):
     assert sorted(_all_docs(c)) == sorted(docs)
     for entry in [*m["shards"], m["heldout"]]:
         assert (tmp_path / "out" / entry["name"]).stat().st_size == 4 * entry["tokens"]
-    batch = next(sample_batches(c.train_tokens(0), batch_size=2, seq_len=4, seed=0))
-    assert batch.dtype == np.int32 and batch.max() > 65_535
+    tokens = c.train_tokens(0)
+    epoch = list(itertools.islice(shard_batches(tokens, DataShard(0, 2), batch_size=2, seq_len=4), len(tokens) // 10))
+    assert all(b.dtype == np.int32 for b in epoch) and max(int(b.max()) for b in epoch) > 65_535
 
 
 def test_token_dtype_fits_the_ids():

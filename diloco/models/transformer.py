@@ -148,13 +148,13 @@ def partition(params: Params):
 
 def spec(cfg: Config) -> ModelSpec:
     """The built-in transformer on the run's token shards (model.options: TransformerOptions)."""
-    from diloco.learners.data import corpus_for, eval_batches, sample_batches
+    from diloco.learners.data import corpus_for, eval_batches, shard_batches
 
     opts = cfg.model.transformer
 
     def batches(shard: DataShard):
-        return sample_batches(corpus_for(cfg).train_tokens(shard.index), batch_size=cfg.inner.batch_size // shard.processes,
-                              seq_len=opts.seq_len, seed=(cfg.data.seed, shard.index, shard.start_step, shard.process))
+        return shard_batches(corpus_for(cfg).train_tokens(shard.index), shard,
+                             batch_size=cfg.inner.batch_size // shard.processes, seq_len=opts.seq_len)
 
     def held_out():
         return eval_batches(corpus_for(cfg).heldout_tokens(), n_batches=cfg.run.eval_batches,
