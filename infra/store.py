@@ -206,8 +206,8 @@ class FragmentStore:
               snapshot_at: int | None = None, update_from: int | None = None) -> None:
         """Write one version; meta.json goes last so readers never see a half-written version.
         `update` (encoded with `update_scheme`, each tensor's codes stored packed with `update_packing`)
-        takes version `update_from` (default version - 1) to this one. With `snapshot_at` (an earlier snapshot version) only the update is written: the
-        version is not a snapshot."""
+        takes version `update_from` (default version - 1) to this one. With `snapshot_at` (an earlier
+        snapshot version) only the update is written: the version is not a snapshot."""
         data = f"e{epoch:06d}/"
         d = self._dir(fragment, version) + data
         residual = residual or {}

@@ -11,6 +11,7 @@ tokenizer's end-of-document token otherwise.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -103,21 +104,18 @@ def shard_batches(tokens: np.ndarray, shard, *, batch_size: int, seq_len: int):
         n = (len(tokens) - phase) // span
         return phase + span * rng.permutation(n).astype(np.int64)
 
-    e, order = 0, epoch(0)
-    skip = shard.start_step * per_step  # windows the steps before start_step read
-    while skip >= len(order):
-        skip -= len(order)
-        e += 1
-        order = epoch(e)
-    pos = skip
+    def windows():  # every window start in reading order, from the one start_step reached
+        e, skip = 0, shard.start_step * per_step  # windows the steps before start_step read
+        while True:
+            order = epoch(e)
+            yield from order[skip:]
+            skip = max(skip - len(order), 0)
+            e += 1
+
+    stream = windows()
     lo, hi = shard.process * batch_size, (shard.process + 1) * batch_size
     while True:
-        starts = order[pos:pos + per_step]
-        pos += per_step
-        while len(starts) < per_step:  # the step spans an epoch's end: the next epoch's first windows
-            e += 1
-            order, pos = epoch(e), per_step - len(starts)
-            starts = np.concatenate([starts, order[:pos]])
+        starts = np.fromiter(itertools.islice(stream, per_step), np.int64, per_step)
         yield np.stack([tokens[s:s + span] for s in starts[lo:hi]]).astype(np.int32)
 
 

@@ -332,17 +332,14 @@ class Fetcher(threading.Thread):
                 break  # version 0 (or a store without updates): read whole
             u = update_base(meta)
 
-        def link_bytes(meta: dict) -> int:
-            return stored_update_bytes(meta, self.plan.shapes)
-
         # choices: start from what is held (every link's update), or read chain[i] whole (a snapshot)
         # and apply the links after it
         options = []
         if u in have:
-            options.append((sum(link_bytes(m) for _, m in chain), len(chain)))
+            options.append((sum(stored_update_bytes(m, self.plan.shapes) for _, m in chain), len(chain)))
         for i, (_, meta) in enumerate(chain):
             if is_snapshot(meta):
-                options.append((whole_bytes + sum(link_bytes(m) for _, m in chain[:i]), i))
+                options.append((whole_bytes + sum(stored_update_bytes(m, self.plan.shapes) for _, m in chain[:i]), i))
         if not options:  # nothing held nor stored whole within reach: the store walks it
             return self.store.read_params(p, v)
         _, start = min(options)
