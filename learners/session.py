@@ -759,6 +759,8 @@ class Session:
                 self.counters.versions_applied += 1
             # the steps trained since p was last sent: how late merged versions reach this learner
             log.info("applied", extra={"fragment": p, "version": v, "steps_since_send": self._since[p]["steps"]})
+            if mode == "overwrite":  # those steps are gone: the next delta claims none of their tokens
+                self._since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
         return with_leaves(params, self.plan, values)
 
     def _blocks_for(self, p: int, v: int, n: str, leaf, blocks) -> dict[Region, np.ndarray]:

@@ -101,3 +101,48 @@ def test_what_a_delta_left_out_goes_with_the_next_one_and_the_learner_keeps_trai
     else:
         np.testing.assert_array_equal(np.asarray(base["w"]), np.asarray(local))
         assert np.abs(error["w"]).max() > 0.01 * np.abs(sent).max()
+
+
+def test_an_overwritten_fragment_claims_only_the_steps_trained_on_its_new_version(tiny_config):
+    """With fragments.apply=overwrite a new global version throws away the steps since the fragment's
+    last send, but they stayed counted: the next delta claimed their tokens, and a version applied at
+    a learner's last step was handed in at close as an all-zero delta weighing those tokens (a
+    conformance run caught one). The steps and tokens a delta claims are those it holds."""
+    from diloco import messages
+    from diloco.infra import kafka as kafka_io
+
+    cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0})
+    assert cfg.fragments.apply == "overwrite"
+    h = Harness(cfg, f"session-overwrite-{time.time_ns() % 10**6}")
+    run_cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": h.run_id})})
+    last = cfg.fragments.count - 1                          # it syncs at step sync_every, after the others
+    try:
+        with Session(run_cfg, "us-0", store=h.store) as session:
+            params = session.join(load_spec(cfg).init(cfg.model.seed))
+
+            def nudged(params, by):
+                import jax
+                return jax.tree_util.tree_map(lambda a: a + by if a.dtype.kind == "f" else a, params)
+
+            for _ in range(3):                              # steps the new version will throw away
+                params = session.step(nudged(params, 0.01), tokens=100)
+            h.rounds(1, fragment=last)
+            deadline = time.time() + 30
+            while session.versions[last] == 0:              # arrives while the learner trains
+                assert time.time() < deadline and session.steps < cfg.fragments.sync_every - 2
+                time.sleep(0.2)
+                params = session.step(params, tokens=7)
+            params = session.step(nudged(params, 0.05), tokens=100)   # the one step on version 1
+        h.producer.flush()
+        topics = kafka_io.Topics.for_run(cfg, h.run_id)
+        ours = messages.ChunkAssembler(max_bytes=1 << 30, timeout_s=60)
+        sent = []
+        for rec in kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topics.fragments["us"], topics.partitions)):
+            got = ours.add(*messages.parse_frame(rec.value), now=0.0)
+            if isinstance(got, messages.Assembled) and got.manifest.id not in h.sent and got.manifest.fragment == last:
+                sent.append((got.manifest, messages.decode_payload(got.manifest, got.payload)))
+        assert [(m.base_version, m.tokens, m.steps) for m, _ in sent] == [(1, 100, 1)]
+        for delta in sent[0][1].values():                   # global - local: the one step's -0.05
+            np.testing.assert_allclose(delta, -0.05, atol=2e-3)
+    finally:
+        h.producer.close()
