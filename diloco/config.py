@@ -85,6 +85,9 @@ class DataConfig(_Section):
     tokenizer: str = Field("bytes", description="bytes, a Hugging Face tokenizer.json or a SentencePiece .model")
     text_field: str = Field("text", min_length=1, description="the field (JSON Lines) or column (Parquet) that holds "
                             "a record file's documents; text files are read whole")
+    near_duplicates: float | None = Field(None, gt=0, le=1, description="also drop documents whose 5-word shingle "
+                                          "sets have an estimated Jaccard similarity of at least this with another "
+                                          "(MinHash + LSH); None = exact duplicates only")
     seed: int = 0
 
 

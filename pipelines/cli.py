@@ -46,6 +46,12 @@ def prepare(ctx: typer.Context,
                 help="the JSON Lines field / Parquet column holding each record's document; rows where it is "
                      "missing, not a string or empty (and lines that are not a JSON object) are skipped and "
                      "counted per reason under bad_rows")] = "text",
+            near_duplicates: Annotated[Optional[float], typer.Option(
+                min=0, max=1, metavar="JACCARD",
+                help="also drop near duplicates: a document whose set of --shingle-words word runs has an "
+                     "estimated Jaccard similarity of at least this with a document of smaller content hash "
+                     "(MinHash, 128 permutations, LSH bands); e.g. 0.8; omitted = exact duplicates only")] = None,
+            shingle_words: Annotated[int, typer.Option(min=1, help="words per shingle for --near-duplicates")] = 5,
             runner: Runner = "FnApiRunner"):
     """Read, normalise, dedupe, split, tokenize and pack text files, JSON Lines and Parquet into one shard per
     learner + held-out.
@@ -56,11 +62,13 @@ def prepare(ctx: typer.Context,
     """
     from diloco.learners.data import DataError
     from diloco.pipelines.corpus import prepare as run_prepare
+    from diloco.pipelines.near_duplicates import NearDuplicates
 
+    near = None if near_duplicates is None else NearDuplicates(near_duplicates, ngram=shingle_words)
     try:
         m = run_prepare(input, output, learners=learners, heldout_fraction=heldout_fraction, seed=seed,
                         max_bytes=max_bytes, tokenizer_name=tokenizer, seq_len=seq_len, text_field=text_field,
-                        pipeline_args=_beam_args(runner, ctx.args))
+                        near_duplicates=near, pipeline_args=_beam_args(runner, ctx.args))
     except DataError as err:
         console.print(f"[red]error:[/] {err}")
         raise typer.Exit(1) from None
@@ -76,6 +84,14 @@ def prepare(ctx: typer.Context,
     c = m["counts"]
     console.print(f"files read {c.get('files_read', 0):,}, duplicates dropped {c.get('duplicates_dropped', 0):,}, "
                   f"skipped {len(m['skipped']):,}, left out by --max-bytes {m['capped_files']:,}")
+    if m["near_duplicates"] is not None:
+        nd = m["near_duplicates"]
+        console.print(f"near duplicates dropped {nd['dropped']:,} (Jaccard >= {nd['threshold']} over "
+                      f"{nd['ngram']}-word shingles, {nd['bands']} bands of {nd['rows']})")
+        for r in nd["listed"][:10]:
+            console.print(f"  {r['path']} ~ {r['like']} ({r['similarity']:.2f})")
+        if nd["dropped"] > 10:
+            console.print(f"  ... and {nd['dropped'] - 10:,} more ({len(nd['listed']):,} listed in manifest.json)")
     if c.get("records_read") or m["bad_rows"]:
         console.print(f"records read {c.get('records_read', 0):,}, bad rows skipped {sum(m['bad_rows'].values()):,}"
                       + (f": {m['bad_rows']}" if m["bad_rows"] else ""))

@@ -48,7 +48,9 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from diloco.learners.data import DTYPES, FORMAT, MANIFEST, SEPARATOR, DataError, shard_name, token_dtype
+from diloco.pipelines.near_duplicates import DropNearDuplicates, NearDuplicates
 
+NEAR_DUPLICATES_LISTED = 1000   # dropped near duplicates the manifest names (all are counted)
 HELDOUT = -1       # split key of the held-out set; train shards are 0..learners-1
 PARTS = ".parts"   # the pipeline's small outputs, read by the finaliser and then deleted
 NS = "corpus"      # Beam Metrics namespace
@@ -616,20 +618,25 @@ class WriteShard(beam.DoFn):
 
 class PrepareCorpus(beam.PTransform):
     """Paths -> {"shards": per-file stats (files written under `output`), "skipped": {path, reason},
-    "plan": the rebalance's {documents, moves}}."""
+    "plan": the rebalance's {documents, moves}, "near_duplicates": {path, like, similarity} per
+    document dropped as near another (none unless `near_duplicates` is set)}."""
 
     def __init__(self, output: str, *, learners: int, heldout_fraction: float, seed: int,
                  tokenizer: TokenizerSpec = TokenizerSpec("bytes"), dtype: str = "<u2", separator: int = SEPARATOR,
-                 seq_len: int = 128, text_field: str = "text"):
+                 seq_len: int = 128, text_field: str = "text", near_duplicates: NearDuplicates | None = None):
         super().__init__()
         self.output, self.learners, self.heldout_fraction, self.seed = output, learners, heldout_fraction, seed
         self.tokenizer, self.dtype, self.separator, self.seq_len = tokenizer, dtype, separator, seq_len
-        self.text_field = text_field
+        self.text_field, self.near_duplicates = text_field, near_duplicates
 
     def expand(self, paths):
         read = paths | "Read" >> ReadDocuments(self.text_field)
-        tokens = (read["docs"]
-                  | "Dedupe" >> DropDuplicates()
+        docs = read["docs"] | "Dedupe" >> DropDuplicates()
+        near = paths.pipeline | "NoNearDuplicates" >> beam.Create([])
+        if self.near_duplicates is not None:
+            nd = docs | "NearDuplicates" >> DropNearDuplicates(self.near_duplicates)
+            docs, near = nd["docs"], nd["near_duplicates"]
+        tokens = (docs
                   | "Tokenize" >> beam.ParDo(Tokenize(self.tokenizer, self.dtype)).with_outputs(
                       Tokenize.SKIPPED, main="docs"))
         balanced = (tokens.docs
@@ -640,7 +647,7 @@ class PrepareCorpus(beam.PTransform):
                   | "WriteShards" >> beam.ParDo(WriteShard(self.output, self.learners, self.seq_len, self.dtype,
                                                            self.separator)))
         skipped = (read["skipped"], tokens[Tokenize.SKIPPED]) | "AllSkipped" >> beam.Flatten()
-        return {"shards": shards, "skipped": skipped, "plan": balanced["plan"]}
+        return {"shards": shards, "skipped": skipped, "plan": balanced["plan"], "near_duplicates": near}
 
 
 class WriteJsonLines(beam.PTransform):
@@ -679,9 +686,11 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fraction: float = 0.05, seed: int = 0,
             max_bytes: int | None = None, tokenizer_name: str = "bytes", seq_len: int = 128,
-            text_field: str = "text", pipeline_args: list[str] | None = None) -> dict:
+            text_field: str = "text", near_duplicates: NearDuplicates | None = None,
+            pipeline_args: list[str] | None = None) -> dict:
     """Run the whole preparation; returns the manifest. inputs=None is the stdlib corpus; text_field is
-    the field (JSON Lines) or column (Parquet) that holds a record file's documents."""
+    the field (JSON Lines) or column (Parquet) that holds a record file's documents; near_duplicates
+    (off when None) drops documents near another beside the exact duplicates."""
     if not text_field:
         raise DataError("text field must be a non-empty field / column name")
     if learners < 1:
@@ -702,10 +711,11 @@ def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fra
            | "Spread" >> beam.Reshuffle()
            | "Prepare" >> PrepareCorpus(output, learners=learners, heldout_fraction=heldout_fraction, seed=seed,
                                         tokenizer=spec, dtype=DTYPES[dtype], separator=tok.separator,
-                                        seq_len=seq_len, text_field=text_field))
+                                        seq_len=seq_len, text_field=text_field, near_duplicates=near_duplicates))
     _ = out["shards"] | "WriteShardStats" >> WriteJsonLines(FileSystems.join(parts, "shards.jsonl"))
     _ = out["skipped"] | "WriteSkipped" >> WriteJsonLines(FileSystems.join(parts, "skipped.jsonl"))
     _ = out["plan"] | "WritePlan" >> WriteJsonLines(FileSystems.join(parts, "plan.jsonl"))
+    _ = out["near_duplicates"] | "WriteNear" >> WriteJsonLines(FileSystems.join(parts, "near_duplicates.jsonl"))
     result = p.run()
     result.wait_until_finish()
     counts = Counter()
@@ -713,7 +723,8 @@ def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fra
         if r.key.metric.namespace == NS:
             counts[r.key.metric.name] += r.committed
     return finalise(output, pl, learners=learners, heldout_fraction=heldout_fraction, seed=seed, spec=spec, tok=tok,
-                    dtype=dtype, seq_len=seq_len, max_bytes=max_bytes, counts=counts, text_field=text_field)
+                    dtype=dtype, seq_len=seq_len, max_bytes=max_bytes, counts=counts, text_field=text_field,
+                    near_duplicates=near_duplicates)
 
 
 def bad_rows(counts: dict) -> dict[str, int]:
@@ -722,12 +733,14 @@ def bad_rows(counts: dict) -> dict[str, int]:
 
 
 def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, seed: int, spec: TokenizerSpec, tok,
-             dtype: str, seq_len: int, max_bytes: int | None, counts: dict, text_field: str = "text") -> dict:
+             dtype: str, seq_len: int, max_bytes: int | None, counts: dict, text_field: str = "text",
+             near_duplicates: NearDuplicates | None = None) -> dict:
     """Manifest from the pipeline's shard stats; written last, so its presence means a complete corpus."""
     parts = FileSystems.join(output, PARTS)
     stats = {s["name"]: s for s in read_json_lines(FileSystems.join(parts, "shards.jsonl"))}
     skipped = sorted(pl.skipped + read_json_lines(FileSystems.join(parts, "skipped.jsonl")), key=lambda s: s["path"])
     balance = (read_json_lines(FileSystems.join(parts, "plan.jsonl")) or [{"documents": 0, "moves": []}])[0]
+    near = sorted(read_json_lines(FileSystems.join(parts, "near_duplicates.jsonl")), key=lambda r: r["path"])
     remove_tree(parts)
 
     def entry(name: str) -> dict:
@@ -760,6 +773,8 @@ def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, s
         "sources": pl.sources, "max_bytes": max_bytes, "capped_files": pl.capped,
         "skipped": skipped, "text_field": text_field, "bad_rows": bad_rows(counts),
         "counts": dict(sorted(counts.items())),
+        "near_duplicates": None if near_duplicates is None else {
+            **near_duplicates.as_dict(), "dropped": len(near), "listed": near[:NEAR_DUPLICATES_LISTED]},
     }
     write_bytes(FileSystems.join(output, MANIFEST), json.dumps(manifest, indent=1).encode())
     return manifest

@@ -240,3 +240,121 @@ def test_a_run_config_names_the_text_field_of_its_jsonl_corpus(tmp_path):
     assert corpus_for(config(text_field="body")).dir == body.dir  # prepared once, then reused
     with pytest.raises(ValueError, match="text_field"):
         config(text_field="")
+
+
+# --- near duplicates --------------------------------------------------------------------------------
+
+from diloco.pipelines import near_duplicates as nd  # noqa: E402
+
+
+def _essay(i: int, words: int = 120) -> str:
+    """A document of `words` words that shares no 5-word run with _essay(j) for j != i."""
+    rng = np.random.default_rng(i)
+    return " ".join(f"w{i}x{int(k)}" for k in rng.integers(0, 10_000, words)) + "\n"
+
+
+def _edited(text: str, every: int) -> str:
+    """The text with one word in each `every` replaced: a near duplicate of it."""
+    words = text.split()
+    return " ".join("EDIT" if k % every == 0 else w for k, w in enumerate(words)) + "\n"
+
+
+def test_minhash_estimates_the_jaccard_similarity_of_shingle_sets():
+    spec = nd.NearDuplicates(0.8, num_perm=256)
+    a = _essay(1, 400)
+    for every in (3, 10, 40, 200):
+        b = _edited(a, every)
+        sa, sb = nd.shingles(a, 5), nd.shingles(b, 5)
+        exact = len(sa & sb) / len(sa | sb)
+        assert abs(nd.similarity(nd.signature(a, spec), nd.signature(b, spec)) - exact) < 0.1, every
+    assert nd.similarity(nd.signature(a, spec), nd.signature(_essay(2, 400), spec)) < 0.05
+    assert nd.shingles("Two Words", 5) == {b"two words"}   # shorter than a shingle: the whole text
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.5, 0.8, 0.95])
+def test_lsh_bands_put_the_meeting_curve_s_step_near_the_threshold(threshold):
+    bands, rows = nd.lsh_bands(threshold, 128)
+    assert bands * rows <= 128
+    meet = lambda s: 1 - (1 - s ** rows) ** bands  # noqa: E731
+    assert meet(min(1.0, threshold + 0.15)) > 0.9 and meet(max(0.0, threshold - 0.25)) < 0.2
+
+
+def test_bad_near_duplicate_settings_are_refused():
+    for bad in (0.0, 1.5, -1):
+        with pytest.raises(ValueError, match="threshold must be in"):
+            nd.NearDuplicates(bad)
+
+
+@pytest.fixture(scope="module")
+def near_inputs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """A Parquet file and a .jsonl.gz with near duplicates planted across and within them, a bad row in
+    each; returns the directory and, per planted near duplicate, the original it copies."""
+    root = tmp_path_factory.mktemp("near")
+    originals = [_essay(i) for i in range(10)]
+    near = {_edited(originals[0], 60): originals[0], _edited(originals[3], 200): originals[3],   # Jaccard 0.90,
+            _edited(originals[7], 50): originals[7]}                                            # 0.98 and 0.83
+    far = _edited(originals[5], 2)          # half the words changed: not near at 0.7
+    jsonl = [*originals[:6], far, *list(near)[:2]]
+    with gzip.open(root / "a.jsonl.gz", "wb") as f:
+        f.writelines([*(_line({"text": d}) for d in jsonl), b"{broken\n"])
+    parquet = [*originals[6:], list(near)[2]]
+    pq.write_table(pa.table({"text": [*parquet, None]}), root / "b.parquet")
+    return root, {"docs": [*originals, far], "near": near}
+
+
+def test_near_duplicates_are_dropped_reported_and_deterministic(near_inputs, tmp_path):
+    root, planted = near_inputs
+    spec = nd.NearDuplicates(0.7)
+    m = cp.prepare([str(root)], str(tmp_path / "fn"), learners=2, heldout_fraction=0.2, near_duplicates=spec,
+                   pipeline_args=FN_API)
+    c = Corpus.open(tmp_path / "fn")
+    kept = [d for i in range(2) for d in _docs(c.train_tokens(i))] + _docs(c.heldout_tokens())
+    # which copy stays is the smaller content hash: the original or its edit, but one of each pair
+    for dup, orig in planted["near"].items():
+        assert (dup in kept) != (orig in kept), "exactly one of a near-duplicate pair stays"
+    assert len(kept) == len(planted["docs"])                # every other document (the far edit too) stays
+    rep = m["near_duplicates"]
+    assert rep["dropped"] == 3 == m["counts"]["near_duplicates_dropped"] == len(rep["listed"])
+    assert rep["threshold"] == 0.7 and (rep["bands"], rep["rows"]) == nd.lsh_bands(0.7, 128)
+    for r in rep["listed"]:
+        assert r["similarity"] >= 0.7 and r["path"] != r["like"]
+    assert m["bad_rows"] == {"not_json": 1, "not_a_string": 1}
+    again = cp.prepare([str(root)], str(tmp_path / "direct"), learners=2, heldout_fraction=0.2,
+                       near_duplicates=spec, pipeline_args=DIRECT)
+    assert again["content_sha256"] == m["content_sha256"] and again["near_duplicates"] == rep
+    off = cp.prepare([str(root)], str(tmp_path / "off"), learners=2, heldout_fraction=0.2, pipeline_args=FN_API)
+    assert off["near_duplicates"] is None and sum(s["documents"] for s in [*off["shards"], off["heldout"]]) == 14
+
+
+def test_cli_prepare_drops_near_duplicates_and_names_them(near_inputs, tmp_path):
+    root, _ = near_inputs
+    app = typer.Typer()
+    app.add_typer(data_app, name="data")
+    res = CliRunner().invoke(app, ["data", "prepare", "--input", str(root), "--output", str(tmp_path / "out"),
+                                   "--learners", "2", "--heldout-fraction", "0.2", "--near-duplicates", "0.7",
+                                   "--runner", "FnApiRunner"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "near duplicates dropped 3 (Jaccard >= 0.7 over 5-word shingles" in out
+    assert out.count(" ~ ") == 3
+    bad = CliRunner().invoke(app, ["data", "prepare", "--input", str(root), "--output", str(tmp_path / "bad"),
+                                   "--learners", "2", "--near-duplicates", "1.5"])
+    assert bad.exit_code == 2 and "near-duplicates" in " ".join(bad.output.split())
+
+
+def test_a_run_config_asks_for_near_duplicate_removal(near_inputs, tmp_path):
+    from diloco.config import build_config
+    from diloco.learners.data import corpus_for
+
+    root, planted = near_inputs
+
+    def config(**data):
+        return build_config({"data": {"corpus": str(root), "dir": str(tmp_path / "cache"), "heldout_fraction": 0.2,
+                                      **data}})
+
+    near, exact = corpus_for(config(near_duplicates=0.7)), corpus_for(config())
+    assert near.dir != exact.dir
+    assert json.loads((near.dir / "manifest.json").read_text())["near_duplicates"]["dropped"] == 3
+    assert json.loads((exact.dir / "manifest.json").read_text())["near_duplicates"] is None
+    with pytest.raises(Exception, match="near_duplicates"):
+        config(near_duplicates=0)
