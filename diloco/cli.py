@@ -27,7 +27,7 @@ infra = typer.Typer(help="Start, stop and probe the local service stack (Kafka-p
                     no_args_is_help=True)
 app.add_typer(infra, name="infra")
 app.add_typer(simulate_app, name="simulate", help="Simulate goodput of training schemes at datacenter scale.")
-app.add_typer(data_app, name="data", help="Prepare token shards with the Beam corpus pipeline.")
+app.add_typer(data_app, name="data", help="Prepare token shards (Beam), train a tokenizer, inspect a prepared corpus.")
 app.add_typer(ckpt_app, name="ckpt", help="Inspect, compare and export the checkpoints a run wrote to TensorStore.")
 app.add_typer(state_app, name="state", help="Repair a run's Redis state from TensorStore after Redis lost writes.")
 learners_app = typer.Typer(help="Add learners to a live local run, or ask one to leave (elastic membership).",

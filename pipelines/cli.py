@@ -1,4 +1,4 @@
-"""`diloco data prepare` and `diloco report`: the Beam pipelines from the command line.
+"""`diloco data prepare | tokenizer | inspect` and `diloco report`: the data and telemetry tools.
 
 Options this script does not know are Beam pipeline options and go to the runner untouched
 (e.g. `--runner DataflowRunner --project P --region R --temp_location gs://...`).
@@ -16,7 +16,8 @@ from rich.table import Table
 console = Console(stderr=True)
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
-data_app = typer.Typer(help="Prepare token shards with the Beam corpus pipeline.", no_args_is_help=True)
+data_app = typer.Typer(help="Prepare token shards (Beam), train a tokenizer, inspect a prepared corpus.",
+                       no_args_is_help=True)
 
 Runner = Annotated[str, typer.Option(help="Beam runner: FnApiRunner (in-process), DirectRunner, DataflowRunner, "
                                           "FlinkRunner, ...")]
@@ -99,6 +100,97 @@ def prepare(ctx: typer.Context,
         console.print(f"  skipped {s['path']}: {s['reason']}")
     if len(m["skipped"]) > 20:
         console.print(f"  ... and {len(m['skipped']) - 20} more in manifest.json")
+
+
+@data_app.command("tokenizer")
+def tokenizer(output: Annotated[str, typer.Option(help="the tokenizer.json to write (local or gs://)")],
+              vocab_size: Annotated[int, typer.Option(help="ids at most, the end-of-text token and the 256 byte "
+                                                           "symbols included; above 65,536 the shards are uint32")],
+              input: Annotated[Optional[list[str]], typer.Option(
+                  "--input", help="file, directory or glob, read as `data prepare` reads it; repeatable; "
+                                  "omitted = the Python standard library's sources")] = None,
+              text_field: Annotated[str, typer.Option(help="JSON Lines field / Parquet column of the documents")] = "text",
+              max_bytes: Annotated[Optional[int], typer.Option(
+                  help="train on the sorted files that fit in this many bytes (a sample of a large corpus)")] = None,
+              min_frequency: Annotated[int, typer.Option(min=1, help="a pair merges only if seen this often")] = 2):
+    """Train a byte-level BPE tokenizer on a corpus (Hugging Face tokenizers) for `data prepare --tokenizer`.
+
+    Byte-level: every text encodes, nothing is unknown, and decoding gives the text back. Its first id
+    is <|endoftext|>, which `data prepare` joins documents with. A corpus too small for the vocabulary
+    gives fewer ids than asked (the command says how many): the model's vocab_size must cover them.
+    """
+    from diloco.learners.data import DataError
+    from diloco.pipelines.vocab import train_tokenizer
+
+    try:
+        t = train_tokenizer(input, output, vocab_size=vocab_size, text_field=text_field, max_bytes=max_bytes,
+                            min_frequency=min_frequency)
+    except DataError as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from None
+    short = "" if t["vocab_size"] == t["asked"] else f" (asked for {t['asked']:,}: the corpus has no more merges)"
+    console.print(f"wrote {output}: byte-level BPE, {t['vocab_size']:,} ids{short}, {t['end_of_text']} = id "
+                  f"{t['end_of_text_id']}")
+    console.print(f"trained on {t['documents']:,} documents, {t['bytes'] / 1e6:,.1f} MB"
+                  + (f", skipped {t['skipped']}" if t["skipped"] else "")
+                  + f"; {t['bytes_per_token']:.2f} bytes per token on the first documents")
+    console.print(f"next: diloco data prepare --tokenizer {output} ... and a model with vocab_size >= "
+                  f"{t['vocab_size']:,}")
+
+
+@data_app.command("inspect")
+def inspect(corpus: Annotated[str, typer.Argument(help="a prepared corpus: directory or gs:// URL")],
+            verify: Annotated[bool, typer.Option(help="read every file: size and SHA-256 against the manifest")] = False,
+            documents: Annotated[int, typer.Option(min=0, help="show the first N documents of each file")] = 0,
+            tokenizer: Annotated[Optional[str], typer.Option(
+                help="the corpus's tokenizer file, to decode documents of a non-byte corpus")] = None,
+            as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False):
+    """Show what a prepared corpus holds: files, documents, tokens, what preparation dropped and why.
+
+    Exits 1 when --verify finds a file that is not what the manifest says (missing, truncated, changed).
+    """
+    import json as json_lib
+
+    from diloco.learners.data import DataError
+    from diloco.pipelines.inspection import inspect_corpus
+
+    try:
+        s = inspect_corpus(corpus, verify=verify, documents=documents, tokenizer=tokenizer)
+    except DataError as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json_lib.dumps(s, indent=1))
+    else:
+        table = Table("file", "documents", "tokens", "sequences", "sha256", *(["check"] if verify else []),
+                      title=f"{corpus} ({s['content_sha256'][:12]})")
+        for f in s["files"]:
+            check = ([] if not verify else ["ok" if f["problem"] is None else f"[red]{f['problem']}[/]"])
+            table.add_row(f["name"], f"{f['documents']:,}", f"{f['tokens']:,}", f"{f['sequences']:,}",
+                          (f["sha256"] or "-")[:12], *check)
+        t = s["totals"]
+        table.add_row("total", f"{t['documents']:,}", f"{t['tokens']:,}", f"{t['sequences']:,}", "",
+                      *([""] if verify else []))
+        console.print(table)
+        console.print(f"tokenizer {s['tokenizer']} ({s['tokenizer_kind']}): vocab_size {s['vocab_size']:,}, "
+                      f"separator {s['separator']}, {s['dtype']}; sequences of {s['seq_len']} + 1, seed "
+                      f"{s['seed']}, held out {s['heldout_fraction']}")
+        for src in s["sources"]:
+            console.print(f"source {src['input']}: {src['files']:,} files, {src['bytes'] / 1e6:,.1f} MB")
+        d = s["dropped"]
+        console.print(f"files read {s['files_read']:,}, records read {s['records_read']:,}; dropped: duplicates "
+                      f"{d['duplicates']:,}, near duplicates "
+                      + ("off" if d["near_duplicates"] is None else f"{d['near_duplicates']:,}")
+                      + f", bad rows {sum(d['bad_rows'].values()):,}" + (f" {d['bad_rows']}" if d["bad_rows"] else "")
+                      + f", skipped files {d['skipped']:,}, left out by the byte cap {d['capped_files']:,}")
+        for mv in s["moved"]:
+            console.print(f"moved {mv['path']} from {mv['from']} to {mv['to']}")
+        for name, docs in s["documents"].items():
+            console.print(f"[bold]{name}[/]")
+            for doc in docs:
+                console.print("  " + repr(doc[:160]) + ("..." if len(doc) > 160 else ""), markup=False)
+    if verify and not s["verified"]:
+        raise typer.Exit(1)
 
 
 def report(ctx: typer.Context,
