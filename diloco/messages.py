@@ -75,6 +75,9 @@ class Manifest:
     crc32c: int              # CRC-32C (Castagnoli) of the whole payload, as Kafka and GCS use it
     created: float
     packing: str = "none"    # the lossless stage over the tensors' codes (diloco.packing); total_bytes counts its output
+    # [first, end): the learner's data-stream steps the delta trained on (a shard_batches reader's step
+    # k reads its k-th batch); None when the sender does not say (the field is optional)
+    cursor: tuple[int, int] | None = None
 
     @property
     def codes_bytes(self) -> int:
@@ -86,6 +89,10 @@ class Manifest:
         d["tensors"] = [asdict(t) | {"shape": list(t.shape)} for t in self.tensors]
         if d["packing"] == "none":  # the field is optional: an unpacked manifest reads as before packing existed
             del d["packing"]
+        if d["cursor"] is None:
+            del d["cursor"]
+        else:
+            d["cursor"] = list(d["cursor"])
         return {"kind": "manifest", **d}
 
     @staticmethod
@@ -129,7 +136,7 @@ class Manifest:
             fragment=need("fragment", int), base_version=need("base_version", int), tokens=need("tokens", int),
             steps=need("steps", int), step_time=number("step_time"), tensors=tuple(tensors),
             total_bytes=need("total_bytes", int), n_chunks=need("n_chunks", int), crc32c=need("crc32c", int),
-            created=number("created"), packing=h.get("packing", "none"),
+            created=number("created"), packing=h.get("packing", "none"), cursor=_cursor(h.get("cursor"), h.get("steps")),
         )
         if m.packing not in packing_mod.PACKINGS:
             raise WireError(f"manifest packing must be one of {packing_mod.PACKINGS}, got {short(m.packing)}")
@@ -140,6 +147,21 @@ class Manifest:
         if m.packing == "none" and m.codes_bytes != m.total_bytes:
             raise WireError("manifest total_bytes is not the sum of its tensors' nbytes")
         return m
+
+
+MAX_CURSOR = 2**53   # steps: beyond it a JSON number is no exact integer in most readers
+
+
+def _cursor(v, steps) -> tuple[int, int] | None:
+    """A manifest's optional cursor: [first, end) steps of the learner's data stream, as many as it claims."""
+    if v is None:
+        return None
+    if (not isinstance(v, list) or len(v) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_CURSOR for x in v)):
+        raise WireError(f"manifest cursor must be [first, end], two integers in 0..2**53, got {short(v)}")
+    if v[1] - v[0] != steps:
+        raise WireError(f"manifest cursor {v} spans {v[1] - v[0]} steps, the manifest claims {short(steps, 40)}")
+    return v[0], v[1]
 
 
 def frame(header: Mapping, payload: bytes = b"") -> bytes:
@@ -171,7 +193,7 @@ def parse_frame(raw: bytes) -> tuple[dict, memoryview]:
 def encode_contribution(
     *, run: str, learner: str, region: str, fragment: int, base_version: int, tokens: int, steps: int,
     step_time: float, deltas: Mapping[str, np.ndarray], scheme: str | Mapping[str, str], chunk_bytes: int,
-    packing: str = "none",
+    packing: str = "none", cursor: tuple[int, int] | None = None,
 ) -> tuple[Manifest, list[bytes]]:
     """Quantize a fragment's deltas (one scheme, or one per tensor), pack the codes (`packing`) and
     cut them into a manifest frame plus chunk frames."""
@@ -188,7 +210,7 @@ def encode_contribution(
         id=uuid.uuid4().hex, run=run, learner=learner, region=region, fragment=fragment,
         base_version=base_version, tokens=tokens, steps=steps, step_time=step_time, tensors=tuple(specs),
         total_bytes=len(payload), n_chunks=n_chunks, crc32c=checksum(payload), created=time.time(),
-        packing=packing,
+        packing=packing, cursor=None if cursor is None else (int(cursor[0]), int(cursor[1])),
     )
     frames = [frame(manifest.to_header())]
     for i in range(n_chunks):
@@ -483,7 +505,8 @@ def _epoch(v) -> bool:
 
 _HEARTBEAT = {  # field -> check; unknown fields are dropped, a bad known one refuses the beat
     "step": _count, "start_step": _count, "tokens": _count, "published": _count, "bytes_sent": _count,
-    "bytes_fetched": _count, "versions_applied": _count,
+    "bytes_fetched": _count, "versions_applied": _count, "handed_in_to": _count,
+    "handed_in_tokens": _count,
     "step_time": _seconds, "compute_s": _seconds, "at": _epoch,
     "loss": lambda v: v is None or _real(v),
     "state": lambda v: v in ("running", "finished", "left"),

@@ -22,13 +22,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from diloco import chaos, membership, messages
+from diloco import chaos, coverage, membership, messages
 from diloco.checkpoint import read_global
-from diloco.config import Config, ConfigError, dump_config
+from diloco.config import BUILTIN_MODEL, Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore, StoreError
-from diloco.learners.data import Corpus, corpus_for
+from diloco.learners.data import Corpus, corpus_for, epochs_read
 from diloco.messages import WireError
 from diloco.plan import Plan, flatten, unflatten
 from diloco.spec import ModelSpec, evaluate, import_roots, initial_plan, load_spec
@@ -80,14 +80,32 @@ def check_event_fields(ev: dict) -> None:
 
 def check_heartbeat_claims(cfg: Config, ev: dict) -> None:
     """ValueError unless a (typed) heartbeat's step is within its learner's schedule (what a restart or
-    a spare resumes from: a forged step far ahead would have it train nothing) and its tokens within
+    a spare resumes from: a forged step far ahead would have it train nothing), what it says it
+    handed in is no further than that step, and its tokens within
     what that many steps can hold at syncer.max_tokens_per_step."""
     lid, step, tokens = ev["learner"], ev.get("step", 0), ev.get("tokens", 0)
     if step > cfg.learner_steps(lid):
         raise ValueError(f"heartbeat of {lid} at step {step}: its schedule ends at {cfg.learner_steps(lid)}")
+    if ev.get("handed_in_to", 0) > step:
+        raise ValueError(f"heartbeat of {lid} at step {step} says it handed in steps up to {ev['handed_in_to']}")
+    if ev.get("handed_in_tokens", 0) > tokens * cfg.fragments.count:  # each token is in one delta per fragment
+        raise ValueError(f"heartbeat of {lid} says it handed in {ev['handed_in_tokens']} tokens of {tokens} trained "
+                         f"over {cfg.fragments.count} fragments")
     if tokens > max(step, 1) * cfg.syncer.max_tokens_per_step:
         raise ValueError(f"heartbeat of {lid} claims {tokens} tokens in {step} steps (syncer.max_tokens_per_step="
                          f"{cfg.syncer.max_tokens_per_step})")
+
+
+def check_accepted_cursor(cfg: Config, ev: dict) -> None:
+    """ValueError unless an acceptance's cursor is [first, end] steps within its learner's schedule
+    (a restart resumes past it: a forged one far ahead would have the learner train nothing)."""
+    lid, cur = ev.get("learner"), ev.get("cursor")
+    if not isinstance(lid, str) or not cfg.is_member_id(lid):
+        raise ValueError(f"acceptance of learner {messages.short(lid, 40)}, not one of this run's")
+    if (not isinstance(cur, list) or len(cur) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in cur)
+            or not 0 <= cur[0] <= cur[1] <= cfg.learner_steps(lid)):
+        raise ValueError(f"acceptance of {lid} with cursor {messages.short(cur, 40)}: not [first, end] steps within "
+                         f"its schedule of {cfg.learner_steps(lid)}")
 
 
 @dataclass
@@ -107,6 +125,20 @@ class Progress:
     merged: dict[tuple[int, int], int] = field(default_factory=dict)  # (fragment, version) -> tokens, as stored
     trained: dict[tuple[str, str], int] = field(default_factory=dict)  # tokens per (learner, incarnation)
     membership: list[dict] = field(default_factory=list)  # learner_admitted, _left, _finished, ... events
+    handed_in: dict[str, int] = field(default_factory=dict)  # learner -> furthest cursor end it handed in
+    handed_in_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
+
+    def per_learner(self, counts: dict[tuple[str, str], int]) -> dict[str, int]:
+        """A per-incarnation count summed per learner."""
+        out: dict[str, int] = {}
+        for (lid, _), n in counts.items():
+            out[lid] = out.get(lid, 0) + n
+        return out
+
+    def resume_step(self, learner: str, default: int = 0) -> int:
+        """Where a restarted learner (or the spare taking its place) resumes its data stream: past every
+        step it handed in (so no window reaches the global model twice) and past its last beat."""
+        return max(self.learners.get(learner, {}).get("step", default), self.handed_in.get(learner, 0))
 
     def tokens(self) -> int:
         """Tokens all learners trained: each incarnation counts from zero (a restarted learner resumes at
@@ -133,6 +165,8 @@ class Progress:
             for p, n in (ev.get("fetched_by_fragment") or {}).items():
                 parts[p] = max(parts.get(p, 0), n)
             self.trained[key] = max(self.trained.get(key, 0), ev.get("tokens", 0))
+            self.handed_in[ev["learner"]] = max(self.handed_in.get(ev["learner"], 0), ev.get("handed_in_to", 0))
+            self.handed_in_tokens[key] = max(self.handed_in_tokens.get(key, 0), ev.get("handed_in_tokens", 0))
         if ev["kind"] == "heartbeat" and ev.get("step", 0) < self.learners.get(ev["learner"], {}).get("step", 0):
             return  # a late beat of a killed incarnation: the restarted one resumed further on
         kind = ev["kind"]
@@ -145,6 +179,8 @@ class Progress:
             self.merged_ids.extend(ev["ids"])
         elif kind == "contribution_accepted":
             self.accepted += 1
+            if ev.get("cursor") is not None:  # checked by the caller: the syncer took it, so it was handed in
+                self.handed_in[ev["learner"]] = max(self.handed_in.get(ev["learner"], 0), ev["cursor"][1])
         elif kind == "contribution_rejected":
             self.rejected += 1
             self.rejections[ev["reason"]] = self.rejections.get(ev["reason"], 0) + 1
@@ -273,6 +309,7 @@ def finish(setup: RunSetup, run: LocalRun, console: Console, summary_json: str |
     summary = build_summary(cfg, cfg.run.id, setup.state, run.prog, setup.eval_start, eval_end,
                             time.time() - setup.t_start)
     summary |= run.resilience(setup.state)
+    summary["coverage"] = run.coverage(setup.state)
     summary["membership"] = membership.timeline(cfg.learner_ids(), run.prog.membership, start=run.first_beat)
     summary["members"] = list(run.members)
     summary["run_dir"] = str(setup.run_dir)
@@ -361,8 +398,8 @@ class LocalRun:
             self.syncers_up.discard(name)
             self.jobs.start(name, ["syncer", *conf, "--shard", str(self.syncers.index(name))])
             return
-        # resume where its heartbeats left off (a joiner: where the run was when it joined)
-        step = self.prog.learners.get(name, {}).get("step", self.join_step.get(name, 0))
+        # resume past what it handed in and its last beat (a joiner: where the run was when it joined)
+        step = self.prog.resume_step(name, self.join_step.get(name, 0))
         self.jobs.start(name, ["learner", *conf, "--learner", name, "--corpus", str(self.corpus.dir),
                                "--start-step", str(step)], processes=self.cfg.parallel.processes)
 
@@ -386,11 +423,11 @@ class LocalRun:
         False when no spare is left; spares that died are dropped."""
         while self.spares:
             spare = self.spares.pop(0)
-            hb = self.prog.learners.get(name, {})
+            hb, at = self.prog.learners.get(name, {}), self.prog.resume_step(name)
             try:
                 if self.jobs.poll(spare) is not None:
                     raise OSError(f"exited with {self.jobs.poll(spare)}")
-                self.jobs.tell(spare, json.dumps({"learner": name, "start_step": hb.get("step", 0)}))
+                self.jobs.tell(spare, json.dumps({"learner": name, "start_step": at}))
             except OSError as err:
                 self.console.print(Text(f"{spare} cannot take over ({err}); log {self.jobs.jobs[spare].log}:\n",
                                         style="red") + Text(self.jobs.tail(spare)))
@@ -398,8 +435,8 @@ class LocalRun:
             self.jobs.rename(spare, name)
             self.replaced[name] = hb.get("incarnation")
             self.restarts[name] = self.restarts.get(name, 0) + 1
-            self.handovers.append({"learner": name, "spare": spare, "start_step": hb.get("step", 0)})
-            self.console.print(Text(f"{name} {why}; {spare} takes its place at step {hb.get('step', 0)}", style="yellow"))
+            self.handovers.append({"learner": name, "spare": spare, "start_step": at})
+            self.console.print(Text(f"{name} {why}; {spare} takes its place at step {at}", style="yellow"))
             self.spares_owed += 1  # started once it trains: a spare warming up beside it would take its cores
             return True
         return False
@@ -454,6 +491,8 @@ class LocalRun:
                 raise KeyError(f"learner {messages.short(ev.get('learner'), 40)} is not in this run")
             messages.clean_heartbeat(ev)  # raises on a field of the wrong type or range; the beat is kept whole
             check_heartbeat_claims(self.cfg, ev)
+        if ev["kind"] == "contribution_accepted" and ev.get("cursor") is not None:
+            check_accepted_cursor(self.cfg, ev)
         tokens = self._stored_merge(ev) if ev["kind"] == "merge" else None
         if ev["kind"] == "syncer_started":
             self._check_stored_versions(ev.get("versions"))
@@ -768,6 +807,24 @@ class LocalRun:
             "spare_handovers": list(self.handovers),
         }
 
+    def coverage(self, state: state_mod.SyncerState) -> dict:
+        """The coverage ledger (diloco.coverage) from the merge records and the learners' beats; the
+        epoch each shard reached when the built-in model reads it (shard_batches, one window per sequence)."""
+        cfg = self.cfg
+        epochs = None
+        if cfg.model.entry == BUILTIN_MODEL:
+            span = cfg.model.transformer.seq_len + 1
+
+            def epochs(lid: str, end: int) -> float | None:
+                if not cfg.is_member_id(lid):
+                    return None
+                i = cfg.shard_index(lid)
+                n = int(self.corpus.manifest["shards"][i]["tokens"])
+                return round(epochs_read(n, cfg.data.seed, i, end * cfg.inner.batch_size, span), 4)
+        return coverage.ledger(state.merges(), fragments=cfg.fragments.count,
+                               trained=self.prog.per_learner(self.prog.trained),
+                               handed_in=self.prog.per_learner(self.prog.handed_in_tokens), epochs=epochs)
+
     def _time_in_run(self, lid: str, end: float) -> float:
         """Seconds `lid` was a member: from the first heartbeat of the run (a starting learner) or
         its addition, until it was asked to leave or the run's learners were done."""
@@ -933,6 +990,10 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     if s.get("traffic"):
         rows.append(("  per region (up / down)", "  ".join(
             f"{r} {t['up'] / 1e6:,.2f} / {t['down'] / 1e6:,.2f} MB" for r, t in s["traffic"]["by_region"].items())))
+    if s.get("coverage"):
+        t = s["coverage"]["totals"]
+        rows.append(("tokens into the global model", f"{t['tokens_merged']:,} of {t['tokens_trained']:,} trained; "
+                                                     f"twice {t['tokens_twice']:,}, lost {t['tokens_lost']:,}"))
     if s["rejections"]:
         rows.append(("rejections by reason", ", ".join(f"{k} {v}" for k, v in s["rejections"].items())))
     return rows

@@ -85,6 +85,33 @@ class Corpus:
         return np.memmap(self.dir / self.manifest["heldout"]["name"], dtype=self.dtype, mode="r")
 
 
+def epoch_windows(n_tokens: int, seed: int, index: int, epoch: int, span: int) -> np.ndarray:
+    """The window starts shard `index` reads in `epoch`, in reading order: the shard cut into windows of
+    `span` tokens at a seeded phase, in a seeded order."""
+    rng = np.random.default_rng([seed, index, epoch])
+    phase = int(rng.integers(0, span))
+    return phase + span * rng.permutation((n_tokens - phase) // span).astype(np.int64)
+
+
+def _epoch_length(n_tokens: int, seed: int, index: int, epoch: int, span: int) -> int:
+    """len(epoch_windows(...)) without drawing the order."""
+    phase = int(np.random.default_rng([seed, index, epoch]).integers(0, span))
+    return max(n_tokens - phase, 0) // span
+
+
+def epochs_read(n_tokens: int, seed: int, index: int, windows: int, span: int) -> float:
+    """How many epochs of its shard a reader of `windows` windows got through (1.5: all of the first
+    and half of the second), by the epoch lengths shard_batches reads."""
+    e, left = 0, windows
+    while True:
+        n = _epoch_length(n_tokens, seed, index, e, span)
+        if n == 0:
+            return float(e)
+        if left < n:
+            return e + left / n
+        e, left = e + 1, left - n
+
+
 def shard_batches(tokens: np.ndarray, shard, *, batch_size: int, seq_len: int):
     """Endless (B, T + 1) int32 batches of this host's share of one learner's shard, read without
     replacement: each epoch cuts the shard into windows of T + 1 tokens at a seeded phase and reads
@@ -98,16 +125,10 @@ def shard_batches(tokens: np.ndarray, shard, *, batch_size: int, seq_len: int):
         raise DataError(f"shard has {len(tokens)} tokens, fewer than two sequences of {span}")
     per_step = batch_size * shard.processes
 
-    def epoch(e: int) -> np.ndarray:  # the window starts of epoch e, in reading order
-        rng = np.random.default_rng([shard.seed, shard.index, e])
-        phase = int(rng.integers(0, span))
-        n = (len(tokens) - phase) // span
-        return phase + span * rng.permutation(n).astype(np.int64)
-
     def windows():  # every window start in reading order, from the one start_step reached
         e, skip = 0, shard.start_step * per_step  # windows the steps before start_step read
         while True:
-            order = epoch(e)
+            order = epoch_windows(len(tokens), shard.seed, shard.index, e, span)
             yield from order[skip:]
             skip = max(skip - len(order), 0)
             e += 1

@@ -67,6 +67,8 @@ class Counters:
     bytes_fetched: int = 0
     fetched_by_fragment: dict[int, int] = field(default_factory=dict)  # bytes read from the store, per fragment
     versions_applied: int = 0
+    handed_in_to: int = 0   # the end of the furthest data-stream cursor published: where a restart resumes
+    handed_in_tokens: int = 0  # tokens of the contributions published, summed over fragments (coverage ledger)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -85,6 +87,7 @@ class Publisher(threading.Thread):
         self.producer, self.topics, self.counters = producer, topics, counters
         self.queue: queue.Queue = queue.Queue(maxsize=PUBLISH_QUEUE)
         self.error: BaseException | None = None
+        self.on_published = None   # called after each contribution is acked (the heartbeat says so at once)
 
     def run(self) -> None:
         while (job := self.queue.get()) is not None:
@@ -98,12 +101,12 @@ class Publisher(threading.Thread):
         self.queue.task_done()
 
     def _send(self, fragment: int, base_version: int, tokens: int, steps: int, step_time: float, deltas,
-              schemes: dict[str, str] | None = None) -> None:
+              schemes: dict[str, str] | None = None, cursor: tuple[int, int] | None = None) -> None:
         manifest, frames = messages.encode_contribution(
             run=self.run_id, learner=self.learner, region=self.region, fragment=fragment, base_version=base_version,
             tokens=tokens, steps=steps, step_time=step_time, deltas=deltas,
             scheme=schemes or self.cfg.fragments.quantization,
-            chunk_bytes=self.cfg.fragments.chunk_bytes, packing=self.cfg.fragments.packing)
+            chunk_bytes=self.cfg.fragments.chunk_bytes, packing=self.cfg.fragments.packing, cursor=cursor)
         topic = self.topics.fragments[self.region]
         part = self.topics.partition_of(fragment)
         key = str(fragment).encode()
@@ -126,8 +129,14 @@ class Publisher(threading.Thread):
         with self.counters.lock:
             self.counters.published += 1
             self.counters.bytes_sent += sum(len(f) + len(key) for f in frames)
+            self.counters.handed_in_tokens += tokens
+            if cursor is not None:
+                self.counters.handed_in_to = max(self.counters.handed_in_to, cursor[1])
         log.info("published", extra={"fragment": fragment, "base_version": base_version, "id": manifest.id,
-                                     "bytes": manifest.total_bytes, "chunks": manifest.n_chunks})
+                                     "bytes": manifest.total_bytes, "chunks": manifest.n_chunks, "tokens": tokens,
+                                     "cursor": None if cursor is None else list(cursor)})
+        if self.on_published is not None:
+            self.on_published()
 
 
 class Heartbeat(threading.Thread):
@@ -470,6 +479,7 @@ class Session:
         self.publisher = Publisher(self.cfg, self.run_id, self.id, self.region.name, self.producer, self.topics,
                                    self.counters)
         self.heartbeat = Heartbeat(self._beat, self.cfg.run.heartbeat_s, kafka_io.BrokerWatch(self.cfg.transport, self.id))
+        self.publisher.on_published = self.heartbeat.beat_now  # a restart resumes past what was handed in
         self.fetcher = Fetcher(self.cfg, self.run_id, self._outer or kafka_io.consumer(self.cfg.transport), self.store,
                                self.topics, self.counters, self.plan, keep=1 if jax.process_count() == 1 else 2)
         if self.leader:
@@ -507,7 +517,8 @@ class Session:
                 values[n] = place_blocks(blocks[n], leaves[n])
                 self._base[n] = place_blocks(blocks[n], leaves[n], np.float32)
         self._params = with_leaves(params, self.plan, values)
-        log.info("joined", extra={"learner": self.id, "versions": dict(self._version), "shard": self.index,
+        log.info("joined", extra={"learner": self.id, "start_step": self.start_step, "versions": dict(self._version),
+                                  "shard": self.index, "incarnation": self.incarnation,
                                   "devices": jax.device_count(), "host": jax.process_index(),
                                   "hosts": jax.process_count()})
         return self._params
@@ -647,7 +658,8 @@ class Session:
 
     def _beat(self, **fields) -> None:
         with self.counters.lock:
-            c = {k: getattr(self.counters, k) for k in ("published", "bytes_sent", "bytes_fetched", "versions_applied")}
+            c = {k: getattr(self.counters, k) for k in ("published", "bytes_sent", "bytes_fetched", "versions_applied",
+                                                         "handed_in_to", "handed_in_tokens")}
             c["fetched_by_fragment"] = {str(p): n for p, n in sorted(self.counters.fetched_by_fragment.items())}
         self.producer.send(self.topics.events, messages.event(
             "heartbeat", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
@@ -698,7 +710,8 @@ class Session:
         if self.leader:
             job = {"fragment": p, "base_version": self._version[p], "tokens": s["tokens"], "steps": s["steps"],
                    "step_time": s["time"] / max(s["steps"], 1), "deltas": deltas,
-                   "schemes": {n: self._schemes[n] for n in names}}
+                   "schemes": {n: self._schemes[n] for n in names},
+                   "cursor": (self.steps - s["steps"], self.steps)}  # the data-stream steps it trained on
             if self.publisher.queue.full():
                 log.warning("publisher %d contributions behind: waiting for the link", PUBLISH_QUEUE)
             while True:  # only this thread puts: wait for room, but not on a publisher that died

@@ -238,6 +238,13 @@ def report(ctx: typer.Context,
                       "-" if r["goodput"] is None else f"{r['goodput']:.1%}", str(r["late"]), str(r["rejected"]),
                       f"{r['bytes_sent'] / 1e6:.1f}")
     console.print(table)
+    cov = rep["coverage"]
+    if cov["learners"]:
+        ct = Table("learner", "tokens merged", "twice", "missed", "lost", "cursor end", title="coverage ledger")
+        for lid, r in cov["learners"].items():
+            ct.add_row(lid, f"{r['tokens_merged']:,}", f"{r['tokens_twice']:,}", f"{r['tokens_missed']:,}",
+                       f"{r['tokens_lost']:,}", "-" if r["cursor_end"] is None else f"{r['cursor_end']:,}")
+        console.print(ct)
     lat = rep["merge_latency_s"].get("all")
     console.print(f"{rep['totals']['merges']} merges over {rep['fragments']} fragments"
                   + (f", latency p50 {lat['p50']:.2f}s p90 {lat['p90']:.2f}s" if lat else "")

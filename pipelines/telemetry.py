@@ -26,7 +26,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from diloco import membership
+from diloco import coverage, membership
 from diloco.pipelines.corpus import (
     WriteJsonLines,
     read_json_lines,
@@ -39,7 +39,12 @@ NS = "telemetry"
 PARTS = ".parts"
 UNKNOWN = "(unknown)"  # learner or region of a record that does not say whose it was
 TABLES = ("learners", "regions", "merges", "staleness", "latency", "rejections", "loss", "kinds", "span", "fragments",
-          "membership")
+          "membership", "merge_records", "handed_in")
+
+
+def _count(v) -> int:
+    """A count a beat claims, or 0 when it is not one."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 else 0
 
 
 # --- the Kafka edge ----------------------------------------------------------------------------------
@@ -360,6 +365,17 @@ class RunReport(beam.PTransform):
                      | "Span" >> beam.CombineGlobally(span).without_defaults()
                      | "SpanRow" >> beam.MapTuple(lambda start, end: {"start": start, "end": end})),
             "fragments": fragments | "FragmentRow" >> beam.Map(lambda n: {"fragments": n}),
+            # the coverage ledger's inputs (diloco.coverage, computed once all are read)
+            "merge_records": (events | "MergeEvents" >> beam.Filter(lambda e: e["kind"] == "merge")
+                              | "MergeRecord" >> beam.Map(lambda e: {k: e.get(k) for k in (
+                                  "fragment", "version", "learners", "tokens", "tokens_each", "cursors")})),
+            "handed_in": (heartbeats
+                          | "HandedInByIncarnation" >> beam.Map(lambda e: ((e["learner"], str(e.get("incarnation"))),
+                                                                          _count(e.get("handed_in_tokens"))))
+                          | "LatestHandedIn" >> beam.CombinePerKey(max)
+                          | "ByLearner" >> beam.MapTuple(lambda k, n: (k[0], n))
+                          | "SumHandedIn" >> beam.CombinePerKey(sum)
+                          | "HandedInRow" >> beam.MapTuple(lambda lid, n: {"learner": lid, "handed_in_tokens": n})),
             "membership": (events | "MembershipChanges" >> beam.Filter(lambda e: e["kind"] in membership.CHANGES)
                            | "ChangeRow" >> beam.Map(lambda e: {"time": e["time"], "kind": e["kind"],
                                                                 "learner": e.get("learner")})),
@@ -415,6 +431,10 @@ def finalise(output: str, run_id: str | None, counts: dict) -> dict:
         # members over time: each learner from its first heartbeat (learner_joined) or admission until it
         # left, finished or was dropped (the events do not name the starting learners)
         "membership": membership.timeline([], t["membership"], start=span["start"]),
+        "coverage": coverage.ledger(
+            sorted(t["merge_records"], key=lambda m: (str(m.get("fragment")), str(m.get("version")))),
+            fragments=fragments, trained={r["learner"]: r["tokens_trained"] for r in learners},
+            handed_in={r["learner"]: r["handed_in_tokens"] for r in t["handed_in"]}),
     }
     join = lambda name: FileSystems.join(output, name)  # noqa: E731
     write_bytes(join("report.json"), json.dumps(rep, indent=1).encode())
@@ -423,6 +443,8 @@ def finalise(output: str, run_id: str | None, counts: dict) -> dict:
     write_bytes(join("merges.csv"), _csv(merges, ("time", "fragment", "version")))
     write_bytes(join("staleness.csv"), _csv([{"lag": k, "count": v} for k, v in rep["staleness"].items()], ("lag",)))
     write_bytes(join("rejections.csv"), _csv(rep["rejections"], ("reason", "learner")))
+    write_bytes(join("coverage.csv"), _csv([{"learner": k, **v} for k, v in rep["coverage"]["learners"].items()],
+                                           ("learner",)))
     loss = sorted(t["loss"], key=lambda r: (r["time"], r["learner"]))
     write_bytes(join("loss.csv"), _csv(loss, ("time", "learner")))
     for name, png in plots(rep, loss).items():

@@ -604,13 +604,14 @@ class Syncer:
         meta = {"id": m.id, "learner": m.learner, "region": m.region, "fragment": m.fragment,
                 "base_version": m.base_version, "tokens": m.tokens, "steps": m.steps, "step_time": m.step_time,
                 "bytes": m.total_bytes, "arrival": self.clock(), "topic": tp[0], "partition": tp[1],
-                "offset": a.first_offset, "created": m.created}
+                "offset": a.first_offset, "created": m.created, "cursor": None if m.cursor is None else list(m.cursor)}
         st = self.fragments[m.fragment]
         st.round[m.id] = Pending(meta, meta["arrival"], tp, a.first_offset, verdict)
         self.status[m.id] = Status.pending(m.fragment)
         self.state.accept(m.fragment, m.id, meta, self.replay_offsets([m.fragment]), outbox=[self._outbox_event(
             "contribution_accepted", id=m.id, learner=m.learner, region=m.region, fragment=m.fragment,
-            base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes)],
+            base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes,
+            cursor=meta["cursor"])],
             fence={m.fragment: self.epochs[m.fragment]})
 
     def _check_manifest(self, m: Manifest):
@@ -674,6 +675,8 @@ class Syncer:
         late = sum(1 for m in metas if m["base_version"] < st.version)
         record = {"fragment": p, "version": st.version + 1, "ids": ids, "learners": [m["learner"] for m in metas],
                   "tokens": sum(m["tokens"] for m in metas), "weights": [round(float(w), 6) for w in closed.weights],
+                  # each contribution's tokens and data-stream cursor: the coverage ledger's input
+                  "tokens_each": [m["tokens"] for m in metas], "cursors": [m.get("cursor") for m in metas],
                   "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
                   "base_versions": [m["base_version"] for m in metas], "late": late, "reason": reason,
                   "share": share,  # exact, with "where": what a rebuild since the last snapshot replays
@@ -697,6 +700,7 @@ class Syncer:
         try:
             merge_event = self._outbox_event("merge", fragment=p, version=st.version + 1, ids=ids,
                                              learners=record["learners"], tokens=record["tokens"], late=late,
+                                             tokens_each=record["tokens_each"], cursors=record["cursors"],
                                              reason=reason, missing=record["missing"], seconds=round(sync_time, 4))
             self.state.commit_merge(p, from_version=st.version, ids=ids, late=late, record=record,
                                     offsets=self.replay_offsets([p]), sync_time_s=ema, outbox=[

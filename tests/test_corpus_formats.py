@@ -358,3 +358,23 @@ def test_a_run_config_asks_for_near_duplicate_removal(near_inputs, tmp_path):
     assert json.loads((exact.dir / "manifest.json").read_text())["near_duplicates"] is None
     with pytest.raises(Exception, match="near_duplicates"):
         config(near_duplicates=0)
+
+
+@pytest.mark.integration
+def test_a_record_corpus_with_near_duplicates_trains_in_a_local_run(near_inputs, tiny_config, tmp_path):
+    """The issue's whole path: a Parquet file and a .jsonl.gz with bad rows and near duplicates planted,
+    prepared by the run itself (data.corpus, data.near_duplicates), trained by a local multi-region run."""
+    from rich.console import Console
+
+    from diloco.learners.data import corpus_for
+    from diloco.run import train
+
+    root, _ = near_inputs
+    cfg = tiny_config(data={"corpus": str(root), "dir": str(tmp_path / "data"), "heldout_fraction": 0.2,
+                            "near_duplicates": 0.7},
+                      outer={"lr": 1.0, "momentum": 0.0}, fragments={"apply": "rebase"})
+    m = corpus_for(cfg).manifest
+    assert m["near_duplicates"]["dropped"] == 3 and m["bad_rows"] == {"not_json": 1, "not_a_string": 1}
+    s = train(cfg, progress=False, console=Console(quiet=True))
+    assert s["eval_loss_end"] < 0.9 * s["eval_loss_start"], (s["eval_loss_start"], s["eval_loss_end"])
+    assert s["coverage"]["totals"]["tokens_twice"] == 0 and s["coverage"]["totals"]["tokens_merged"] > 0

@@ -52,6 +52,13 @@ def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_pa
     # (int8 both ways), where fetching every version cost ~2x (docs/bench.md)
     assert summary["bytes_fetched"] < 1.3 * summary["bytes_sent"], (summary["bytes_fetched"], summary["bytes_sent"])
     assert summary["bytes_across"] == summary["bytes_sent"] + summary["bytes_fetched"]
+    # the coverage ledger: every token trained reached the global model once, none twice or lost, and
+    # each learner's cursor reached its last step (the shard read without replacement, part of an epoch)
+    cov = summary["coverage"]
+    assert cov["totals"]["tokens_twice"] == 0 and cov["totals"]["tokens_lost"] == 0, cov
+    assert cov["totals"]["tokens_merged"] == cov["totals"]["tokens_handed_in"] == summary["tokens"]
+    for row in cov["learners"].values():
+        assert row["cursor_end"] == cfg.inner.steps and row["without_cursor"] == 0 and 0 < row["epoch"] < 1, row
     state, published, _ = assert_exact_accounting(cfg, summary["run_id"])
     assert len(published) == c["published"]
     # the syncer heard every learner's heartbeats (liveness, step times for the grace window)

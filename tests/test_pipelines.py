@@ -309,12 +309,18 @@ def test_report_figures_match_the_events(run_report):
     assert rep["totals"]["rejected_unattributed"] == 1
     assert rep["totals"]["goodput"] == pytest.approx(merged / (FRAGMENTS * 4 * 3 * T))
     assert [m["members"] for m in rep["membership"]] == [0, 1, 2, 3, 4, 3, 2, 1, 0]   # joined, then finished
+    # the coverage ledger: the pure function over the merge events and the learners' last beats
+    from diloco import coverage
+    assert rep["coverage"] == coverage.ledger(
+        [e for e in events if e["kind"] == "merge"], fragments=FRAGMENTS,
+        trained={lrn: r["tokens_trained"] for lrn, r in want["learners"].items()}, handed_in=dict.fromkeys(LEARNERS, 0))
+    assert rep["coverage"]["totals"]["tokens_merged"] == round(merged / FRAGMENTS)
 
 
 def test_report_writes_json_csv_and_plots(run_report):
     out, _, rep = run_report
     assert json.loads((out / "report.json").read_text()) == rep
-    for name in ("learners", "regions", "merges", "staleness", "rejections", "loss"):
+    for name in ("learners", "regions", "merges", "staleness", "rejections", "loss", "coverage"):
         assert (out / f"{name}.csv").read_text().count("\n") > 1, name
     assert (out / "loss.csv").read_text().count("\n") == 1 + 4 * 3
     for name in ("loss_versions.png", "goodput.png", "bytes_by_region.png", "membership.png"):

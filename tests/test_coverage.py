@@ -1,0 +1,96 @@
+"""The coverage ledger (diloco.coverage), the manifest's data cursor and where a restart resumes:
+pure logic on plain records, no services."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from diloco import coverage, messages
+from diloco.messages import WireError
+from diloco.run import Progress, check_heartbeat_claims
+
+
+def _merge(fragment, *contribs):
+    """A merge record of contributions (learner, tokens, cursor)."""
+    return {"fragment": fragment, "learners": [c[0] for c in contribs], "tokens": sum(c[1] for c in contribs),
+            "tokens_each": [c[1] for c in contribs], "cursors": [c[2] for c in contribs]}
+
+
+def test_extra_coverage_counts_each_copy_past_the_first():
+    assert coverage.extra_coverage([(0, 10, 5.0)]) == 0
+    assert coverage.extra_coverage([(0, 10, 5.0), (10, 20, 5.0)]) == 0            # adjacent: no overlap
+    assert coverage.extra_coverage([(0, 10, 5.0), (6, 20, 5.0)]) == 4 * 5.0        # steps 6..9 twice
+    assert coverage.extra_coverage([(0, 10, 1.0), (0, 10, 1.0), (0, 10, 1.0)]) == 20  # three copies: two extra
+    assert coverage.extra_coverage([(0, 4, 2.0), (2, 8, 3.0)]) == 2 * 2.0           # the denser one counts once
+
+
+def test_a_clean_run_merges_each_step_of_each_fragment_once():
+    # 2 fragments, a learner of 100 tokens per step: fragment 0 sent at steps 5 and 10, fragment 1 at 7 and 12
+    merges = [_merge(0, ("us-0", 500, [0, 5])), _merge(1, ("us-0", 700, [0, 7])), _merge(0, ("us-0", 500, [5, 10])),
+              _merge(1, ("us-0", 500, [7, 12]))]
+    led = coverage.ledger(merges, fragments=2, trained={"us-0": 1200}, handed_in={"us-0": 2400},
+                          epochs=lambda lid, end: end / 100)
+    row = led["learners"]["us-0"]
+    assert row["tokens_merged"] == 1100 and row["tokens_twice"] == 0 and row["tokens_lost"] == 100
+    assert row["lost_not_handed_in"] == 0 and row["lost_not_merged"] == 100   # fragment 0's steps 10..12 unmerged
+    assert row["cursor_end"] == 12 and row["epoch"] == 0.12 and row["merged_contributions"] == 4
+    assert row["tokens_missed"] == 0
+
+
+def test_steps_no_merged_contribution_covers_are_missed():
+    # fragment 0: steps 0..5 merged, 5..9 killed before the send, resumed at 9; fragment 1 covered throughout
+    merges = [_merge(0, ("us-0", 500, [0, 5])), _merge(0, ("us-0", 300, [9, 12])), _merge(1, ("us-0", 1200, [0, 12]))]
+    row = coverage.ledger(merges, fragments=2, trained={"us-0": 1200})["learners"]["us-0"]
+    assert row["tokens_missed"] == 4 * 100 / 2 and row["tokens_twice"] == 0
+    assert coverage.gaps([(0, 5, 1.0), (9, 12, 1.0)]) == [(5, 9)] and coverage.gaps([(2, 4, 1.0)]) == [(0, 2)]
+
+
+def test_a_restart_that_re_reads_handed_in_steps_shows_as_twice():
+    merges = [_merge(0, ("us-0", 1000, [0, 10])), _merge(0, ("us-0", 600, [4, 10]))]   # resumed at step 4
+    row = coverage.ledger(merges, fragments=1, trained={"us-0": 1600})["learners"]["us-0"]
+    assert row["tokens_twice"] == 600 and row["tokens_merged"] == 1600
+
+
+def test_merge_records_without_cursors_still_count_tokens():
+    old = {"fragment": 0, "learners": ["a", "b"], "tokens": 300}      # written before tokens_each and cursors
+    row = coverage.ledger([old], fragments=1, trained={"a": 150, "b": 150})["learners"]
+    assert row["a"]["tokens_merged"] == 150 and row["a"]["without_cursor"] == 1 and row["a"]["cursor_end"] is None
+
+
+def _manifest(**over):
+    m, _ = messages.encode_contribution(run="r", learner="us-0", region="us", fragment=0, base_version=0, tokens=64,
+                                        steps=4, step_time=0.1, deltas={"w": np.zeros(3, np.float32)}, scheme="int8",
+                                        chunk_bytes=1 << 20, cursor=(8, 12))
+    return m.to_header() | over
+
+
+def test_the_cursor_travels_in_the_manifest_and_is_checked():
+    h = _manifest()
+    assert h["cursor"] == [8, 12] and messages.Manifest.from_header(h).cursor == (8, 12)
+    del h["cursor"]
+    assert messages.Manifest.from_header(h).cursor is None      # optional: a client may leave it out
+    for bad, why in [([8, 13], "spans 5 steps"), ([12, 8], "spans -4"), ([8], "two integers"),
+                     ([8.0, 12.0], "two integers"), ([True, 5], "two integers"), ([-4, 0], "two integers"),
+                     ("8-12", "two integers"), ([2**53, 2**53 + 4], "two integers")]:
+        with pytest.raises(WireError, match=why):
+            messages.Manifest.from_header(_manifest(cursor=bad))
+
+
+def test_a_restart_resumes_past_what_it_handed_in_and_its_last_beat():
+    prog = Progress()
+    prog.apply(messages.parse_event(messages.event("heartbeat", run="r", source="learner", learner="us-0",
+                                                   incarnation="a", step=7, handed_in_to=5, handed_in_tokens=900)))
+    assert prog.resume_step("us-0") == 7
+    prog.handed_in["us-0"] = 9   # a contribution through step 9 acked after that beat
+    assert prog.resume_step("us-0") == 9 and prog.resume_step("eu-0", 3) == 3
+
+
+def test_a_beat_cannot_claim_it_handed_in_past_its_step():
+    from diloco.config import build_config
+
+    cfg = build_config({})
+    lid = cfg.learner_ids()[0]
+    check_heartbeat_claims(cfg, {"learner": lid, "step": 5, "handed_in_to": 5})
+    with pytest.raises(ValueError, match="handed in steps up to 9"):
+        check_heartbeat_claims(cfg, {"learner": lid, "step": 5, "handed_in_to": 9})
