@@ -38,6 +38,7 @@ from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
 from diloco.plan import make_plan
+from diloco.sim import capacity
 from diloco.syncer import state as state_mod
 from diloco.syncer.provision import provision
 
@@ -301,12 +302,16 @@ def _run_one(base: Config, tmp: str, *, params: int, learners: int, shards: int,
 
 
 def drain_one(base: Config, *, params: int, learners: int, shards: int, seconds: float = 20.0, period_s: float = 2.0,
-              fragments: int = 3, senders: int = 4, logs: Path | None = None) -> dict:
+              fragments: int = 3, senders: int = 4, logs: Path | None = None,
+              intake_mb_s: float = capacity.INTAKE_MB_S,
+              outer_ns_per_param: float = capacity.OUTER_NS_PER_PARAM) -> dict:
     """The syncer's own capacity: `seconds` of the setting's traffic published first, with no syncer
     running, then the shards started and timed from their first acceptance to the last decision.
     With the generator out of the way the syncer shares the machine only with the broker, so this is
     what one shard (or several) takes in when it has a core; the live rows are what it does beside a
-    generator on the same cores."""
+    generator on the same cores. `predicted_syncer_core_s` is what the capacity plan's model
+    (diloco.sim.capacity, at its per-core rates `intake_mb_s` and `outer_ns_per_param`) says the
+    drain costs: the check of `diloco simulate capacity` against the real syncer."""
     tmp = tempfile.mkdtemp(prefix="diloco-load-")
     try:
         cfg, run_id, state, topics, encoded, conf = _provisioned(base, tmp, params=params, learners=learners,
@@ -362,7 +367,10 @@ def drain_one(base: Config, *, params: int, learners: int, shards: int, seconds:
         jobs.stop_all(timeout=60)
         counters = state.counters()
         payload_bytes = sum(len(encoded[p][1]) for p in encoded) / len(encoded)
-        return {"mode": "drain", "run": run_id, "params_per_fragment": max(1, params // COLS) * COLS, "learners": learners,
+        versions = len(state.merges())
+        predicted = capacity.syncer_core_seconds(decided() * payload_bytes, versions, max(1, params // COLS) * COLS,
+                                                 intake_mb_s=intake_mb_s, outer_ns_per_param=outer_ns_per_param)
+        return {"mode": "drain", "versions": versions, "intake_mb_s": intake_mb_s, "syncer_core_s": cpu, "predicted_syncer_core_s": predicted, "run": run_id, "params_per_fragment": max(1, params // COLS) * COLS, "learners": learners,
                 "shards": shards, "fragments": fragments, "published": published[0],
                 "decided": decided(), "accepted": counters.get("accepted", 0), "applied": counters.get("applied", 0),
                 "rejected": counters.get("rejected", 0), "seconds": elapsed,
@@ -433,10 +441,13 @@ def _markdown(columns: list[str], cells: list[list[str]]) -> str:
 def drain_table(rows: list[dict]) -> str:
     return _markdown(
         ["params / fragment", "learners", "shards", "backlog (contributions)", "drained in", "taken in MB/s", "merged MB/s",
-         "merges/s", "cores used: syncer / broker", "syncer peak RSS"],
+         "merges/s", "cores used: syncer / broker", "syncer peak RSS",
+         "syncer core-s: measured / capacity plan (ratio)"],
         [[f"{r['params_per_fragment'] / 1e6:.1f}M", str(r["learners"]), str(r["shards"]), str(r["published"]),
           f"{r['seconds']:.1f} s", f"{r['taken_in_mb_per_s']:.1f}", f"{r['merged_mb_per_s']:.1f}", f"{r['merges_per_s']:.2f}",
-          f"{r['syncer_cores']:.2f} / {r['broker_cores']:.2f}", f"{r['syncer_peak_rss_mb']:.0f} MB"] for r in rows])
+          f"{r['syncer_cores']:.2f} / {r['broker_cores']:.2f}", f"{r['syncer_peak_rss_mb']:.0f} MB",
+          f"{r['syncer_core_s']:.2f} / {r['predicted_syncer_core_s']:.2f} "
+          f"({r['predicted_syncer_core_s'] / max(r['syncer_core_s'], 1e-9):.2f})"] for r in rows])
 
 
 def table(rows: list[dict]) -> str:

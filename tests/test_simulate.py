@@ -114,3 +114,61 @@ def test_spares_trade_the_pauses_for_the_spare_time_and_the_unsent_steps():
         simulate("diloco", c, rarely).goodput
     with pytest.raises(ValueError, match="spare_s"):
         Diloco(spare_s=-1.0)
+
+
+# --- the capacity plan (diloco simulate capacity) --------------------------------------------------
+
+from diloco.sim import capacity as cap  # noqa: E402
+
+
+def test_the_10b_plan_matches_the_arithmetic_of_its_layout():
+    """10B parameters, 24 fragments synced every 24 steps of 2 s by 8 learners, int8 up: the syncer
+    takes in 8 x 10B x ~1 byte every 48 s, about 1.7 GB/s (the figure issue 32 starts from)."""
+    p = cap.plan(cap.Layout(10e9, 24, 24, 8))
+    int8 = (4 * 1024 + 1024 * 1024) / (1024 * 1024)                  # a per-row fp32 scale on 1024 codes
+    assert p["contribution_bytes"] == pytest.approx(10e9 / 24 * int8)
+    assert p["contributions_per_s"] == pytest.approx(8 * 24 / 48)
+    assert p["intake_bytes_per_s"] == pytest.approx(8 * 10e9 * int8 / 48) and 1.6e9 < p["intake_bytes_per_s"] < 1.8e9
+    assert p["versions_per_s_per_fragment"] == pytest.approx(8 / (4 * 48))   # K = M // 2 = 4
+    per_fragment = p["intake_bytes_per_s"] / 24 / 200e6 + 8 / (4 * 48) * 10e9 / 24 * 8e-9
+    assert p["core_load_per_fragment"] == pytest.approx(per_fragment) and p["syncer_cores"] == pytest.approx(24 * per_fragment)
+    assert (p["shards"], p["fragments_per_shard"]) == (24, 1) and p["fragment_fits_a_shard"]
+    assert p["kafka"]["partitions_per_topic"] == 24 and p["kafka"]["bytes_per_s_per_topic"] == pytest.approx(
+        p["intake_bytes_per_s"] / 2)
+    assert p["learner_bytes_per_s"]["up"] == pytest.approx(10e9 * int8 / 48)
+    assert p["bytes_ratio_vs_dp"] == pytest.approx(2 * 4 * 24 / (int8 + 0.5 + 4 / 1024))   # fp32 ring vs int8 + int4
+
+
+def test_shards_pack_fragments_up_to_the_target_load_and_say_when_a_fragment_is_too_big():
+    small = cap.plan(cap.Layout(1e9, 24, 24, 8))          # 0.06 of a core per fragment: 11 fit in 0.7
+    assert small["fragments_per_shard"] * small["core_load_per_fragment"] <= 0.7
+    assert small["shards"] == math.ceil(24 / small["fragments_per_shard"]) < 24
+    big = cap.plan(cap.Layout(100e9, 24, 24, 8))          # 6 cores' work per fragment: cut finer
+    assert not big["fragment_fits_a_shard"] and big["shards"] == 24
+    finer = cap.plan(cap.Layout(100e9, big["fragments_needed"], 24, 8))
+    assert finer["fragment_fits_a_shard"] and finer["core_load_per_fragment"] <= 0.7 + 1e-9
+    more_quorum = cap.plan(cap.Layout(10e9, 24, 24, 8, quorum=8))   # fewer versions: less outer-step work
+    assert more_quorum["syncer_cores"] < cap.plan(cap.Layout(10e9, 24, 24, 8))["syncer_cores"]
+
+
+@pytest.mark.parametrize("bad, match", [({"params": 0}, "params must be positive"), ({"quorum": 9}, "quorum must be"),
+                                        ({"quantization": "int9"}, "unknown codec"),
+                                        ({"target_load": 1.5}, "target load")])
+def test_an_impossible_layout_is_refused(bad, match):
+    kw = {"params": 1e9, "fragments": 4, "sync_every": 10, "learners": 8} | bad
+    with pytest.raises(ValueError, match=match):
+        cap.Layout(**kw)
+
+
+def test_cli_capacity_prints_the_plan_and_json():
+    from diloco.sim.cli import app
+
+    res = CliRunner().invoke(app, ["capacity", "--params", "10e9", "--fragments", "24", "--sync-every", "24",
+                                   "--learners", "8"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "1.67 GB/s" in out and "24 x 1 fragments" in out
+    js = CliRunner().invoke(app, ["capacity", "--params", "1e9", "--json"])
+    assert json.loads(js.stdout)["layout"]["quorum"] == 4
+    bad = CliRunner().invoke(app, ["capacity", "--params", "1e9", "--quantization", "int9"])
+    assert bad.exit_code == 2 and "unknown codec" in bad.output

@@ -121,3 +121,49 @@ def goodput(
     if plot:
         _plot(results, plot, settings.split(", step")[0])
         err.print(f"plot written to {plot}")
+
+
+@app.command("capacity")
+def capacity(
+    params: Annotated[float, typer.Option(help="model parameters, e.g. 10e9")],
+    fragments: Annotated[int, typer.Option(min=1, help="P: fragments the model is cut into")] = 24,
+    sync_every: Annotated[int, typer.Option(min=1, help="H: inner steps between two sends of a fragment")] = 24,
+    learners: Annotated[int, typer.Option(min=1, help="M: learners")] = 8,
+    quorum: Annotated[Optional[int], typer.Option(min=1, help="K: contributions a round closes on; default M // 2")] = None,
+    regions: Annotated[int, typer.Option(min=1, help="regions: one fragments topic each")] = 2,
+    step_time: Annotated[float, typer.Option(help="seconds per inner step")] = 2.0,
+    quantization: Annotated[str, typer.Option(help="codec of the deltas learners send")] = "int8",
+    broadcast: Annotated[str, typer.Option(help="codec of the updates learners fetch")] = "int4",
+    packing_ratio: Annotated[float, typer.Option(help="share of the codes a lossless stage keeps (zstd: ~0.8-0.95)")] = 1.0,
+    intake_mb_s: Annotated[float, typer.Option(help="contribution MB/s one syncer core takes in (measured here: 200)")] = 200.0,
+    outer_ns_per_param: Annotated[float, typer.Option(help="core ns per parameter of each version merged (measured here: 8)")] = 8.0,
+    snapshot_every: Annotated[int, typer.Option(min=1, help="store.snapshot_every")] = 8,
+    replicas: Annotated[int, typer.Option(min=1, help="broker replication factor")] = 3,
+    target_load: Annotated[float, typer.Option(help="share of its core a shard is planned to keep busy")] = 0.7,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+):
+    """A capacity plan: syncer shards and cores, memory per shard, Kafka partitions and bytes per
+    second, retention for the replay window, store writes per hour, learner traffic.
+
+    Each figure is arithmetic on the layout and two rates measured on this machine by
+    `python -m bench load --drain` (docs/simulate.md says how each is derived and how the rates were
+    fitted); give your own with --intake-mb-s and --outer-ns-per-param.
+    """
+    from diloco.sim import capacity as cap
+
+    try:
+        layout = cap.Layout(params, fragments, sync_every, learners, quorum=quorum, regions=regions,
+                            step_time_s=step_time, quantization=quantization, broadcast=broadcast,
+                            packing_ratio=packing_ratio, intake_mb_s=intake_mb_s, outer_ns_per_param=outer_ns_per_param,
+                            snapshot_every=snapshot_every, replicas=replicas, target_load=target_load)
+    except ValueError as err:
+        Console(stderr=True).print(f"[red]error:[/] {err}")
+        raise typer.Exit(2) from None
+    p = cap.plan(layout)
+    if as_json:
+        typer.echo(json.dumps(p, indent=1))
+        return
+    table = Table("what", "plan", title="Capacity plan", show_header=False)
+    for what, value in cap.rows(p):
+        table.add_row(what, value)
+    Console().print(table)
