@@ -321,7 +321,7 @@ class Syncer:
     def _load(self, p: int, epoch: int, previous: str | None, offsets: dict[TP, int]) -> None:
         v = self.state.version(p)
         durability.check_fragment(self.state, self.store, self.run_id, p, v)
-        st = self._rebuild(p, v)
+        st = self.rebuild_fragment(p, v)
         for cid, meta in self.state.round(p).items():
             st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
         for tp in self._tps(p):
@@ -335,7 +335,7 @@ class Syncer:
         log.info("fragment claimed", extra={"fragment": p, "shard": self.shard, "epoch": epoch, "version": v,
                                             "previous_owner": previous, "pending": len(st.round)})
 
-    def _rebuild(self, p: int, v: int) -> FragmentState:
+    def rebuild_fragment(self, p: int, v: int) -> FragmentState:
         """Fragment p's exact state at version v (syncer/rebuild.py); an approximate one (exact
         parameters, the snapshot's outer state) is said loudly, in the log and an event."""
         st, approximate = rebuild(self.cfg, self.run_id, self.run_plan, self.opt, self.store, self.state.merges(), p, v)

@@ -132,7 +132,7 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
     assert h.store.read_meta(0, 3)["snapshot"] is False and stored.residual == {} and stored.opt == {}
     live = h.syncer.fragments[0]
     assert any(np.any(r != 0) for r in live.residual.values())
-    rebuilt = h.syncer._rebuild(0, 3)
+    rebuilt = h.syncer.rebuild_fragment(0, 3)
     assert rebuilt.version == 3 and rebuilt.snapshot_at == 0
     for group in ("params", "residual"):
         for n, a in getattr(live, group).items():
@@ -186,7 +186,7 @@ def test_a_learner_crosses_snapshots_by_their_updates_and_reaches_every_version_
                 np.testing.assert_array_equal(got[n], a, err_msg=f"v{v} {n}")
         live = h.syncer.fragments[0]
         assert live.snapshot_at == 6 and live.update_from() == (6 if update_base == "snapshot" else 7)
-        rebuilt = h.syncer._rebuild(0, 7)
+        rebuilt = h.syncer.rebuild_fragment(0, 7)
         assert rebuilt.update_from() == live.update_from()
         for n, a in live.residual.items():
             np.testing.assert_array_equal(rebuilt.residual[n], a, err_msg=n)
@@ -267,7 +267,7 @@ def test_a_rebuild_without_its_contributions_keeps_exact_parameters_and_says_so(
             rec["ids"] = [f"expired-{i}" for i in range(len(rec["ids"]))]
             h.state.r.lset(key, i, __import__("json").dumps(rec))
     live = h.syncer.fragments[0]
-    rebuilt = h.syncer._rebuild(0, 2)
+    rebuilt = h.syncer.rebuild_fragment(0, 2)
     for n, a in live.params.items():           # the parameters come from the updates: exact
         np.testing.assert_array_equal(rebuilt.params[n], a)
     assert rebuilt.residual == {} and rebuilt.version == 2
@@ -306,7 +306,7 @@ def test_a_stale_contribution_is_discounted_and_momentum_decays_per_full_round(t
     for n in p2:  # the published values are an int8-encoded step from v1: within two codes of the exact step
         np.testing.assert_allclose(got.params[n], p2[n], atol=2 * np.abs(p2[n] - v1[n]).max() / 127 + 1e-7)
         np.testing.assert_allclose(live.opt_state[0].trace[n], state[0].trace[n], rtol=1e-5, atol=1e-8)
-    rebuilt = h.syncer._rebuild(0, 2)
+    rebuilt = h.syncer.rebuild_fragment(0, 2)
     for n in live.params:
         np.testing.assert_array_equal(rebuilt.params[n], live.params[n])
         np.testing.assert_array_equal(rebuilt.opt_state[0].trace[n], live.opt_state[0].trace[n])
