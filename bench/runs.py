@@ -18,7 +18,8 @@ from diloco.infra import kafka as kafka_io
 from diloco.checkpoint import read_global
 from diloco.infra.store import FragmentStore
 from diloco.models.transformer import evaluate
-from diloco.run import dp_allreduce_bytes, train
+from diloco.run import train
+from diloco.summary import dp_allreduce_bytes
 from diloco.spec import initial_plan, load_spec
 
 

@@ -8,7 +8,7 @@ import re
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from diloco.run import summary_rows
+from diloco.summary import summary_rows
 
 
 def artifact_key(run_id: str, what: str) -> str:

@@ -6,7 +6,7 @@ cluster (`backend.context`, `backend.namespace`). Two kinds:
 - `gke`: `GkeJobs` applies a ConfigMap and one JobSet per job with kubectl, in one region's cluster;
 - `tpu-vm`: `TpuVmJobs` requests one queued resource per learner with gcloud, waits for it to be
   ACTIVE, copies the config to every host and runs the learner's container there over ssh.
-`jobs_for` gives the backend of one region (what its region flow's `LocalRun` drives, with the job
+`jobs_for` gives the backend of one region (what its region flow's `RunSupervisor` drives, with the job
 interface of `LocalJobs`) or of the syncer (the run flow's). The command line inside is the same `diloco
 learner` / `diloco syncer` that the local backend starts; only the paths of the config and the corpus
 change.

@@ -3,7 +3,7 @@
 The run flow provisions the run, starts and watches the syncer, and submits one `diloco-region` flow
 run per region to that region's work pool (regions[].work_pool, default `diloco-<region>`): that
 pool's worker starts, watches, restarts (with backoff) and stops the region's learners through the
-job backend (`LocalRun` restricted to the region). A region that fails for good is reported and the
+job backend (`RunSupervisor` restricted to the region). A region that fails for good is reported and the
 run goes on with the others; the syncer stops once every region's flow run ended. Each time every
 fragment gained `eval_every` versions the run flow emits a `diloco.version.committed` event, which
 the `diloco-eval` deployment's trigger (prefect.yaml) turns into an eval flow run.
@@ -37,7 +37,8 @@ from diloco.flows.evals import evaluate_checkpoint, record_eval, recorded_evals
 from diloco.flows.tpu import jobs_for
 from diloco.infra.jobs import LocalJobs
 from diloco.learners.data import corpus_for
-from diloco.run import LocalRun, RunError, RunSetup, _child_env, events_from_start, finish, open_run, prepare
+from diloco.run import RunError, RunSetup, child_env, events_from_start, finish, open_run, prepare
+from diloco.supervisor import RunSupervisor
 
 REGION_ENTRYPOINT = "diloco.flows.training.region_run"  # a module path: workers import the installed package
 VERSION_EVENT = "diloco.version.committed"
@@ -48,7 +49,7 @@ def make_jobs(cfg: Config, cfg_path: Path, region: str | None):
     or that region's cluster or TPU VMs (flows/tpu.py), so a region's runner only ever stops its own."""
     if cfg.backend.kind != "local":
         return jobs_for(cfg, region, cfg_path, cfg_path.parent / "logs")
-    return LocalJobs(cfg_path.parent / "logs", _child_env(cfg))
+    return LocalJobs(cfg_path.parent / "logs", child_env(cfg))
 
 
 @contextmanager
@@ -83,14 +84,14 @@ class RestartLog:
     def __init__(self, logger):
         self.logger, self.restarts = logger, {}
 
-    def __call__(self, run: LocalRun) -> None:
+    def __call__(self, run: RunSupervisor) -> None:
         for name, n in run.restarts.items():
             if n > self.restarts.get(name, 0):
                 self.logger.warning(f"restarted {name} (restart {n} of at most {run.cfg.run.max_restarts})")
         self.restarts = dict(run.restarts)
 
 
-def region_report(run: LocalRun, region: str, state: str, error: str | None) -> dict:
+def region_report(run: RunSupervisor, region: str, state: str, error: str | None) -> dict:
     learners = [{"learner": lid, "step": run.prog.learners.get(lid, {}).get("step", 0),
                  "restarts": run.restarts.get(lid, 0), "finished": lid in run.finished} for lid in run.members]
     return {"region": region, "state": state, "error": error, "learners": learners, "restarts": dict(run.restarts),
@@ -98,7 +99,7 @@ def region_report(run: LocalRun, region: str, state: str, error: str | None) -> 
 
 
 @task(cache_policy=NO_CACHE)
-def watch_region(run: LocalRun, t0: float) -> None:
+def watch_region(run: RunSupervisor, t0: float) -> None:
     run.watch(progress=False, t0=t0, on_tick=RestartLog(get_run_logger()))
 
 
@@ -113,7 +114,7 @@ def region_run(config: str, region: str) -> dict:
     if region not in [r.name for r in cfg.regions]:
         raise ConfigError(f"region {region!r} is not one of the run's {[r.name for r in cfg.regions]} ({config})")
     t0 = time.time()
-    run = LocalRun(cfg, cfg_path, corpus_for(cfg), make_jobs(cfg, cfg_path, region), events_from_start(cfg),
+    run = RunSupervisor(cfg, cfg_path, corpus_for(cfg), make_jobs(cfg, cfg_path, region), events_from_start(cfg),
                    Console(quiet=True), [], regions=(region,), syncer=False)
     state, error = "failed", None
     with sigterm_raises():
@@ -184,7 +185,7 @@ class Regions:
             self.flow_runs[r.name] = fr
             self.logger.info(f"region {r.name}: flow run {fr.name} on work pool {r.pool}")
 
-    def __call__(self, run: LocalRun) -> None:
+    def __call__(self, run: RunSupervisor) -> None:
         if not self.flow_runs:
             self.submit()
             run.elsewhere = set(self.states)
@@ -198,7 +199,7 @@ class Regions:
             emit_event(VERSION_EVENT, resource={"prefect.resource.id": f"diloco.run.{run.cfg.run.id}"},
                        payload={"config": str(self.setup.cfg_path), "versions": versions})
 
-    def follow(self, run: LocalRun) -> None:
+    def follow(self, run: RunSupervisor) -> None:
         with get_client(sync_client=True) as client:
             latest = {}
             for fr in sorted(client.read_flow_runs(flow_run_filter=FlowRunFilter(
@@ -221,12 +222,12 @@ class Regions:
 
 
 @task(cache_policy=NO_CACHE)
-def watch_run(run: LocalRun, regions: Regions, t0: float) -> None:
+def watch_run(run: RunSupervisor, regions: Regions, t0: float) -> None:
     run.watch(progress=False, t0=t0, on_tick=regions)
 
 
 @task(retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
-def summarise(setup: RunSetup, run: LocalRun, regions: dict[str, str]) -> dict:
+def summarise(setup: RunSetup, run: RunSupervisor, regions: dict[str, str]) -> dict:
     summary = finish(setup, run, Console(quiet=True))
     reports_ = [json.loads(p.read_text()) for p in sorted((setup.run_dir / "regions").glob("*.json"))]
     summary["restarts"] = {k: v for rep in reports_ for k, v in rep["restarts"].items()}

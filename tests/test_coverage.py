@@ -8,7 +8,7 @@ import pytest
 
 from diloco import coverage, messages
 from diloco.messages import WireError
-from diloco.run import Progress, check_heartbeat_claims
+from diloco.progress import Progress, check_heartbeat_claims
 
 
 def _merge(fragment, *contribs):
@@ -94,3 +94,17 @@ def test_a_beat_cannot_claim_it_handed_in_past_its_step():
     check_heartbeat_claims(cfg, {"learner": lid, "step": 5, "handed_in_to": 5})
     with pytest.raises(ValueError, match="handed in steps up to 9"):
         check_heartbeat_claims(cfg, {"learner": lid, "step": 5, "handed_in_to": 9})
+
+
+def test_a_forged_acceptance_cannot_move_a_restart_past_the_schedule():
+    from diloco.config import build_config
+    from diloco.progress import check_accepted_cursor
+
+    cfg = build_config({})
+    lid = cfg.learner_ids()[0]
+    check_accepted_cursor(cfg, {"learner": lid, "cursor": [0, cfg.learner_steps(lid)]})
+    for bad in ([0, cfg.learner_steps(lid) + 1], [5, 3], [-1, 2], "0-5", [0.0, 5.0], [True, 5]):
+        with pytest.raises(ValueError, match="cursor"):
+            check_accepted_cursor(cfg, {"learner": lid, "cursor": bad})
+    with pytest.raises(ValueError, match="not one of this run's"):
+        check_accepted_cursor(cfg, {"learner": "mars-0", "cursor": [0, 1]})

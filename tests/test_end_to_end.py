@@ -18,7 +18,9 @@ from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import ensure_corpus
-from diloco.run import Progress, _child_env, dp_allreduce_bytes, provision_run, train
+from diloco.progress import Progress
+from diloco.run import child_env, provision_run, train
+from diloco.summary import dp_allreduce_bytes
 from diloco.syncer import state as state_mod
 
 pytestmark = pytest.mark.integration
@@ -126,7 +128,7 @@ def test_syncer_killed_mid_run_resumes_and_applies_nothing_twice(tiny_config, tm
     producer = kafka_io.producer(cfg.transport)
     provision_run(cfg, run_id, state=state)
     producer.close()
-    jobs, conf = LocalJobs(tmp_path / "logs", _child_env(cfg)), str(tmp_path / "config.yaml")
+    jobs, conf = LocalJobs(tmp_path / "logs", child_env(cfg)), str(tmp_path / "config.yaml")
     jobs.start("syncer-1", ["syncer", "--config", conf])
     for lid in cfg.learner_ids():
         jobs.start(lid, ["learner", "--config", conf, "--learner", lid, "--corpus", str(corpus.dir)])

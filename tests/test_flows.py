@@ -573,7 +573,7 @@ def test_adding_and_removing_learners_of_a_live_run_applies_and_deletes_their_jo
     """`diloco learners add/remove` reach a run on GKE through the runner: the new learner's JobSet is
     rendered and applied, the removed one's deleted gracefully (SIGTERM: it hands in and says left),
     and a JobSet gone after that counts as done, not as a failure to restart."""
-    from diloco.run import LocalRun
+    from diloco.supervisor import RunSupervisor
 
     cfg = tpu_config()
     cfg = cfg.model_copy(update={"regions": tuple(r.model_copy(update={"max_learners": 2}) for r in cfg.regions)})
@@ -587,16 +587,16 @@ def test_adding_and_removing_learners_of_a_live_run_applies_and_deletes_their_jo
 
     def region_runner(region):  # what a region's flow run drives: its region's backend alone
         jobs = tpu.jobs_for(cfg, region, tmp_path / "config.yaml", tmp_path / "logs", run=fake)
-        return jobs, LocalRun(cfg, tmp_path / "config.yaml", type("Corpus", (), {"dir": Path("/x")})(), jobs, None,
+        return jobs, RunSupervisor(cfg, tmp_path / "config.yaml", type("Corpus", (), {"dir": Path("/x")})(), jobs, None,
                               Console(quiet=True), [], regions=(region,), syncer=False)
     _, run = region_runner("eu")
-    assert run._carry_out({"op": "add", "region": "eu"}, 0.0) == {"added": ["eu-1"], "start_step": 0}
+    assert run.carry_out({"op": "add", "region": "eu"}, 0.0) == {"added": ["eu-1"], "start_step": 0}
     applied = [m for a, m in calls if a[3:4] == ["apply"] and m["kind"] == "JobSet"]
     assert applied[-1]["metadata"]["name"] == J("eu-1")
     assert "--learner eu-1" in " ".join(applied[-1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
                                         ["spec"]["containers"][0]["command"])
     jobs, run = region_runner("us")
-    assert run._carry_out({"op": "remove", "learner": "us-1"}, 1.0) == {"removed": "us-1"}
+    assert run.carry_out({"op": "remove", "learner": "us-1"}, 1.0) == {"removed": "us-1"}
     ns = ["kubectl", "--namespace", "pretrain"]
     assert calls[-1][0] == [*ns, "delete", "jobset", J("us-1"), "--ignore-not-found", "--wait=false"]
     assert jobs.poll("us-1") == 0 and calls[-1][0][3:5] == ["get", "jobset"]

@@ -17,7 +17,8 @@ from rich.console import Console
 
 from diloco import membership
 from diloco.config import ConfigError, build_config
-from diloco.run import LocalRun, train
+from diloco.run import train
+from diloco.supervisor import RunSupervisor
 
 REGIONS = [{"name": "us", "learners": 1, "max_learners": 2}, {"name": "eu", "learners": 1, "max_learners": 3}]
 
@@ -101,24 +102,24 @@ class _Jobs:
         self.signals.append((name, sig))
 
 
-def _beat(run: LocalRun, lid: str, tokens: int) -> None:
+def _beat(run: RunSupervisor, lid: str, tokens: int) -> None:
     run.prog.apply({"kind": "heartbeat", "eid": f"{lid}-{tokens}", "learner": lid, "incarnation": "1",
                     "tokens": tokens, "step": tokens // 10})
 
 
-def _budget_run(tmp_path: Path, jobs) -> LocalRun:
+def _budget_run(tmp_path: Path, jobs) -> RunSupervisor:
     cfg = build_config({**BUDGET, "run": {**BUDGET["run"], "id": "budget"}, "store": {"url": f"file://{tmp_path}/store"}})
-    return LocalRun(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), jobs, None, Console(quiet=True), [])
+    return RunSupervisor(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), jobs, None, Console(quiet=True), [])
 
 
-def _merge(run: LocalRun, tokens: int) -> None:
+def _merge(run: RunSupervisor, tokens: int) -> None:
     """One merge of `tokens` tokens on every fragment, stored as the syncer stores a version, then
     its merge event as the runner reads it from the events topic."""
     for p in range(run.cfg.fragments.count):
         v = run.prog.versions.get(p, 0) + 1
         ids = [f"c{p}-{v}"]
         run.store.write(p, v, {"w": np.zeros(2, np.float32)}, {}, {"ids": ids, "tokens": tokens})
-        run._apply_event({"kind": "merge", "eid": f"m{p}-{v}", "fragment": p, "version": v, "ids": ids, "time": 0.0})
+        run.apply_event({"kind": "merge", "eid": f"m{p}-{v}", "fragment": p, "version": v, "ids": ids, "time": 0.0})
 
 
 def test_the_runner_adds_the_joins_at_their_share_of_the_budget_and_stops_everyone_at_the_budget(tmp_path):
@@ -162,10 +163,10 @@ def test_only_merges_the_store_holds_count_towards_the_budget_never_claimed_toke
               {"fragment": 7, "version": 1, "ids": ["c7-1"]}]        # no such fragment
     for i, ev in enumerate(forged):
         with pytest.raises(KeyError):
-            run._apply_event({"kind": "merge", "eid": f"forged-{i}", "time": 0.0, **ev})
+            run.apply_event({"kind": "merge", "eid": f"forged-{i}", "time": 0.0, **ev})
     assert run.prog.merged_tokens(run.cfg.fragments.count) == 100
     with pytest.raises(KeyError, match="store does not hold"):  # what the evals and the table follow
-        run._apply_event({"kind": "syncer_started", "eid": "forged-s", "time": 0.0, "shard": 0,
+        run.apply_event({"kind": "syncer_started", "eid": "forged-s", "time": 0.0, "shard": 0,
                           "versions": {"0": 10 ** 6}})
     assert run.prog.versions == {p: 1 for p in range(run.cfg.fragments.count)}
     run.follow_budget(1.0)
@@ -178,11 +179,11 @@ def test_a_heartbeat_past_its_learners_schedule_or_claiming_absurd_tokens_is_ski
     run = _budget_run(tmp_path, _Jobs())
     good = {"kind": "heartbeat", "eid": "a", "learner": "us-0", "incarnation": "1", "step": 10, "tokens": 640,
             "time": 0.0}
-    run._apply_event(good)
+    run.apply_event(good)
     for i, bad in enumerate(({"step": run.cfg.learner_steps("us-0") + 1}, {"step": 10 ** 12}, {"tokens": 2 ** 52},
                              {"incarnation": "forged", "tokens": 2 ** 40})):
         with pytest.raises(ValueError, match="schedule ends|claims"):
-            run._apply_event({**good, "eid": f"b{i}", **bad})
+            run.apply_event({**good, "eid": f"b{i}", **bad})
     assert run.prog.learners["us-0"]["step"] == 10 and run.prog.tokens() == 640
 
 
@@ -192,7 +193,7 @@ def test_a_runner_started_again_on_a_live_run_keeps_who_left_down_and_takes_on_t
     operator), us-0 finished by its last heartbeat, us-2 joined and is training, us-3 joined and
     finished, eu-0 (another region's) is not this runner's, and a dropped eu learner is not ours."""
     cfg = build_config({**BUDGET, "run": {"id": "rerun"}})
-    run = LocalRun(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), _Jobs(), None, Console(quiet=True),
+    run = RunSupervisor(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), _Jobs(), None, Console(quiet=True),
                    [], regions=("us",))
     events = [("learner_admitted", "us-2", 1.0), ("learner_admitted", "us-3", 2.0), ("learner_left", "us-1", 3.0),
               ("learner_finished", "us-3", 4.0), ("learner_dropped", "eu-1", 5.0), ("learner_admitted", "eu-2", 6.0)]
@@ -200,7 +201,7 @@ def test_a_runner_started_again_on_a_live_run_keeps_who_left_down_and_takes_on_t
         run.prog.apply({"kind": kind, "eid": f"m{i}", "learner": lid, "time": t})
     for lid, state in (("us-0", "finished"), ("us-2", "running"), ("eu-0", "finished")):
         run.prog.apply({"kind": "heartbeat", "eid": f"hb-{lid}", "learner": lid, "step": 5, "state": state})
-    run._resume_membership()
+    run.resume_membership()
     assert run.members == ["us-0", "us-1", "us-2", "us-3"]
     assert run.finished == {"us-0", "us-1", "us-3"}          # started: us-2 only
 
@@ -208,7 +209,7 @@ def test_a_runner_started_again_on_a_live_run_keeps_who_left_down_and_takes_on_t
 def test_without_a_budget_the_runner_leaves_the_learners_alone(tmp_path):
     cfg = build_config({"regions": BUDGET["regions"]})
     jobs = _Jobs()
-    run = LocalRun(cfg, tmp_path / "config.yaml", None, jobs, None, Console(quiet=True), [])
+    run = RunSupervisor(cfg, tmp_path / "config.yaml", None, jobs, None, Console(quiet=True), [])
     for lid in cfg.learner_ids():
         _beat(run, lid, 10**9)
     run.follow_budget(0.0)
@@ -361,7 +362,7 @@ def test_a_request_of_any_shape_gets_an_answer_and_the_runner_goes_on(tmp_path):
     """`learners remove '[/]'` raised rich's MarkupError, and {"op": "add", "region": ["us"]} a TypeError,
     out of serve_requests: the run stopped and the unanswered request killed the next runner too."""
     cfg = build_config(BUDGET)
-    run = LocalRun(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), _Jobs(), None, Console(), [])
+    run = RunSupervisor(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), _Jobs(), None, Console(), [])
     asks = [{"op": "remove", "learner": "[/]"}, {"op": "remove", "learner": "[/x]"}, {"op": "add", "region": ["us"]},
             {"op": "add", "region": "us", "count": "[bold]"}, {"op": ["add"]}, [1, 2], "[/]", None]
     answers = [membership.submit(tmp_path, op) for op in asks]
@@ -373,7 +374,7 @@ def test_a_request_of_any_shape_gets_an_answer_and_the_runner_goes_on(tmp_path):
 
 
 def test_forged_events_are_skipped_by_the_runner_not_fatal_to_it():
-    from diloco.run import Progress, progress_table
+    from diloco.progress import Progress, progress_table
     prog = Progress()
     for bad in ({"kind": "contribution_rejected", "eid": "a", "reason": 7},
                 {"kind": "contribution_rejected", "eid": "b", "reason": "x" * 1000},

@@ -31,7 +31,7 @@ from diloco.config import build_config, dump_config
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.services import free_port
 from diloco.learners.data import ensure_corpus
-from diloco.run import _child_env, provision_run
+from diloco.run import child_env, provision_run
 from diloco.syncer import state as state_mod
 
 DASHBOARD = Path(__file__).parent.parent / "infra" / "grafana" / "diloco.json"
@@ -80,7 +80,7 @@ def live_run(tmp_path_factory, kafka_bootstrap, redis_url, data_dir, prometheus_
                            heldout_fraction=cfg.data.heldout_fraction, max_bytes=cfg.data.max_corpus_bytes, seed=0)
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
     provision_run(cfg, run_id, state=state)
-    jobs = LocalJobs(tmp / "logs", _child_env(cfg))
+    jobs = LocalJobs(tmp / "logs", child_env(cfg))
     started = time.time()
     try:
         deadline = time.time() + 60

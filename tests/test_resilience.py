@@ -20,7 +20,7 @@ from rich.console import Console
 from diloco.config import ConfigError, build_config
 from diloco.infra import services
 from diloco.infra.jobs import LocalJobs
-from diloco.run import _child_env, train
+from diloco.run import child_env, train
 from diloco.syncer import state as state_mod
 
 pytestmark = pytest.mark.integration
@@ -63,7 +63,7 @@ def test_syncer_sigkill_at_each_commit_step_loses_and_repeats_nothing(tiny_confi
     conf = tmp_path / "config.yaml"
     conf.write_text(__import__("diloco.config", fromlist=["dump_config"]).dump_config(
         cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": h.run_id})})))
-    jobs = LocalJobs(tmp_path / "logs", _child_env(cfg))
+    jobs = LocalJobs(tmp_path / "logs", child_env(cfg))
 
     def wave(base, h=h):  # every learner contributes to every fragment: four rounds that close at once
         for p in range(4):

@@ -120,9 +120,9 @@ def test_killing_one_host_restarts_the_whole_learner_without_a_hang(tiny_config,
     console = _quiet()
     setup = prepare(cfg, console)
     from diloco.infra.jobs import LocalJobs
-    from diloco.run import _child_env
+    from diloco.run import child_env
 
-    jobs = LocalJobs(setup.run_dir / "logs", _child_env(setup.cfg))
+    jobs = LocalJobs(setup.run_dir / "logs", child_env(setup.cfg))
     run = open_run(setup, jobs, console, [])
     killed: dict[str, float] = {}
 

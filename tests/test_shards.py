@@ -17,7 +17,7 @@ from rich.console import Console
 
 from diloco.config import ConfigError, build_config, dump_config
 from diloco.infra.store import FragmentStore, StoreFenced
-from diloco.run import _child_env, train
+from diloco.run import child_env, train
 from diloco.syncer import shards
 from diloco.syncer.state import Fenced, SyncerState, connect
 
@@ -163,10 +163,10 @@ def test_syncer_cli_runs_n_shards_and_hands_everything_back_on_sigterm(tiny_conf
     conf = tmp_path / "config.yaml"
     conf.write_text(dump_config(cfg))
     bad = subprocess.run([sys.executable, "-m", "diloco", "syncer", "-c", str(conf), "--shard", "2"],
-                         capture_output=True, text=True, env=_child_env(cfg))
+                         capture_output=True, text=True, env=child_env(cfg))
     assert bad.returncode == 2 and "--shard 2 is not in 0..0" in bad.stderr
     proc = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "-c", str(conf), "--shards", "2"],
-                            env=_child_env(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=child_env(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 90
         while len(started := [e for e in h.events() if e["kind"] == "syncer_started"]) < 2:

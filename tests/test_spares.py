@@ -20,7 +20,7 @@ from diloco.config import ConfigError, build_config
 from diloco.infra.jobs import LocalJobs
 from diloco.learners import learner, spare
 from diloco.models.transformer import adamw
-from diloco.run import _child_env, finish, open_run, prepare
+from diloco.run import child_env, finish, open_run, prepare
 
 
 def _old_adamw(cfg, start_step, steps):
@@ -95,7 +95,7 @@ def test_a_warm_spare_takes_a_killed_learners_place_within_seconds(tiny_config):
     console = Console(quiet=True)
     setup = prepare(cfg, console)
     logs = setup.run_dir / "logs"
-    jobs = LocalJobs(logs, _child_env(setup.cfg))
+    jobs = LocalJobs(logs, child_env(setup.cfg))
     run = open_run(setup, jobs, console, [])
 
     def kill_once_the_spare_is_warm(r):  # mid-run, so that the spare's warm-up is not what is measured

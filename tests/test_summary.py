@@ -6,7 +6,7 @@ from diloco.config import build_config
 
 
 def test_a_run_that_made_the_model_worse_says_so():
-    from diloco.run import loss_warning, summary_rows
+    from diloco.summary import loss_warning, summary_rows
     worse = {"eval_loss_start": 5.5, "eval_loss_end": 16.5, "eval_loss_drop": (5.5 - 16.5) / 5.5}
     assert "ROSE from 5.5000 to 16.5000" in loss_warning(worse)
     assert loss_warning({**worse, "eval_loss_end": 2.0}) is None
@@ -17,7 +17,8 @@ def test_a_run_that_made_the_model_worse_says_so():
 
 
 def test_the_traffic_ledger_splits_bytes_by_learner_region_and_fragment():
-    from diloco.run import Progress, traffic_ledger
+    from diloco.progress import Progress
+    from diloco.summary import traffic_ledger
     cfg = build_config({"regions": [{"name": "us", "learners": 2}, {"name": "eu", "learners": 1}]})
     prog = Progress()
     for lid, inc, down, parts in (("us-0", "a", 100, {"0": 60, "1": 40}), ("us-0", "b", 10, {"1": 10}),

@@ -1,0 +1,177 @@
+"""What a run's events topic has told its supervisor: each event checked (the topic is writable by
+every learner), the learners' latest beats, versions, merges, rejections, and where a restarted
+learner resumes; and the live table drawn from it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rich.table import Table
+from rich.text import Text
+
+from diloco import membership, messages
+from diloco.config import Config
+
+
+REASON_CHARS = 64  # a rejection reason longer than this is no reason this code base gives
+
+
+def check_event_fields(ev: dict) -> None:
+    """ValueError unless the fields the runner reads have their types: a finite number `time` (if any), a short
+    string rejection `reason`, integer fragments and versions of merges."""
+    t = ev.get("time", 0.0)
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
+        raise ValueError(f"event time {messages.short(t, 40)} is not a number")
+    kind = ev.get("kind")
+    if kind == "contribution_rejected":
+        reason = ev.get("reason")
+        if not isinstance(reason, str) or not 0 < len(reason) <= REASON_CHARS:
+            raise ValueError(f"rejection reason {messages.short(reason, 40)} is not a short string")
+    elif kind == "merge":
+        if not all(isinstance(ev.get(k), int) and not isinstance(ev.get(k), bool) and ev[k] >= 0
+                   for k in ("fragment", "version")) or not isinstance(ev.get("ids"), list):
+            raise ValueError("merge event without integer fragment and version and a list of ids")
+
+
+def check_heartbeat_claims(cfg: Config, ev: dict) -> None:
+    """ValueError unless a (typed) heartbeat's step is within its learner's schedule (what a restart or
+    a spare resumes from: a forged step far ahead would have it train nothing), what it says it
+    handed in is no further than that step, and its tokens within
+    what that many steps can hold at syncer.max_tokens_per_step."""
+    lid, step, tokens = ev["learner"], ev.get("step", 0), ev.get("tokens", 0)
+    if step > cfg.learner_steps(lid):
+        raise ValueError(f"heartbeat of {lid} at step {step}: its schedule ends at {cfg.learner_steps(lid)}")
+    if ev.get("handed_in_to", 0) > step:
+        raise ValueError(f"heartbeat of {lid} at step {step} says it handed in steps up to {ev['handed_in_to']}")
+    if ev.get("handed_in_tokens", 0) > tokens * cfg.fragments.count:  # each token is in one delta per fragment
+        raise ValueError(f"heartbeat of {lid} says it handed in {ev['handed_in_tokens']} tokens of {tokens} trained "
+                         f"over {cfg.fragments.count} fragments")
+    if tokens > max(step, 1) * cfg.syncer.max_tokens_per_step:
+        raise ValueError(f"heartbeat of {lid} claims {tokens} tokens in {step} steps (syncer.max_tokens_per_step="
+                         f"{cfg.syncer.max_tokens_per_step})")
+
+
+def check_accepted_cursor(cfg: Config, ev: dict) -> None:
+    """ValueError unless an acceptance's cursor is [first, end] steps within its learner's schedule
+    (a restart resumes past it: a forged one far ahead would have the learner train nothing)."""
+    lid, cur = ev.get("learner"), ev.get("cursor")
+    if not isinstance(lid, str) or not cfg.is_member_id(lid):
+        raise ValueError(f"acceptance of learner {messages.short(lid, 40)}, not one of this run's")
+    if (not isinstance(cur, list) or len(cur) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in cur)
+            or not 0 <= cur[0] <= cur[1] <= cfg.learner_steps(lid)):
+        raise ValueError(f"acceptance of {lid} with cursor {messages.short(cur, 40)}: not [first, end] steps within "
+                         f"its schedule of {cfg.learner_steps(lid)}")
+
+
+@dataclass
+class Progress:
+    """What the events topic has told us so far."""
+    learners: dict[str, dict] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)
+    merges: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+    merged_ids: list[str] = field(default_factory=list)
+    kinds_seen: set[str] = field(default_factory=set)
+    eids: set[str] = field(default_factory=set)
+    fetched: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
+    fetched_by_fragment: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)  # the same, per fragment
+    merged: dict[tuple[int, int], int] = field(default_factory=dict)  # (fragment, version) -> tokens, as stored
+    trained: dict[tuple[str, str], int] = field(default_factory=dict)  # tokens per (learner, incarnation)
+    membership: list[dict] = field(default_factory=list)  # learner_admitted, _left, _finished, ... events
+    handed_in: dict[str, int] = field(default_factory=dict)  # learner -> furthest cursor end it handed in
+    handed_in_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
+
+    def per_learner(self, counts: dict[tuple[str, str], int]) -> dict[str, int]:
+        """A per-incarnation count summed per learner."""
+        out: dict[str, int] = {}
+        for (lid, _), n in counts.items():
+            out[lid] = out.get(lid, 0) + n
+        return out
+
+    def resume_step(self, learner: str, default: int = 0) -> int:
+        """Where a restarted learner (or the spare taking its place) resumes its data stream: past every
+        step it handed in (so no window reaches the global model twice) and past its last beat."""
+        return max(self.learners.get(learner, {}).get("step", default), self.handed_in.get(learner, 0))
+
+    def tokens(self) -> int:
+        """Tokens all learners trained: each incarnation counts from zero (a restarted learner resumes at
+        its last heartbeat's step), so the latest beat of every incarnation is summed."""
+        return sum(self.trained.values())
+
+    def merged_tokens(self, fragments: int) -> int:
+        """Tokens in the global model: the merges' tokens as the syncer stored them with each version
+        (`merged`, filled by the runner once it checked a merge event against the store), over the
+        fragments (every token trains each fragment once)."""
+        return sum(self.merged.values()) // max(fragments, 1)
+
+    def apply(self, ev: dict) -> None:
+        """Take one event in; raises ValueError (the caller skips the event) on a field of the wrong
+        type: the events topic is writable by every learner."""
+        if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
+            return
+        check_event_fields(ev)
+        self.eids.add(ev.get("eid"))
+        if ev["kind"] == "heartbeat":  # a restarted learner counts from zero: keep every incarnation's
+            key = (ev["learner"], ev.get("incarnation", ""))
+            self.fetched[key] = max(self.fetched.get(key, 0), ev.get("bytes_fetched", 0))
+            parts = self.fetched_by_fragment.setdefault(key, {})
+            for p, n in (ev.get("fetched_by_fragment") or {}).items():
+                parts[p] = max(parts.get(p, 0), n)
+            self.trained[key] = max(self.trained.get(key, 0), ev.get("tokens", 0))
+            self.handed_in[ev["learner"]] = max(self.handed_in.get(ev["learner"], 0), ev.get("handed_in_to", 0))
+            self.handed_in_tokens[key] = max(self.handed_in_tokens.get(key, 0), ev.get("handed_in_tokens", 0))
+        if ev["kind"] == "heartbeat" and ev.get("step", 0) < self.learners.get(ev["learner"], {}).get("step", 0):
+            return  # a late beat of a killed incarnation: the restarted one resumed further on
+        kind = ev["kind"]
+        self.kinds_seen.add(kind)
+        if kind == "heartbeat":
+            self.learners[ev["learner"]] = ev
+        elif kind == "merge":
+            self.merges += 1
+            self.versions[int(ev["fragment"])] = int(ev["version"])
+            self.merged_ids.extend(ev["ids"])
+        elif kind == "contribution_accepted":
+            self.accepted += 1
+            if ev.get("cursor") is not None:  # checked by the caller: the syncer took it, so it was handed in
+                self.handed_in[ev["learner"]] = max(self.handed_in.get(ev["learner"], 0), ev["cursor"][1])
+        elif kind == "contribution_rejected":
+            self.rejected += 1
+            self.rejections[ev["reason"]] = self.rejections.get(ev["reason"], 0) + 1
+        elif kind == "syncer_started":
+            self.versions |= {int(k): int(v) for k, v in ev["versions"].items()}
+        elif kind in membership.CHANGES:
+            self.membership.append(ev)
+
+
+def progress_table(cfg: Config, prog: Progress, run_id: str, elapsed: float) -> Table:
+    t = Table(title=f"run {run_id}  ({elapsed:.0f}s)", title_justify="left")
+    for col in ("learner", "step", "tokens", "loss", "step ms", "sent", "state"):
+        t.add_column(col, justify="right" if col not in ("learner", "state") else "left")
+    for lid in sorted(set(cfg.learner_ids()) | set(prog.learners), key=cfg.shard_index):
+        hb = prog.learners.get(lid)
+        if hb is None:
+            t.add_row(Text(lid), "-", "-", "-", "-", "-", "starting")
+            continue
+        t.add_row(*(Text(str(x)) for x in (
+            lid, f"{hb.get('step', 0)}/{cfg.learner_steps(lid)}", f"{hb.get('tokens', 0):,}", _loss(hb),
+            f"{1000 * hb.get('step_time', 0.0):.0f}", f"{hb.get('published', 0)} ({hb.get('bytes_sent', 0) / 1e6:.2f} MB)",
+            hb.get("state", "?"))))
+    versions = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
+    rej = ", ".join(f"{k} {v}" for k, v in sorted(prog.rejections.items())) or "none"
+    t.caption = Text(f"syncer: {versions} | merges {prog.merges} | accepted {prog.accepted} | rejected {prog.rejected} ({rej})")
+    return t
+
+
+def _loss(hb: dict) -> str:
+    return "-" if hb.get("loss") is None else f"{hb['loss']:.3f}"
+
+
+def progress_line(prog: Progress, elapsed: float) -> str:
+    lrn = " ".join(f"{k} step {v.get('step', 0)} loss {_loss(v)};" for k, v in sorted(prog.learners.items()))
+    vers = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
+    return (f"[{elapsed:4.0f}s] {lrn or 'learners starting;'} syncer {vers} merges {prog.merges} "
+            f"accepted {prog.accepted} rejected {prog.rejected}")
