@@ -270,9 +270,12 @@ def test_a_failed_region_run_again_by_hand_is_followed_and_resumes_its_learners(
 
     # us must still train when eu is run again: eu's pool worker may pick its first flow run up half
     # a minute late on a loaded machine (one CI run: eu's learners joined 29 s after us's, and us at
-    # speed 0.25 finished 2 s after eu failed, before the rerun existed), so us steps at a tenth
+    # speed 0.25 finished 2 s after eu failed, before the rerun existed). At a tenth, start-up still
+    # took most of us's time (another CI run: us joined 1 s after eu, compiled for 20 s, trained its
+    # 80 steps in 5 s and finished 7 s after eu failed, before the run flow saw the rerun), so us
+    # steps at a thirtieth: about 15 s of training after start-up
     cfg = tiny_config(run={"max_restarts": 0}, fragments={"count": 2},  # more versions per fragment: more events
-                      regions=[{"name": "us", "speed": 0.1}, {"name": "eu"}])
+                      regions=[{"name": "us", "speed": 1 / 30}, {"name": "eu"}])
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     killed: list[str] = []
     rerun: list = []
@@ -310,8 +313,10 @@ def test_a_failed_region_run_again_by_hand_is_followed_and_resumes_its_learners(
     assert again.id == rerun[0].id and again.state.is_completed()
     report = json.loads((Path(summary["run_dir"]) / "regions" / "eu.json").read_text())  # the rerun's
     assert report["state"] == "completed" and [row["step"] for row in report["learners"]] == [80, 80]
-    # each eu learner's second incarnation started at the last step its first one reported
-    beats = [e for e in run_events(cfg, summary["run_id"]) if e["kind"] == "heartbeat" and e["learner"].startswith("eu-")]
+    # each eu learner's second incarnation started past what its first one reported: its last beat's
+    # step, or the end of the furthest cursor it handed in (acked after that beat, accepted by the syncer)
+    events = run_events(cfg, summary["run_id"])
+    beats = [e for e in events if e["kind"] == "heartbeat" and e["learner"].startswith("eu-")]
     for lid in ("eu-0", "eu-1"):
         incarnations = list(dict.fromkeys(e["incarnation"] for e in beats if e["learner"] == lid))
         if len(incarnations) == 1:  # killed while it still compiled (a loaded machine): nothing to resume from
@@ -319,7 +324,10 @@ def test_a_failed_region_run_again_by_hand_is_followed_and_resumes_its_learners(
             continue
         assert len(incarnations) == 2, (lid, incarnations)
         last_step = max(e["step"] for e in beats if e["incarnation"] == incarnations[0])
-        assert {e["start_step"] for e in beats if e["incarnation"] == incarnations[1]} == {last_step} != {0}
+        (start,) = {e["start_step"] for e in beats if e["incarnation"] == incarnations[1]}
+        handed = max((e["cursor"][1] for e in events if e["kind"] == "contribution_accepted"
+                      and e.get("learner") == lid and e.get("cursor") and e["cursor"][0] < start), default=0)
+        assert start == max(last_step, handed) > 0, (lid, start, last_step, handed)
     assert artifacts(reports.artifact_key(summary["run_id"], "region-eu"))
 
 
