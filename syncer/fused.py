@@ -21,7 +21,7 @@ import numpy as np
 from diloco import messages, quantize
 from diloco.messages import Manifest, WireError
 from diloco.syncer import kernels
-from diloco.syncer.merge import _CANCELLED, learner_share
+from diloco.syncer.merge import _CANCELLED, _NO_DIRECTION, learner_share
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.n
     groups, gw, gnorms = _by_learner(parts, norms, w, learners)
     radius = float(np.sum(gw * np.asarray(gnorms)) / np.sum(gw))
     for group, wm, nm in zip(groups, gw / np.sum(gw), gnorms):
-        if nm > 0:  # an all-zero delta has no direction and adds none
+        if nm > _NO_DIRECTION:  # an all-zero (or vanishing) delta has no direction and adds none
             if isinstance(group, Encoded):
                 axpy(acc, group, float(wm / nm))
             else:

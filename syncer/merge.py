@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 _CANCELLED = 1e-6  # norm of the mean unit direction below which it is rounding noise
+_NO_DIRECTION = 1e-30  # a delta shorter than this has no direction float32 can hold (1/norm overflows)
 
 
 def token_weights(tokens: Sequence[float], steps: Sequence[float], weighted: bool = True) -> np.ndarray:
@@ -100,8 +101,9 @@ def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, learners: Sequence[st
     stack = np.stack(deltas).astype(np.float32)
     norms = np.sqrt(np.sum(stack.reshape(len(deltas), -1).astype(np.float64) ** 2, axis=1))
     radius = float(np.sum(w * norms) / np.sum(w))
-    safe = np.where(norms > 0, norms, 1.0)  # an all-zero delta has no direction and adds none
-    units = (stack / safe.reshape((-1,) + (1,) * (stack.ndim - 1))).astype(np.float32)
+    has = norms > _NO_DIRECTION  # an all-zero (or vanishing) delta has no direction and adds none
+    shape = (-1,) + (1,) * (stack.ndim - 1)
+    units = np.where(has.reshape(shape), stack / np.where(has, norms, 1.0).reshape(shape), 0).astype(np.float32)
     direction = np.tensordot((w / np.sum(w)).astype(np.float32), units, axes=1)
     dnorm = float(np.sqrt(np.sum(direction.astype(np.float64) ** 2)))
     if dnorm < _CANCELLED:  # a mean of unit vectors this short: the deltas cancel, no direction to move in

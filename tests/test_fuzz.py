@@ -717,17 +717,22 @@ def test_a_contribution_is_rejected_with_a_reason_or_merges_finite_and_equal_to_
                                 learners=[m.learner for m, _ in accepted], share=share)
         opt = ref.outer_optimizer(s.cfg.outer.lr, s.cfg.outer.momentum, s.cfg.outer.nesterov)
         want_params, _ = ref.outer_step(opt, st0.params, st0.opt_state, want)
+    reference_finite = all(np.all(np.isfinite(a)) for a in [*want.values(), *want_params.values()])
     try:
         closed = rounds.close_round(s.cfg, PLAN, st0, 0, contribs, share)
         published, opt_state, residual = closed.params, closed.opt_state, closed.residual
     except FloatingPointError:  # the round is rejected as merge_failed: only if it truly is not finite
         event("round rejected: merge_failed")
-        assert not all(np.all(np.isfinite(a)) for a in [*want.values(), *want_params.values()])
+        assert not reference_finite
+        return
+    for n in want:
+        assert np.all(np.isfinite(published[n])) and np.all(np.isfinite(residual[n]))
+    if not reference_finite:  # values near float32's limit: the reference overflowed in its own order of sums
+        event("merged a round the reference overflows on")
         return
     event(f"merged a round of {len(accepted)}")
     trace = opt_state[0].trace  # the first outer step's momentum is the merged delta itself
     for n in want:
-        assert np.all(np.isfinite(published[n])) and np.all(np.isfinite(residual[n]))
         big = max(float(np.abs(want[n]).max()), 1e-30)
         np.testing.assert_allclose(trace[n], want[n], rtol=2e-5, atol=2e-6 * big, err_msg=n)
         target = published[n] + residual[n]    # what was published plus what the next update carries
