@@ -178,7 +178,7 @@ def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run'
 
     from diloco import logs
     from diloco.syncer.durability import EXIT_STATE_LOST, StateLost
-    from diloco.syncer.syncer import main as syncer_main
+    from diloco.syncer.service import main as syncer_main
 
     overrides = [*(set_ or []), *([f"syncer.shards={shards}"] if shards else [])]
     cfg = _config(config, overrides)

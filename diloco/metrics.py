@@ -49,6 +49,26 @@ class SyncerMetrics:
         self.learners = Gauge("diloco_syncer_learners", "learners in the registry by liveness", ["status"], registry=r)
         Gauge("diloco_syncer_shard", "this process's shard", registry=r).set(shard)
 
+    def held(self, fragments: int, versions: dict[int, int], pending: dict[int, int], epochs: dict[int, int],
+             lag: dict[tuple, int], outbox: int, learners: dict[str, int]) -> None:
+        """What the shard holds now, per owned fragment (those it no longer owns leave the gauges)."""
+        for p in range(fragments):
+            self.lease.labels(p).set(p in versions)
+        for gauge, values in ((self.version, versions), (self.pending, pending), (self.epoch, epochs)):
+            set_all(gauge, {(p,): v for p, v in values.items()})
+        set_all(self.lag, lag)
+        self.outbox.set(outbox)
+        for s in ("alive", "silent", "finished", "left", "dropped"):
+            self.learners.labels(s).set(learners.get(s, 0))
+
+    def merged(self, p: int, contributions: int, seconds: float, waits: list[float]) -> None:
+        """A committed merge of fragment p: its size, its time and each contribution's wait for it."""
+        self.round_size.labels(p).set(contributions)
+        self.merges.labels(p).inc()
+        self.merge_seconds.labels(p).observe(seconds)
+        for w in waits:
+            self.accept_to_merge.labels(p).observe(max(w, 0.0))
+
 
 class LearnerMetrics:
     """What one learner exports, labelled with its id. The figures are read from the learner when

@@ -13,7 +13,7 @@ from diloco.config import Config
 from diloco.messages import Manifest, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
-from diloco.syncer.records import FragmentState, Reason
+from diloco.syncer.records import TP, FragmentState, Reason
 
 
 class Rejection(NamedTuple):
@@ -27,6 +27,18 @@ class Intake:
     def __init__(self, cfg: Config, run_id: str, plan: Plan):
         self.cfg, self.run_id, self.plan = cfg, run_id, plan
         self.shapes = plan.shapes
+
+    def check_route(self, m: Manifest, tp: TP, region: str | None) -> Rejection | None:
+        """Why a contribution read from partition `tp` of `region`'s topic (None: not a region topic)
+        does not belong there: one partition carries one fragment, and the broker's ACLs bind a writer
+        to its region's topic."""
+        if 0 <= m.fragment < self.plan.fragments and m.fragment != tp[1]:
+            return Rejection(Reason.MISROUTED, f"fragment {m.fragment} on partition {tp[1]}, which carries fragment "
+                             f"{tp[1]}")
+        if region is not None and m.region != region:
+            return Rejection(Reason.MISROUTED, f"a contribution of region {messages.short(m.region, 40)} on region "
+                             f"{region}'s topic {tp[0]}")
+        return None
 
     def check_claims(self, m: Manifest, *, members: Collection[str], fragment: FragmentState | None,
                      replay: bool = False) -> Rejection | None:

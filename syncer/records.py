@@ -126,3 +126,12 @@ class FragmentState:
             norm = math.sqrt(sum(fused.squared_norm(a) for a in self.params.values()))
             self._scale = max(norm, math.sqrt(sum(a.size for a in self.params.values())))
         return self._scale
+
+
+def contribution_meta(m, tp: TP, first_offset: int, arrival: float) -> dict:
+    """What Redis keeps of an accepted contribution (manifest `m`, read from `tp` at `first_offset`):
+    the round's, the merge record's and the rebuild's input."""
+    return {"id": m.id, "learner": m.learner, "region": m.region, "fragment": m.fragment,
+            "base_version": m.base_version, "tokens": m.tokens, "steps": m.steps, "step_time": m.step_time,
+            "bytes": m.total_bytes, "arrival": arrival, "topic": tp[0], "partition": tp[1],
+            "offset": first_offset, "created": m.created, "cursor": None if m.cursor is None else list(m.cursor)}

@@ -100,3 +100,21 @@ def close_round(cfg: Config, plan: Plan, st: FragmentState, p: int, contribs: Se
         old, st.opt_state, delta, st.residual, lr=o.lr, momentum=momentum, nesterov=o.nesterov,
         scheme=sc.broadcast, threads=sc.merge_threads, base=None if base is st.params else base)
     return Closed(weights, params, opt_state, update, residual)
+
+
+def merge_record(p: int, current: int, contribs: Sequence[Pending], weights, *, reason: str, share: float,
+                 live: Collection[str], now: float) -> dict:
+    """The merge record of fragment p's version `current + 1`: who and what it merged, with what weights, from
+    where in the log (what a rebuild since the last snapshot replays), and whom it did not wait for."""
+    metas = [c.manifest_meta for c in contribs]
+    return {"fragment": p, "version": current + 1, "ids": [m["id"] for m in metas],
+            "learners": [m["learner"] for m in metas], "tokens": sum(m["tokens"] for m in metas),
+            "weights": [round(float(w), 6) for w in weights],
+            # each contribution's tokens and data-stream cursor: the coverage ledger's input
+            "tokens_each": [m["tokens"] for m in metas], "cursors": [m.get("cursor") for m in metas],
+            "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
+            "base_versions": [m["base_version"] for m in metas],
+            "late": sum(1 for m in metas if m["base_version"] < current), "reason": reason,
+            "share": share, "where": [[m["topic"], m["partition"], m["offset"]] for m in metas],
+            "missing": sorted(set(live) - {m["learner"] for m in metas}), "time": now,
+            "waited_s": round(now - min(c.arrival for c in contribs), 4)}  # quorum and grace

@@ -164,6 +164,6 @@ def test_a_redis_that_lost_writes_is_refused_and_repaired_from_the_store(run):
     h.pump(lambda: h.state.versions()[2] == 1)
     h.rounds(1)
     assert h.state.versions() == {0: 4, 1: 1, 2: 1, 3: 0}
-    h.syncer.relay()
+    h.syncer.outbox.relay()
     _, published, status = assert_exact_accounting(h.cfg, h.run_id)
     assert set(status.values()) <= {f"applied:{p}:{v}" for p in range(4) for v in range(1, 5)}

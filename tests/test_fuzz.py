@@ -33,6 +33,7 @@ from diloco.syncer import fused
 from diloco.syncer import merge as ref
 from diloco.syncer import rounds
 from diloco.syncer.intake import Intake
+from diloco.syncer.registry import LearnerRegistry
 from diloco.syncer.records import FragmentState, Pending
 from diloco.syncer.syncer import Syncer
 
@@ -500,7 +501,7 @@ def mutated_events(draw, valid):
 
 
 class _Counts:
-    """The one write of Syncer.handle_event that reaches Redis when it refuses a beat: a count."""
+    """The one write of LearnerRegistry.heard that reaches Redis when it refuses a beat: a count."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
@@ -529,7 +530,7 @@ def _typed_and_finite(hb: dict) -> None:
 @example(mutation=("at", b'{"schema": 1, "kind": "heartbeat", "learner": "us-0", "at": 1' + b"0" * 400 + b"}"))  # OverflowError
 def test_a_mutated_heartbeat_is_refused_or_reaches_the_registry_typed_and_finite(syncer, mutation):
     key, raw = mutation
-    syncer.registry, syncer.state = {}, _Counts()
+    syncer.registry = LearnerRegistry(syncer.cfg, _Counts(), emit=None)  # a follower's: it emits nothing
     ev = messages.parse_event(raw)
     syncer.handle_event(raw)        # what the syncer does with the record: never raises
     if syncer.registry:
@@ -537,7 +538,7 @@ def test_a_mutated_heartbeat_is_refused_or_reaches_the_registry_typed_and_finite
         _typed_and_finite(hb)
         assert hb["status"] in ("alive", "finished")
     elif ev is not None and ev["kind"] == "heartbeat" and ev.get("learner") in LEARNER_IDS:
-        assert syncer.state.counts == {"bad_events": 1}
+        assert syncer.registry.state.counts == {"bad_events": 1}
         with pytest.raises(WireError) as err:
             messages.clean_heartbeat(ev)
         bounded_error(err.value, *([key] if key else ["field", "learner"]))

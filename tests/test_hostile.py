@@ -160,7 +160,7 @@ def test_a_record_the_broker_refuses_for_good_is_dead_lettered_and_does_not_bloc
     too_big = {"topic": h.topics.events, "partition": 0, "value": "x" * (h.cfg.transport.max_message_bytes + 200_000)}  # past max_request_size
     ok = {"topic": h.topics.events, "partition": 0, "value": messages.event("probe", run=h.run_id, n=1).decode()}
     h.state.r.rpush(h.state.k + "outbox", json.dumps(too_big), json.dumps(ok))
-    h.syncer.relay()
+    h.syncer.outbox.relay()
     assert h.state.outbox_peek() == []
     assert h.state.counters().get("dead_letters") == 1 and h.state.r.llen(h.state.k + "deadletter") == 1
     assert [e for e in h.events() if e["kind"] == "probe"]
@@ -193,7 +193,7 @@ def test_the_fetcher_skips_bad_announcements_and_outlives_a_missing_version(harn
         h.producer.send(h.topics.outer, messages.event("version", run=h.run_id, fragment=2, version=10 ** 6), partition=0)
         h.producer.flush()                                     # a forged version far ahead must not hold back...
         _good_round(h, fragment=2)
-        h.syncer.relay()
+        h.syncer.outbox.relay()
         deadline = time.time() + 15
         while 2 not in fetcher.ready_now().get(2, {}):         # ...the real next one
             assert time.time() < deadline and fetcher.error is None, (fetcher.error, fetcher.ready_now())

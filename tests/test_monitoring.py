@@ -32,6 +32,7 @@ from diloco.infra.jobs import LocalJobs
 from diloco.infra.services import free_port
 from diloco.learners.data import ensure_corpus
 from diloco.run import child_env, provision_run
+from diloco.syncer import service
 from diloco.syncer import state as state_mod
 
 DASHBOARD = Path(__file__).parent.parent / "infra" / "grafana" / "diloco.json"
@@ -311,7 +312,7 @@ def test_syncer_metrics_and_status_follow_its_rounds_and_rejections(tiny_config)
     assert reg.get_sample_value("diloco_syncer_accept_to_merge_seconds_count", {"fragment": "0"}) == 4
     assert reg.get_sample_value("diloco_syncer_rejections_total", {"fragment": "0", "reason": "future_version"}) == 1
     assert reg.get_sample_value("diloco_syncer_lease_held", {"fragment": "1"}) == 1
-    st = h.syncer.live_status()
+    st = service.live_status(h.syncer)
     assert [r["version"] for r in st["rounds"] if r["fragment"] == 0] == [2, 1]
     assert st["rejections"]["by_reason"] == {"future_version": 1}
     assert next(m for m in st["members"] if m["id"] == "us-0")["step"] == 10

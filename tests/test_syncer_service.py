@@ -271,7 +271,7 @@ def test_a_rebuild_without_its_contributions_keeps_exact_parameters_and_says_so(
     for n, a in live.params.items():           # the parameters come from the updates: exact
         np.testing.assert_array_equal(rebuilt.params[n], a)
     assert rebuilt.residual == {} and rebuilt.version == 2
-    h.syncer.relay()
+    h.syncer.outbox.relay()
     ev = [e for e in h.events() if e["kind"] == "fragment_state_approximate"]
     assert ev and ev[-1]["fragment"] == 0 and ev[-1]["snapshot"] == 0 and "no longer in the log" in ev[-1]["reason"]
 
@@ -310,7 +310,7 @@ def test_a_stale_contribution_is_discounted_and_momentum_decays_per_full_round(t
     for n in live.params:
         np.testing.assert_array_equal(rebuilt.params[n], live.params[n])
         np.testing.assert_array_equal(rebuilt.opt_state[0].trace[n], live.opt_state[0].trace[n])
-    h.syncer.relay()
+    h.syncer.outbox.relay()
     assert not [e for e in h.events() if e["kind"] == "fragment_state_approximate"]
     h.producer.close()
 
@@ -349,7 +349,7 @@ def test_a_dropped_learner_stays_dropped_after_a_restart_and_a_silent_member_age
     try:
         for lid in cfg.learner_ids():
             h.heartbeat(lid, step=1)
-        h.pump(lambda: h.syncer.live_learners() == set(cfg.learner_ids()))
+        h.pump(lambda: h.syncer.registry.live() == set(cfg.learner_ids()))
         deadline = time.time() + 20
         while time.time() < deadline:                           # only us-0 keeps beating
             h.heartbeat("us-0", step=2)
@@ -359,9 +359,9 @@ def test_a_dropped_learner_stays_dropped_after_a_restart_and_a_silent_member_age
             time.sleep(0.1)
         assert {lid for lid, hb in h.state.registry().items() if hb["status"] == "dropped"} == {"us-1", "eu-0", "eu-1"}
         h.syncer = h.new_syncer()                               # a restart reloads the registry
-        assert h.syncer.present_learners() == {"us-0"} and h.syncer.live_learners() == {"us-0"}
+        assert h.syncer.registry.present() == {"us-0"} and h.syncer.registry.live() == {"us-0"}
         h.heartbeat("eu-0", step=3)                             # a dropped learner that comes back is live again
-        h.pump(lambda: "eu-0" in h.syncer.live_learners())
+        h.pump(lambda: "eu-0" in h.syncer.registry.live())
     finally:
         h.producer.close()
 
@@ -373,9 +373,9 @@ def test_a_member_never_heard_from_ages_out_after_a_restart(tiny_config):
         h.heartbeat("us-0", step=1)
         h.pump(lambda: "us-0" in h.syncer.registry)
         h.syncer = h.new_syncer()                               # us-1, eu-0, eu-1 never beat
-        assert h.syncer.live_learners() == set(cfg.learner_ids())
+        assert h.syncer.registry.live() == set(cfg.learner_ids())
         time.sleep(1.0)
         h.heartbeat("us-0", step=2)
-        h.pump(lambda: h.syncer.present_learners() == {"us-0"})
+        h.pump(lambda: h.syncer.registry.present() == {"us-0"})
     finally:
         h.producer.close()

@@ -1,0 +1,72 @@
+"""The outbox relay: what a Redis transaction committed to say, said on Kafka.
+
+Announcements and events are written to the Redis outbox in the same MULTI/EXEC as the change they
+describe (syncer/state.py); the relay publishes them and trims only what the broker acknowledged. A
+crash between the two repeats records, never loses them (learners ignore versions they already
+hold, event readers drop repeated eids). A record the broker refuses for good is dead-lettered, so
+it cannot hold up every record behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from kafka.errors import KafkaError
+
+from diloco import messages
+
+log = logging.getLogger(__name__)
+
+
+def _permanent(err: KafkaError) -> bool:
+    return not getattr(err, "retriable", False)
+
+
+class OutboxRelay:
+    def __init__(self, state, producer, broker):
+        self.state, self.producer, self.broker = state, producer, broker
+        self.broker_down = False   # said once per outage
+
+    def relay(self) -> None:
+        """Publish the outbox; while the broker is away the outbox waits and the next call tries again."""
+        while self.broker.up and (raw := self.state.outbox_peek()):  # no blocking flush while it is away
+            try:
+                refused = self._send(raw)
+            except KafkaError as err:
+                if not self.broker_down:
+                    log.warning("broker unavailable; keeping %d records in the outbox", len(raw),
+                                extra={"error": f"{type(err).__name__}: {err}"})
+                self.broker_down = True
+                return
+            for text, why in refused:
+                self.state.dead_letter(text, why)
+                log.error("outbox record refused by the broker; dead-lettered",
+                          extra={"error": messages.bounded(why, 200), "bytes": len(text)})
+            if self.broker_down:
+                log.warning("broker reachable again; outbox relayed")
+                self.broker_down = False
+            if not self.state.outbox_trim(raw):
+                return  # another shard relayed the same records first: they went out twice, not zero times
+
+    def _send(self, raw: list[str]) -> list[tuple[str, str]]:
+        """Send and await `raw`; the (record, why) pairs the broker will never take. A retriable
+        error raises: nothing is trimmed and the whole batch goes again."""
+        refused, futures = [], []
+        for text in raw:
+            r = json.loads(text)
+            try:
+                futures.append((text, self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"])))
+            except KafkaError as err:  # refused before it left (too large for max_request_size)
+                if not _permanent(err):
+                    raise
+                refused.append((text, f"{type(err).__name__}: {err}"))
+        self.producer.flush(timeout=10)
+        for text, f in futures:
+            try:
+                f.get(timeout=10)
+            except KafkaError as err:
+                if not _permanent(err):
+                    raise
+                refused.append((text, f"{type(err).__name__}: {err}"))
+        return refused

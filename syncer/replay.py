@@ -1,0 +1,78 @@
+"""Replay: where a restart (or a fragment's next owner) resumes reading, and what it must get back.
+
+The replay offset of a partition never passes the first record of a contribution whose effect is not
+durable yet (accepted into an open round, or still being assembled), so a replay from it brings back
+every payload Redis counts on. `lost_payloads` names those it did not bring back; `GroupOffsets`
+mirrors the replay offsets into the Kafka consumer group so Kafka's own tools show the lag.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+from kafka import OffsetAndMetadata, TopicPartition
+from kafka.errors import KafkaError
+
+from diloco.syncer.records import TP, Pending, partition_key
+
+log = logging.getLogger(__name__)
+
+
+def replay_offsets(consumed: Mapping[TP, int], rounds: Mapping[int, Mapping[str, Pending]],
+                   tps: Callable[[int], Iterable[TP]], partial: Callable[[str], list[int]]) -> dict[TP, int]:
+    """Per partition of the fragments in `rounds` (fragment -> its open round), the first offset whose
+    effect is not yet durable: read up to `consumed`, held back by each pending contribution's first
+    record and by the first offsets of the partial chunk sets (`partial`, by partition key)."""
+    out = {tp: consumed[tp] for p in rounds for tp in tps(p) if tp in consumed}
+    for contributions in rounds.values():
+        for c in contributions.values():
+            if c.first_offset is not None and c.tp in out:
+                out[c.tp] = min(out[c.tp], c.first_offset)
+    for tp in out:
+        if held := partial(partition_key(tp)):
+            out[tp] = min(out[tp], min(held))
+    return out
+
+
+def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], *, assembling: Callable[[str], bool],
+                  position: Callable[[TP], int], read_to_end: Callable[[TP], bool]):
+    """The accepted contributions a replay did not bring back, as (fragment, id, contribution, detail),
+    and whether others may still come (a partial set holds them, or the reader is not past them yet).
+
+    A payload is lost once no partial set holds it and the reader is past its first record or at the
+    end of its partition (a truncated or recreated log): it was not in the log."""
+    lost, waiting = [], False
+    for p, contributions in rounds.items():
+        for cid, c in contributions.items():
+            if c.deltas is not None:
+                continue
+            at = position(c.tp)
+            if assembling(cid) or (at <= c.first_offset and not read_to_end(c.tp)):
+                waiting = True
+                continue
+            lost.append((p, cid, c, f"records from {partition_key(c.tp)}@{c.first_offset} are not in the log "
+                                    f"(read to offset {at})"))
+    return lost, waiting
+
+
+class GroupOffsets:
+    """Commits replay offsets as the consumer group's offsets. Monitoring only: Redis stays the source
+    of truth, and a failed commit is logged (once until one succeeds), never raised."""
+
+    def __init__(self, consumer, broker):
+        self.consumer, self.broker = consumer, broker
+        self.failing = False
+
+    def commit(self, offsets: Mapping[TP, int]) -> None:
+        if self.consumer.config["group_id"] is None or not self.broker.up:
+            return
+        try:
+            self.consumer.commit({TopicPartition(*tp): OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()},
+                                 timeout_ms=2000)
+            self.failing = False
+        except KafkaError as err:
+            if not self.failing:
+                log.warning("consumer group commit failed (monitoring only; Redis keeps the offsets)",
+                            extra={"group": self.consumer.config["group_id"], "error": f"{type(err).__name__}: {err}"})
+            self.failing = True
