@@ -1,7 +1,7 @@
 """Learners over many devices and hosts, in real runs (broker, Redis, TensorStore, the syncer).
 
-- 8 CPU devices, FSDP: the same final global parameters as one device (a deterministic run: one
-  learner, synchronous rounds, fp32 on the wire).
+- 8 CPU devices, FSDP: the final global parameters of one device, up to the order of float32 sums (a
+  deterministic run: one learner, synchronous rounds, fp32 on the wire).
 - A learner of 2 processes (jax.distributed on localhost): its hosts end bit-identical, and with
   the parameters sharded across both hosts each reads only its half; killing one process restarts
   the learner as a whole, without a hang.
@@ -77,11 +77,14 @@ def test_fsdp_over_8_devices_trains_to_the_parameters_of_one_device(tiny_config,
         assert s["contributions"]["applied"] == s["contributions"]["published"] >= 2 * 4
     a, b = _final_params(cfg8, one), _final_params(cfg8, eight)
     assert a.keys() == b.keys()
-    moved = 0.0
     for n in a:
-        np.testing.assert_allclose(b[n], a[n], rtol=2e-4, atol=2e-5, err_msg=n)
-        moved = max(moved, float(np.abs(a[n] - _initial(cfg8, one, n)).max()))
-    assert moved > 1e-3  # it did train: the comparison is not between two untouched models
+        # The devices sum the gradients in another order, and Adam magnifies float32 rounding where a
+        # gradient is near zero: the runs differ by a few 1e-4 of how far training moved the tensor
+        # (4e-4 at most, measured). A sharding mistake (a missing all-reduce, a shard in the wrong
+        # place) differs by the order of the movement itself.
+        moved = float(np.abs(a[n] - _initial(cfg8, one, n)).max())
+        assert moved > 1e-3, n  # it did train: the comparison is not between two untouched models
+        assert float(np.abs(b[n] - a[n]).max()) < 2e-3 * moved, n
 
 
 def _initial(cfg, summary, name):
