@@ -58,8 +58,8 @@ class SyncerMetrics:
             set_all(gauge, {(p,): v for p, v in values.items()})
         set_all(self.lag, lag)
         self.outbox.set(outbox)
-        for s in ("alive", "silent", "finished", "left", "dropped"):
-            self.learners.labels(s).set(learners.get(s, 0))
+        for status, n in learners.items():
+            self.learners.labels(status).set(n)
 
     def merged(self, p: int, contributions: int, seconds: float, waits: list[float]) -> None:
         """A committed merge of fragment p: its size, its time and each contribution's wait for it."""

@@ -159,5 +159,6 @@ class LearnerRegistry(Mapping[str, dict]):
         times = [hb["step_time"] for hb in self.beats.values() if hb.get("step_time") and hb["status"] == "alive"]
         return float(np.median(times)) if times else 0.0
 
-    def by_status(self) -> Counter:
-        return Counter(hb["status"] for hb in self.beats.values())
+    def by_status(self) -> dict[str, int]:
+        """How many learners are in each of STATUSES (zero included)."""
+        return {s: 0 for s in STATUSES} | Counter(hb["status"] for hb in self.beats.values())

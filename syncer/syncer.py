@@ -73,7 +73,6 @@ class Syncer:
             raise ValueError(f"shard {shard} is not in 0..{cfg.syncer.shards - 1} (syncer.shards={cfg.syncer.shards})")
         self.shard, self.member = shard, f"{shard}:{uuid.uuid4().hex[:12]}"
         self.ttl_s = cfg.syncer.lease_ttl_s
-        self.shapes = self.run_plan.shapes
         self.opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
                                    cfg.syncer.grace_max_s)
@@ -556,7 +555,7 @@ class Syncer:
         c = self.consumer
         lost, self._replaying = replay.lost_payloads(
             {p: st.round for p, st in self.fragments.items()}, assembling=lambda cid: cid in self.assembler,
-            position=lambda tp: c.position(TopicPartition(*tp)) if TopicPartition(*tp) in c.assignment() else 0,
+            position=lambda tp: c.position(t) if (t := TopicPartition(*tp)) in c.assignment() else 0,
             read_to_end=lambda tp: self._read_to_end(partition_key(tp)))
         for p, cid, pending, detail in lost:
             if p in self.fragments:
@@ -610,4 +609,4 @@ class Syncer:
                            partition=0)
 
 
-__all__ = ["Syncer", "announce", "TopicPartition"]
+__all__ = ["Syncer"]
