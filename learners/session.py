@@ -422,6 +422,7 @@ class Session:
         self._endpoint = None
         self.stopping = False
         self.tokens, self.loss, self.step_time, self.compute_s = 0, None, 0.0, 0.0
+        self._host_compute_s = 0.0  # this host's own compute_s (compute_s is the largest over the hosts)
         self._names = self.plan.fragment_names
         P = self.plan.fragments
         self._since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
@@ -564,7 +565,10 @@ class Session:
         self.tokens += int(tokens)
         if dt:
             self.step_time = dt if self.step_time == 0 else 0.9 * self.step_time + 0.1 * dt
-        compute_s = compute_s if compute_s is not None else self.compute_s + dt
+        compute_s = compute_s if compute_s is not None else self._host_compute_s + dt
+        # this step's compute, the one figure both sides of goodput count: a delta's time (merged
+        # work) and the learner's compute_s (all work); wall time would add waits to the merged side
+        step_compute, self._host_compute_s = compute_s - self._host_compute_s, compute_s
         if loss is not None:
             value = float(loss)
             if not math.isfinite(value) and (self.loss is None or math.isfinite(self.loss)):
@@ -575,7 +579,7 @@ class Session:
         for s in self._since.values():
             s["tokens"] += int(tokens)
             s["steps"] += 1
-            s["time"] += dt or self.step_time
+            s["time"] += step_compute
         # what every host of this learner does now: stop (SIGTERM on any), the versions to apply
         (self.stopping,), self.compute_s, chosen = self._agree(self.stopping, compute_s=compute_s)
         P, H = self.plan.fragments, self.cfg.fragments.sync_every

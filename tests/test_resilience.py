@@ -184,11 +184,10 @@ def test_chaos_run_heals_and_applies_every_contribution_once(tiny_config, tmp_pa
     assert c["published"] == c["applied"] + c["rejected"]
     assert set(s["rejections"]) <= {"incomplete"}        # only deltas cut off by a kill mid-send
     assert s["eval_loss_end"] < 0.9 * s["eval_loss_start"]
-    # productive time is counted from the merged manifests (steps x their mean step time), compute from the
-    # heartbeats' measured compute plus the estimated tail of each killed incarnation: two measurements of
-    # the same work that differ by a few percent on a loaded machine (1.020 seen in CI), never by a whole
-    # contribution (applied_twice above is the check for counting one twice)
-    assert 0.5 < s["goodput"] <= 1.05 and 0 <= s["goodput_sync_equivalent"] < s["goodput"]
+    # productive time is the compute the merged deltas carry, all compute the heartbeats' figure plus each
+    # killed incarnation's wall time after its last beat: the same per-step measurement on both sides, so
+    # goodput stays at most 1 up to the merge records' rounding (applied_twice above: none counted twice)
+    assert 0.5 < s["goodput"] <= 1.001 and 0 <= s["goodput_sync_equivalent"] < s["goodput"]
     assert s["coverage"]["totals"]["tokens_twice"] == 0, s["coverage"]   # no window reached a fragment twice
     assert_exact_accounting(cfg, s["run_id"])
     incarnations = Counter()  # each came back under a new incarnation and registered with the syncer

@@ -103,13 +103,28 @@ def test_what_a_delta_left_out_goes_with_the_next_one_and_the_learner_keeps_trai
         assert np.abs(error["w"]).max() > 0.01 * np.abs(sent).max()
 
 
+def _sent_by_session(cfg, h) -> list:
+    """(manifest, payload) of every contribution on region us's topic that the harness did not send."""
+    from diloco import messages
+    from diloco.infra import kafka as kafka_io
+
+    h.producer.flush()
+    topics = kafka_io.Topics.for_run(cfg, h.run_id)
+    ours = messages.ChunkAssembler(max_bytes=1 << 30, timeout_s=60)
+    sent = []
+    for rec in kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topics.fragments["us"], topics.partitions)):
+        got = ours.add(*messages.parse_frame(rec.value), now=0.0)
+        if isinstance(got, messages.Assembled) and got.manifest.id not in h.sent:
+            sent.append((got.manifest, got.payload))
+    return sent
+
+
 def test_an_overwritten_fragment_claims_only_the_steps_trained_on_its_new_version(tiny_config):
     """With fragments.apply=overwrite a new global version throws away the steps since the fragment's
     last send, but they stayed counted: the next delta claimed their tokens, and a version applied at
     a learner's last step was handed in at close as an all-zero delta weighing those tokens (a
     conformance run caught one). The steps and tokens a delta claims are those it holds."""
     from diloco import messages
-    from diloco.infra import kafka as kafka_io
 
     cfg = tiny_config(syncer={"quorum": 2, "grace_max_s": 0.0})
     assert cfg.fragments.apply == "overwrite"
@@ -133,16 +148,32 @@ def test_an_overwritten_fragment_claims_only_the_steps_trained_on_its_new_versio
                 time.sleep(0.2)
                 params = session.step(params, tokens=7)
             params = session.step(nudged(params, 0.05), tokens=100)   # the one step on version 1
-        h.producer.flush()
-        topics = kafka_io.Topics.for_run(cfg, h.run_id)
-        ours = messages.ChunkAssembler(max_bytes=1 << 30, timeout_s=60)
-        sent = []
-        for rec in kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topics.fragments["us"], topics.partitions)):
-            got = ours.add(*messages.parse_frame(rec.value), now=0.0)
-            if isinstance(got, messages.Assembled) and got.manifest.id not in h.sent and got.manifest.fragment == last:
-                sent.append((got.manifest, messages.decode_payload(got.manifest, got.payload)))
+        sent = [(m, messages.decode_payload(m, payload)) for m, payload in _sent_by_session(cfg, h)
+                if m.fragment == last]
         assert [(m.base_version, m.tokens, m.steps) for m, _ in sent] == [(1, 100, 1)]
         for delta in sent[0][1].values():                   # global - local: the one step's -0.05
             np.testing.assert_allclose(delta, -0.05, atol=2e-3)
+    finally:
+        h.producer.close()
+
+
+def test_a_delta_claims_the_compute_its_steps_took_not_the_wall_time_between_them(tiny_config):
+    """A delta's step_time counted the wall time between Session.step calls, waits included, while the
+    learner's compute_s counted compute only: merged work could exceed all work (goodput 1.096 was
+    seen in a rebase run). Both now count the loop's compute_s, step by step."""
+    cfg = tiny_config()
+    h = Harness(cfg, f"session-compute-{time.time_ns() % 10**6}")
+    run_cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": h.run_id})})
+    try:
+        with Session(run_cfg, "us-0", store=h.store) as session:
+            params = session.join(load_spec(cfg).init(cfg.model.seed))
+            for step in range(1, 7):
+                time.sleep(0.05)                           # a wait (a fetch, a merge) outside compute
+                params = session.step(params, tokens=100, compute_s=0.01 * step)
+        sent = [m for m, _ in _sent_by_session(cfg, h)]
+        assert len(sent) >= cfg.fragments.count                   # every fragment handed in at close
+        for m in sent:
+            assert m.step_time == pytest.approx(0.01), (m.fragment, m.steps, m.step_time)
+        assert sum(m.steps * m.step_time for m in sent) == pytest.approx(cfg.fragments.count * 0.06)
     finally:
         h.producer.close()
