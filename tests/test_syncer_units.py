@@ -1,6 +1,6 @@
 """The syncer's decisions, each in its own small module, without a broker, Redis or a store:
 intake's rejection reasons, when a round is due and whom its share counts, norm outliers, the
-records' spellings, the periodic helper and the lease keeper, on fake clocks and fakes."""
+records' spellings, the periodic helper, the lease keeper and the learner registry, on fake clocks and fakes."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from diloco.syncer.ownership import LeaseKeeper
 from diloco.syncer.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.records import FragmentState, Pending, Reason, Status, parse_partition_key, partition_key
+from diloco.syncer.registry import LearnerRegistry
 
 PLAN = Plan((Tensor("w", (2, 3), "float32", 0, "rda"), Tensor("v", (4,), "float32", 1, "rda")), 2)
 CFG = build_config({"fragments": {"count": 2}, "regions": [{"name": "us", "learners": 2, "max_learners": 3},
@@ -229,3 +230,51 @@ def test_the_lease_keeper_reports_lost_leases_and_a_displaced_shard_and_stops_wh
     leases.held = set()
     keeper.renew()
     assert keeper.lost == set()                   # a stuck loop lets its leases expire rather than renew them
+
+
+class _Registry:
+    """The coordinator's Redis writes of the learner registry, recorded."""
+
+    def __init__(self):
+        self.beats, self.dropped = {}, []
+
+    def heartbeat(self, lid, hb):
+        self.beats[lid] = hb
+
+    def drop_learner(self, lid, hb):
+        self.dropped.append(lid)
+
+
+def _beat(lid: str, **fields) -> dict:
+    return messages.parse_event(messages.event("heartbeat", run="run", source="learner", learner=lid,
+                                               region=lid.split("-")[0], incarnation="i0", step=1, **fields))
+
+
+def test_a_learner_that_stops_beating_goes_silent_then_is_dropped_each_said_once():
+    now, said = [100.0], []
+    reg = LearnerRegistry(CFG, _Registry(), lambda kind, **f: said.append((kind, f.get("learner"))), lambda: now[0])
+    reg.coordinator = True
+    reg.heard(_beat("us-0"))
+    reg.heard(_beat("us-1", state="finished"))
+    assert reg.by_status() == {"alive": 1, "silent": 0, "finished": 1, "left": 0, "dropped": 0}
+    assert said == [("learner_joined", "us-0"), ("learner_finished", "us-1")]
+    assert reg.live() == MEMBERS - {"us-1"}     # never heard of: waited for; finished: not
+    now[0] += CFG.syncer.silent_after_s + 0.1
+    reg.check()
+    reg.check()
+    assert reg["us-0"]["status"] == "silent" and "us-0" not in reg.live() and "us-0" in reg.present()
+    now[0] += CFG.syncer.drop_after_s
+    reg.check()
+    assert reg["us-0"]["status"] == "dropped" and "us-0" not in reg.present() and reg.state.dropped == ["us-0"]
+    assert [k for k, lid in said if lid == "us-0"] == ["learner_joined", "learner_silent", "learner_dropped"]
+    reg.heard(_beat("us-0"))                    # back: alive again, and said so
+    assert reg["us-0"]["status"] == "alive" and said[-1] == ("learner_joined", "us-0")
+
+
+def test_a_follower_shard_keeps_its_own_view_and_says_nothing():
+    now = [0.0]
+    reg = LearnerRegistry(CFG, None, emit=None, clock=lambda: now[0])   # it must touch neither
+    reg.heard(_beat("eu-1"))
+    now[0] += CFG.syncer.silent_after_s + 0.1
+    reg.check()
+    assert reg["eu-1"]["status"] == "silent" and reg.by_status()["silent"] == 1
