@@ -1,6 +1,7 @@
 """The syncer's decisions, each in its own small module, without a broker, Redis or a store:
 intake's rejection reasons, when a round is due and whom its share counts, norm outliers, the
-records' spellings, the periodic helper, the lease keeper and the learner registry, on fake clocks and fakes."""
+records' spellings, the periodic helper, the lease keeper and the learner registry, on fake clocks
+and fakes."""
 
 from __future__ import annotations
 
