@@ -17,9 +17,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _ID = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"  # safe in topic names, Redis keys and paths
-_ENV = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_ENV = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable's name (also a key of the GKE Secret)
 _ABS_PATH = r"^/[A-Za-z0-9._/-]*$"  # goes into a container's command line on a TPU VM (quoted there too)
-_IMAGE = r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$"  # a registry reference, e.g. host/project/repo/name:tag or @sha256:...  # an environment variable's name (also a key of the GKE Secret)
+_IMAGE = r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$"  # a registry reference, e.g. host/project/repo/name:tag or @sha256:...
 
 
 class ConfigError(ValueError):
