@@ -49,9 +49,11 @@ class SyncerMetrics:
         self.learners = Gauge("diloco_syncer_learners", "learners in the registry by liveness", ["status"], registry=r)
         Gauge("diloco_syncer_shard", "this process's shard", registry=r).set(shard)
 
-    def held(self, fragments: int, versions: dict[int, int], pending: dict[int, int], epochs: dict[int, int],
-             lag: dict[tuple, int], outbox: int, learners: dict[str, int]) -> None:
-        """What the shard holds now, per owned fragment (those it no longer owns leave the gauges)."""
+    def held(self, fragments: int, owned: dict, epochs: dict[int, int], lag: dict[tuple, int], outbox: int,
+             learners: dict[str, int]) -> None:
+        """What the shard holds now, per owned fragment (`owned`: its state, with its version and open
+        round); those it no longer owns leave the gauges."""
+        versions, pending = {p: st.version for p, st in owned.items()}, {p: len(st.round) for p, st in owned.items()}
         for p in range(fragments):
             self.lease.labels(p).set(p in versions)
         for gauge, values in ((self.version, versions), (self.pending, pending), (self.epoch, epochs)):

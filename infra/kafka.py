@@ -47,6 +47,10 @@ class Topics:
     def partition_of(self, fragment: int) -> int:
         return fragment % self.partitions
 
+    def partitions_of(self, fragment: int) -> list[tuple[str, int]]:
+        """(topic, partition) of the fragment in every region's topic."""
+        return [(t, self.partition_of(fragment)) for t in self.fragments.values()]
+
     def all(self) -> dict[str, int]:
         return {**{t: self.partitions for t in self.fragments.values()}, self.outer: 1, self.events: 1}
 

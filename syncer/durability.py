@@ -53,3 +53,15 @@ def committed_in_store(store: FragmentStore, fragments: int) -> dict[int, int]:
     """Fragment -> newest committed version, for the fragments that have one in the store."""
     found = {p: store.committed(p) for p in range(fragments)}
     return {p: v for p, v in found.items() if v is not None}
+
+
+def provisioned_versions(state: SyncerState, store: FragmentStore, run_id: str, fragments: int) -> dict[int, int]:
+    """Redis's version of every fragment; StateLost if Redis forgot a run the store committed versions
+    of, RuntimeError if the run was never provisioned."""
+    versions = state.versions()
+    if len(versions) != fragments:
+        if held := committed_in_store(store, fragments):
+            raise lost(run_id, f"Redis holds versions {versions}, the store committed {held}")
+        raise RuntimeError(f"run {run_id} is not provisioned in Redis (versions: {versions}); "
+                           "`diloco train` provisions it")
+    return versions

@@ -21,12 +21,30 @@ class Rejection(NamedTuple):
     detail: str
 
 
+def read_frame(raw: bytes) -> tuple[str, dict, memoryview]:
+    """(contribution id, header, payload) of one record of a region topic; WireError if it is no frame
+    or names no contribution id of 1-64 characters."""
+    header, payload = messages.parse_frame(raw)
+    cid = header.get("id")
+    if not isinstance(cid, str) or not 0 < len(cid) <= 64:
+        raise WireError(f"frame header needs a contribution id of 1-64 characters, got {messages.short(cid, 40)}")
+    return cid, header, payload
+
+
 class Intake:
     """The checks of one run's contributions: the manifest's claims, then the payload."""
 
     def __init__(self, cfg: Config, run_id: str, plan: Plan):
         self.cfg, self.run_id, self.plan = cfg, run_id, plan
         self.shapes = plan.shapes
+
+    def assembler(self, check) -> messages.ChunkAssembler:
+        """The chunk assembler of this run's contributions, bounded as syncer.* says; `check` judges each
+        manifest before its chunks are buffered."""
+        sc = self.cfg.syncer
+        return messages.ChunkAssembler(max_bytes=sc.max_contribution_bytes, timeout_s=sc.incomplete_timeout_s,
+                                       after_bytes=sc.incomplete_after_bytes, max_sets=sc.max_partial_sets,
+                                       max_buffered=sc.max_buffered_bytes, check=check)
 
     def check_route(self, m: Manifest, tp: TP, region: str | None) -> Rejection | None:
         """Why a contribution read from partition `tp` of `region`'s topic (None: not a region topic)

@@ -4,7 +4,9 @@ checked bit for bit against the update stored for that version."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 
 from kafka import TopicPartition
 from kafka.errors import KafkaError
@@ -19,6 +21,9 @@ from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
 from diloco.syncer.records import FragmentState, Pending
 from diloco.syncer.rounds import close_round
+
+
+log = logging.getLogger(__name__)
 
 
 class RebuildError(RuntimeError):
@@ -105,3 +110,21 @@ def rebuild(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, mer
     except (RebuildError, StoreError, WireError, KafkaError, KeyError, ValueError) as err:
         params, _ = store.read_params(p, v, meta)
         return FragmentState(v, params, st.opt_state, residual={}, snapshot_at=s, snapshot=snapshot), str(err)
+
+
+def load(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, merges: list[dict], p: int, v: int,
+         *, emit: Callable[..., None]) -> FragmentState:
+    """Fragment p's state at version v for its new owner (`rebuild`); an approximate one (exact
+    parameters, the snapshot's outer state) is said loudly, in the log and a `fragment_state_approximate`
+    event (`emit`)."""
+    st, approximate = rebuild(cfg, run_id, plan, opt, store, merges, p, v)
+    if approximate is None:
+        if st.snapshot_at != v:
+            log.info("fragment rebuilt from its snapshot", extra={"fragment": p, "snapshot": st.snapshot_at,
+                                                                  "version": v})
+        return st
+    log.error("fragment %d: outer state not rebuilt exactly since snapshot v%d (%s); parameters are exact, "
+              "momentum and residual restart from the snapshot", p, st.snapshot_at, approximate)
+    emit("fragment_state_approximate", fragment=p, snapshot=st.snapshot_at, version=v,
+         reason=messages.bounded(approximate, messages.DETAIL_CHARS))
+    return st

@@ -10,6 +10,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from diloco import messages
 from diloco.syncer import fused
 
 TP = tuple[str, int]  # (topic, partition)
@@ -100,6 +101,11 @@ class Pending:
     first_offset: int
     deltas: fused.EncodedDelta | None = None
 
+    @classmethod
+    def from_meta(cls, meta: dict) -> Pending:
+        """An accepted contribution as Redis keeps it (`contribution_meta`), its payload not read yet."""
+        return cls(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
+
 
 @dataclass
 class FragmentState:
@@ -121,6 +127,14 @@ class FragmentState:
         """The version of `update_base()`."""
         return self.version if self.snapshot is None else self.snapshot_at
 
+    def advance(self, version: int, params, opt_state, residual, *, snapshot_at: int, keep_snapshot: bool) -> None:
+        """Move to a committed `version`; with `keep_snapshot` (updates from the snapshot), a new
+        snapshot's parameters become the base of every next update."""
+        if snapshot_at != self.snapshot_at and keep_snapshot:
+            self.snapshot = params
+        self.version, self.params, self.opt_state, self.residual = version, params, opt_state, residual
+        self.snapshot_at, self._scale = snapshot_at, None
+
     def budget_scale(self) -> float:
         if self._scale is None:
             norm = math.sqrt(sum(fused.squared_norm(a) for a in self.params.values()))
@@ -135,3 +149,22 @@ def contribution_meta(m, tp: TP, first_offset: int, arrival: float) -> dict:
             "base_version": m.base_version, "tokens": m.tokens, "steps": m.steps, "step_time": m.step_time,
             "bytes": m.total_bytes, "arrival": arrival, "topic": tp[0], "partition": tp[1],
             "offset": first_offset, "created": m.created, "cursor": None if m.cursor is None else list(m.cursor)}
+
+
+def accepted_fields(m, version: int, meta: dict) -> dict:
+    """The `contribution_accepted` event's fields: manifest `m` taken into the round of `version`."""
+    return {"id": m.id, "learner": m.learner, "region": m.region, "fragment": m.fragment,
+            "base_version": m.base_version, "version": version, "tokens": m.tokens, "bytes": m.total_bytes,
+            "cursor": meta["cursor"]}
+
+
+def rejection_fields(cid: str | None, reason: str, detail: str, manifest=None, where=None) -> dict:
+    """The `contribution_rejected` event's fields (docs/wire-format.md): whose, why, and from where in
+    the log (`where`: topic, partition, offset), each bounded."""
+    fields = {"id": cid if cid is None else cid[:64], "reason": reason, "detail": messages.bounded(detail)}
+    if manifest is not None:
+        fields |= {"learner": manifest.learner, "region": manifest.region, "fragment": manifest.fragment,
+                   "base_version": manifest.base_version}
+    if where is not None:
+        fields["where"] = {"topic": where[0], "partition": int(where[1]), "offset": where[2]}
+    return fields

@@ -23,6 +23,21 @@ def _permanent(err: KafkaError) -> bool:
     return not getattr(err, "retriable", False)
 
 
+class Events:
+    """The syncer's events on the run's events topic: `send` now (what no Redis change stands behind),
+    or `outbox`, the record a Redis transaction writes with the change it describes."""
+
+    def __init__(self, producer, topic: str, run_id: str):
+        self.producer, self.topic, self.run_id = producer, topic, run_id
+
+    def outbox(self, kind: str, **fields) -> dict:
+        value = messages.event(kind, run=self.run_id, source="syncer", **fields)
+        return {"topic": self.topic, "partition": 0, "value": value.decode()}
+
+    def send(self, kind: str, **fields) -> None:
+        self.producer.send(self.topic, messages.event(kind, run=self.run_id, source="syncer", **fields), partition=0)
+
+
 class OutboxRelay:
     def __init__(self, state, producer, broker):
         self.state, self.producer, self.broker = state, producer, broker

@@ -35,8 +35,7 @@ def replay_offsets(consumed: Mapping[TP, int], rounds: Mapping[int, Mapping[str,
     return out
 
 
-def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], *, assembling: Callable[[str], bool],
-                  position: Callable[[TP], int], read_to_end: Callable[[TP], bool]):
+def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], consumer, *, assembling: Callable[[str], bool]):
     """The accepted contributions a replay did not bring back, as (fragment, id, contribution, detail),
     and whether others may still come (a partial set holds them, or the reader is not past them yet).
 
@@ -47,13 +46,32 @@ def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], *, assembling: Ca
         for cid, c in contributions.items():
             if c.deltas is not None:
                 continue
-            at = position(c.tp)
-            if assembling(cid) or (at <= c.first_offset and not read_to_end(c.tp)):
+            at = position(consumer, c.tp)
+            if assembling(cid) or (at <= c.first_offset and not read_to_end(consumer, c.tp)):
                 waiting = True
                 continue
             lost.append((p, cid, c, f"records from {partition_key(c.tp)}@{c.first_offset} are not in the log "
                                     f"(read to offset {at})"))
     return lost, waiting
+
+
+def position(consumer, tp: TP) -> int:
+    """Where the consumer reads partition `tp` next (0 if it is not assigned)."""
+    t = TopicPartition(*tp)
+    return consumer.position(t) if t in consumer.assignment() else 0
+
+
+def read_to_end(consumer, tp: TP) -> bool:
+    """Whether the consumer read assigned partition `tp` up to its high watermark."""
+    t = TopicPartition(*tp)
+    hw = consumer.highwater(t)
+    return hw is not None and t in consumer.assignment() and consumer.position(t) >= hw
+
+
+def lags(consumer) -> dict[TP, int]:
+    """Records not read yet, per assigned partition whose high watermark a fetch has told."""
+    return {(tp.topic, tp.partition): hw - consumer.position(tp) for tp in consumer.assignment()
+            if (hw := consumer.highwater(tp)) is not None}
 
 
 class GroupOffsets:

@@ -118,3 +118,12 @@ def merge_record(p: int, current: int, contribs: Sequence[Pending], weights, *, 
             "share": share, "where": [[m["topic"], m["partition"], m["offset"]] for m in metas],
             "missing": sorted(set(live) - {m["learner"] for m in metas}), "time": now,
             "waited_s": round(now - min(c.arrival for c in contribs), 4)}  # quorum and grace
+
+
+MERGE_EVENT_FIELDS = ("fragment", "version", "ids", "learners", "tokens", "late", "tokens_each", "cursors", "reason",
+                      "missing")
+
+
+def merge_event_fields(record: dict, seconds: float) -> dict:
+    """The `merge` event's fields (docs/wire-format.md): the merge record's public part and how long it took."""
+    return {k: record[k] for k in MERGE_EVENT_FIELDS} | {"seconds": round(seconds, 4)}

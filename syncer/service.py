@@ -63,7 +63,7 @@ def run(syncer: Syncer, *, drain_timeout_s: float = 30.0) -> None:
                     break
         syncer.finish()
     finally:
-        syncer.keeper.halt()
+        syncer.ownership.keeper.halt()
         syncer.producer.flush()
         syncer.consumer.close()
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import deque
 
 from kafka import TopicPartition
@@ -38,20 +37,20 @@ from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreFenced
-from diloco.messages import Assembled, ChunkAssembler, Dropped, Manifest, WireError
-from diloco.syncer import durability, fused, replay, rounds
+from diloco.messages import Assembled, Dropped, Manifest, WireError
+from diloco.syncer import durability, fused, rebuild, replay, rounds
 from diloco.syncer import merge as merge_math
 from diloco.syncer import shards as shards_mod
-from diloco.syncer.intake import Intake
-from diloco.syncer.ownership import LeaseKeeper
+from diloco.syncer.intake import Intake, read_frame
+from diloco.syncer.ownership import Ownership
 from diloco.syncer.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.provision import announce, announcement
-from diloco.syncer.rebuild import rebuild
 from diloco.syncer.records import (TP, FragmentState, Pending, Reason, Status, contribution_meta,
-                                   parse_partition_key, partition_key, pending_fragment)
+                                   parse_partition_key, partition_key, pending_fragment, accepted_fields,
+                                   rejection_fields)
 from diloco.syncer.registry import LearnerRegistry
-from diloco.syncer.relay import OutboxRelay
+from diloco.syncer.relay import Events, OutboxRelay
 from diloco.syncer.state import Fenced, StaleVersion, SyncerState, wait_until_up
 
 log = logging.getLogger(__name__)
@@ -67,59 +66,46 @@ class Syncer:
         self.topics = kafka_io.Topics.for_run(cfg, run_id)
         self.run_plan = store.read_plan()      # what the run syncs; no model code needed
         self.plan = self.run_plan.fragment_names
-        if self.topics.partitions != len(self.plan):  # ownership follows partitions one to one
-            raise ValueError(f"{self.topics.partitions} partitions per region topic for {len(self.plan)} fragments")
-        if not 0 <= shard < cfg.syncer.shards:
-            raise ValueError(f"shard {shard} is not in 0..{cfg.syncer.shards - 1} (syncer.shards={cfg.syncer.shards})")
-        self.shard, self.member = shard, f"{shard}:{uuid.uuid4().hex[:12]}"
-        self.ttl_s = cfg.syncer.lease_ttl_s
+        shards_mod.check_layout(self.topics.partitions, len(self.plan), shard, cfg.syncer.shards)
+        self.shard = shard
+        self.events = Events(producer, self.topics.events, run_id)
         self.opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
                                    cfg.syncer.grace_max_s)
         self.events_tp: TP = (self.topics.events, 0)
         self.region_of_topic = {topic: region for region, topic in self.topics.fragments.items()}
-        self.registry = LearnerRegistry(cfg, state, self._event, clock)
+        self.registry = LearnerRegistry(cfg, state, self.events.send, clock)
         self.stopping = False
         self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
         self.outbox = OutboxRelay(state, producer, self.broker)
         self.group_offsets = replay.GroupOffsets(consumer, self.broker)
-        self.keeper = self._lease_keeper()
+        self.ownership = Ownership(state, shard, cfg.syncer.shards, len(self.plan), cfg.syncer.lease_ttl_s,
+                                   cfg.syncer.stuck_after_s, clock)
         self.intake = Intake(cfg, run_id, self.run_plan)
         self.metrics = metrics_mod.SyncerMetrics(shard)
         self.recent: deque[dict] = deque(maxlen=200)  # the newest events other than heartbeats (status page)
         self._reset()
 
-    def _lease_keeper(self) -> LeaseKeeper:
-        return LeaseKeeper(self.state, self.shard, self.member, self.ttl_s, lambda: list(self.epochs),
-                           self.cfg.syncer.stuck_after_s)
-
     def _reset(self) -> None:
         """Forget everything held in memory: what start() rebuilds from Redis, TensorStore and Kafka."""
-        self.fragments: dict[int, FragmentState] = {}   # the fragments this shard owns
-        self.epochs: dict[int, int] = {}                # their fencing epochs
+        self.fragments: dict[int, FragmentState] = {}   # the fragments this shard owns (epochs: self.ownership)
         self.status: dict[str, str] = {}
         self.consumed: dict[TP, int] = {}
-        sc = self.cfg.syncer
-        self.assembler = ChunkAssembler(max_bytes=sc.max_contribution_bytes, timeout_s=sc.incomplete_timeout_s,
-                                        after_bytes=sc.incomplete_after_bytes, max_sets=sc.max_partial_sets,
-                                        max_buffered=sc.max_buffered_bytes, check=self._check_manifest)
+        self.assembler = self.intake.assembler(check=self._check_manifest)
         self.sync_time_s = 0.0
         self.registry.coordinator = False
         self._replaying = False
         # periodic work, each on its own cadence
         self.every_offsets_save, self.every_prune = Every(1.0, self.clock), Every(10.0, self.clock)
         self.every_registry_check, self.every_observe = Every(0.5, self.clock), Every(1.0, self.clock)
-        self.every_lease = Every(self.ttl_s / 3, self.clock)
+        self.every_lease = Every(self.cfg.syncer.lease_ttl_s / 3, self.clock)
 
     # --- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         if not self.broker.is_alive():
             self.broker.start()
         fused.warm_up()  # the merge kernels compile (or load from cache) now, not during the first rounds
-        self.stand_by()
-        if not self.keeper.is_alive():
-            self.keeper = self._lease_keeper()
-            self.keeper.start()
+        self.ownership.start(stopping=lambda: self.stopping)
         try:
             self._resume()
         except BaseException:  # a refused start must not leave its membership renewed behind it
@@ -128,44 +114,21 @@ class Syncer:
 
     def _resume(self) -> None:
         """Reload what Redis holds, claim this shard's fragments and say the syncer started."""
-        versions = self.state.versions()
-        if len(versions) != len(self.plan):
-            if held := durability.committed_in_store(self.store, len(self.plan)):
-                raise durability.lost(self.run_id, f"Redis holds versions {versions}, the store committed {held}")
-            raise RuntimeError(f"run {self.run_id} is not provisioned in Redis (versions: {versions}); "
-                               "`diloco train` provisions it")
+        versions = durability.provisioned_versions(self.state, self.store, self.run_id, len(self.plan))
         self.sync_time_s = self.state.stats().get("sync_time_s", 0.0)
         self.registry.resume(under_way=any(versions.values()))  # the registry survives a restart
         self.consumed = {self.events_tp: self.state.events_offset(self.shard)}
-        self.started_at = self.clock()
         self.rebalance(force=True)
         self.outbox.relay()  # what a crashed predecessor committed but did not get to publish
-        self._event("syncer_started", shard=self.shard, fragments=sorted(self.fragments),
-                    versions={p: f.version for p, f in self.fragments.items()},
-                    pending=sum(len(f.round) for f in self.fragments.values()))
+        self.events.send("syncer_started", shard=self.shard, fragments=sorted(self.fragments),
+                         versions={p: f.version for p, f in self.fragments.items()},
+                         pending=sum(len(f.round) for f in self.fragments.values()))
         log.info("syncer started", extra={"run": self.run_id, "shard": self.shard, "fragments": sorted(self.fragments),
                                           "replay_from": {partition_key(tp): o for tp, o in self.consumed.items()}})
 
-    def stand_by(self) -> None:
-        """Wait while another live process is this shard (two would take fragments from each other)."""
-        said = False
-        while (holder := self.state.join(self.shard, self.member, self.ttl_s)) is not None:
-            if not said:
-                log.warning("shard %d already runs as %s; standing by until it stops", self.shard, holder,
-                            extra={"shard": self.shard, "holder": holder})
-                said = True
-            if self.stopping:
-                raise SystemExit(0)
-            time.sleep(self.ttl_s / 3)
-        self.keeper.displaced = False
-
     def close(self) -> None:
         """Stop renewing and leave the membership (leases lapse or go to this shard's next process)."""
-        self.keeper.halt()
-        try:
-            self.state.leave(self.shard, self.member)
-        except RedisError:  # Redis is away: the membership lapses after its TTL instead
-            pass
+        self.ownership.leave()
 
     def finish(self) -> None:
         """A clean stop, once caught up: the final flush (`syncer.flush_on_stop`), the outbox and the
@@ -175,11 +138,8 @@ class Syncer:
                 self._guarded(p, lambda p=p: self.maybe_close(p, final=True))
         self.outbox.relay()
         self.save_offsets(force=True)
-        self._event("syncer_stopped", shard=self.shard, versions={p: f.version for p, f in self.fragments.items()})
-        self.keeper.halt()
-        for p in list(self.fragments):
-            self.state.release(p, self.member)
-        self.state.leave(self.shard, self.member)
+        self.events.send("syncer_stopped", shard=self.shard, versions={p: f.version for p, f in self.fragments.items()})
+        self.ownership.leave(release=True)
 
     def recover_from_redis_outage(self, err: Exception) -> None:
         """Redis went away mid-change: wait for it, then rebuild everything from durable state.
@@ -196,16 +156,17 @@ class Syncer:
 
     def step(self) -> None:
         """One poll: handle records, expire partial chunk sets, close the rounds that are due."""
-        self.keeper.alive_at = time.monotonic()
+        self.ownership.keeper.alive_at = time.monotonic()
         batch = self.consumer.poll(timeout_ms=self.cfg.syncer.poll_ms, max_records=500)
         for tp, records in batch.items():
             key = (tp.topic, tp.partition)
             for rec in records:
                 if key not in self.consumed:
                     break                         # the partition went with its fragment meanwhile
-                self._guarded(self._fragment_of(key), lambda k=key, r=rec: self._handle(k, r))
+                self._guarded(key[1], lambda k=key, r=rec: self._handle(k, r))  # partition p: fragment p
         now = self.clock()
-        for d in self.assembler.expire(now, caught_up=self._read_to_end):
+        for d in self.assembler.expire(now, caught_up=lambda where: replay.read_to_end(self.consumer,
+                                                                                      parse_partition_key(where))):
             self._reject_dropped(d)
         self._give_up_lost_payloads()
         if self.every_registry_check.due():
@@ -236,94 +197,66 @@ class Syncer:
         the fragments this shard should own that nobody holds. Runs every third of the lease TTL."""
         if not self.every_lease.due(force=force):
             return
-        now = self.clock()
-        self.keeper.alive_at = time.monotonic()
-        self.keeper.renew()                # the keeper's thread does the same between steps
-        if self.keeper.displaced:  # this process stalled past its TTL and another one is this shard now
+        # force: a (re)start, also one after a Redis outage during the stop
+        moves = self.ownership.moves(claiming=not self.stopping or force)
+        if moves is None:  # this process stalled past its TTL and another one is this shard now
             log.error("another process took over shard %d; handing everything back and standing by", self.shard)
             self._reset()
             self.start()
             return
-        changed = False
-        lost, self.keeper.lost = self.keeper.lost, set()
-        for p in sorted(lost & set(self.fragments)):
+        self.registry.coordinator = moves.coordinator
+        for p in moves.drop:
             self.drop(p, "lease lost (this shard stalled past the lease TTL)")
-            changed = True
-        live = self.state.live_shards(self.cfg.syncer.shards) | {self.shard}
-        self.registry.coordinator = self.shard == min(live)
-        want = shards_mod.wanted(self.shard, len(self.plan), self.cfg.syncer.shards, live)
-        for p in sorted(set(self.fragments) - want):
+        for p in moves.release:
             self.release(p)
-            changed = True
-        if not self.stopping or force:  # force: a (re)start, also one after a Redis outage during the stop
-            settled = now - self.started_at >= self.ttl_s  # the other shards had time to say they are live
-            changed |= self.claim([p for p in sorted(want - set(self.fragments))
-                                   if shards_mod.home_shard(p, self.cfg.syncer.shards) == self.shard or settled])
-        if changed or force:
-            self._assign()
-
-    def claim(self, candidates: list[int]) -> bool:
-        """Take those of `candidates` whose lease is free; load each one's version, open round and
-        replay offsets (statuses and offsets read once for all of them). True if any was taken."""
-        taken = [(p, *self.state.claim(p, self.shard, self.member, self.ttl_s)) for p in candidates]
-        taken = [(p, epoch, previous) for p, epoch, previous in taken if epoch]
-        if taken:
+        taken = self.ownership.claim(moves.claim)
+        if taken:  # load each one's version, open round and replay offsets (statuses and offsets read once)
             self.status.update(self.state.statuses())
             offsets = self.state.offsets()
             for p, epoch, previous in taken:
                 self._load(p, epoch, previous, offsets)
-        return bool(taken)
+        if moves.drop or moves.release or taken or force:
+            self._assign()
 
     def _load(self, p: int, epoch: int, previous: str | None, offsets: dict[TP, int]) -> None:
         v = self.state.version(p)
         durability.check_fragment(self.state, self.store, self.run_id, p, v)
         st = self.rebuild_fragment(p, v)
-        for cid, meta in self.state.round(p).items():
-            st.round[cid] = Pending(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
-        for tp in self._tps(p):
+        st.round.update({cid: Pending.from_meta(meta) for cid, meta in self.state.round(p).items()})
+        for tp in self.topics.partitions_of(p):
             self.consumed[tp] = offsets.get(tp, 0)
-        self.fragments[p], self.epochs[p] = st, epoch
+        self.fragments[p] = st
         self._replaying |= bool(st.round)  # their payloads come back from the log
         self.store.mark_committed(p, v)   # Redis's version is committed: after a crash the marker may lag
         announce(self.producer, self.topics, self.cfg, self.run_id, p, v)  # at least once: learners dedupe
-        self._event("fragment_claimed", fragment=p, shard=self.shard, epoch=epoch, version=v,
-                    pending=len(st.round), previous=previous)
+        self.events.send("fragment_claimed", fragment=p, shard=self.shard, epoch=epoch, version=v,
+                         pending=len(st.round), previous=previous)
         log.info("fragment claimed", extra={"fragment": p, "shard": self.shard, "epoch": epoch, "version": v,
                                             "previous_owner": previous, "pending": len(st.round)})
 
     def rebuild_fragment(self, p: int, v: int) -> FragmentState:
-        """Fragment p's exact state at version v (syncer/rebuild.py); an approximate one (exact
-        parameters, the snapshot's outer state) is said loudly, in the log and an event."""
-        st, approximate = rebuild(self.cfg, self.run_id, self.run_plan, self.opt, self.store, self.state.merges(), p, v)
-        if approximate is None:
-            if st.snapshot_at != v:
-                log.info("fragment rebuilt from its snapshot", extra={"fragment": p, "snapshot": st.snapshot_at,
-                                                                      "version": v})
-            return st
-        log.error("fragment %d: outer state not rebuilt exactly since snapshot v%d (%s); parameters are exact, "
-                  "momentum and residual restart from the snapshot", p, st.snapshot_at, approximate)
-        self._event("fragment_state_approximate", fragment=p, snapshot=st.snapshot_at, version=v,
-                    reason=messages.bounded(approximate, messages.DETAIL_CHARS))
-        return st
+        """Fragment p's state at version v, exact or said to be approximate (syncer/rebuild.py)."""
+        return rebuild.load(self.cfg, self.run_id, self.run_plan, self.opt, self.store, self.state.merges(), p, v,
+                            emit=self.events.send)
 
     def release(self, p: int) -> None:
         """Hand fragment p back: its replay offsets first, so the next owner resumes where this one was."""
         try:
-            self.state.save_offsets(self.replay_offsets([p]), fence={p: self.epochs[p]})
+            self.state.save_offsets(self.replay_offsets([p]), fence=self.ownership.fence(p))
         except Fenced:
             pass
-        self.state.release(p, self.member)
+        self.ownership.release(p)
         self.drop(p, "handed to its home shard")
 
     def drop(self, p: int, why: str) -> None:
         """Forget fragment p here; what was accepted for it is in Redis for its next owner."""
         if self.fragments.pop(p, None) is None:
             return
-        self.epochs.pop(p, None)
-        for tp in self._tps(p):
+        self.ownership.forget(p)
+        for tp in self.topics.partitions_of(p):
             self.consumed.pop(tp, None)
             self.assembler.discard_where(partition_key(tp))
-        self._event("fragment_released", fragment=p, shard=self.shard, reason=why)
+        self.events.send("fragment_released", fragment=p, shard=self.shard, reason=why)
         log.warning("fragment released", extra={"fragment": p, "shard": self.shard, "reason": why})
 
     def _guarded(self, p: int, fn) -> None:
@@ -338,56 +271,38 @@ class Syncer:
         """Read exactly the partitions of the owned fragments (and the events), each from where it was."""
         kafka_io.assign_from(self.consumer, {TopicPartition(*tp): off for tp, off in self.consumed.items()})
 
-    def _tps(self, p: int) -> list[TP]:
-        return [(t, self.topics.partition_of(p)) for t in self.topics.fragments.values()]
-
-    def _fragment_of(self, tp: TP) -> int:
-        return tp[1]  # one partition per fragment (checked in __init__)
-
     def observe(self) -> None:
         """Set the gauges that describe what this shard holds now (once a second): versions, leases,
         open rounds, consumer lag, outbox, learners by liveness. Fragments it no longer owns leave."""
         if not self.every_observe.due():
             return
-        owned, c = self.fragments, self.consumer
-        self.metrics.held(len(self.plan), {p: st.version for p, st in owned.items()},
-                          {p: len(st.round) for p, st in owned.items()}, dict(self.epochs),
-                          {(tp.topic, tp.partition): hw - c.position(tp) for tp in c.assignment()
-                           if (hw := c.highwater(tp)) is not None},
+        self.metrics.held(len(self.plan), self.fragments, dict(self.ownership.epochs), replay.lags(self.consumer),
                           self.state.outbox_depth(), self.registry.by_status())
 
     def caught_up(self) -> bool:
-        for tp in self.consumer.assignment():
-            hw = self.consumer.highwater(tp)
-            if hw is None or self.consumer.position(tp) < hw:
-                return False
-        return len(self.assembler) == 0
+        """Every owned partition read to its high watermark, and no chunk set waiting for more."""
+        c = self.consumer
+        return all(replay.read_to_end(c, (tp.topic, tp.partition)) for tp in c.assignment()) and not len(self.assembler)
 
     # --- records -------------------------------------------------------------------------------
     def handle_event(self, raw: bytes) -> None:
         ev = messages.parse_event(raw)
         if ev and ev["kind"] != "heartbeat":
             self.recent.append(ev)
-        if ev and ev["kind"] == "heartbeat" and isinstance(ev.get("learner"), str):
+        elif ev and isinstance(ev.get("learner"), str):
             self.registry.heard(ev)
 
     def handle_record(self, raw: bytes, tp: TP, offset: int) -> None:
         self.consumed[tp] = offset + 1
         self.assembler.read(partition_key(tp), len(raw))
         try:
-            header, payload = messages.parse_frame(raw)
-            cid = header.get("id")
-            if not isinstance(cid, str) or not 0 < len(cid) <= 64:
-                raise WireError(f"frame header needs a contribution id of 1-64 characters, got {messages.short(cid, 40)}")
+            cid, header, payload = read_frame(raw)
         except WireError as err:
             self._reject(None, Reason.MALFORMED, str(err), where=(*tp, offset))
             return
-        status = self.status.get(cid, "")
-        if status and pending_fragment(status) is None:
-            self.state.count("duplicate_records")
-            return
-        if status and self._pending(cid) is not None and self._pending(cid).deltas is not None:
-            self.state.count("duplicate_records")
+        status, pending = self.status.get(cid, ""), self._pending(cid)
+        if status and (pending_fragment(status) is None or (pending is not None and pending.deltas is not None)):
+            self.state.count("duplicate_records")  # finished, or accepted with its payload in hand already
             return
         crash_point("record_received")
         try:
@@ -418,17 +333,16 @@ class Syncer:
         st = self.fragments[m.fragment]
         st.round[m.id] = Pending(meta, meta["arrival"], tp, a.first_offset, verdict)
         self.status[m.id] = Status.pending(m.fragment)
-        self.state.accept(m.fragment, m.id, meta, self.replay_offsets([m.fragment]), outbox=[self._outbox_event(
-            "contribution_accepted", id=m.id, learner=m.learner, region=m.region, fragment=m.fragment,
-            base_version=m.base_version, version=st.version, tokens=m.tokens, bytes=m.total_bytes,
-            cursor=meta["cursor"])], fence={m.fragment: self.epochs[m.fragment]})
+        accepted = self.events.outbox("contribution_accepted", **accepted_fields(m, st.version, meta))
+        self.state.accept(m.fragment, m.id, meta, self.replay_offsets([m.fragment]), outbox=[accepted],
+                          fence=self.ownership.fence(m.fragment))
 
     def _check_manifest(self, m: Manifest):
         """(reason, detail) if the manifest alone rules the contribution out: judged before its chunks
         are buffered. A replayed contribution was judged on arrival."""
-        if self._pending(m.id) is None:
-            return self.intake.check_claims(m, members=self.registry.members, fragment=self.fragments.get(m.fragment))
-        return None
+        replayed = self._pending(m.id) is not None
+        return None if replayed else self.intake.check_claims(m, members=self.registry.members,
+                                                              fragment=self.fragments.get(m.fragment))
 
     # --- rounds --------------------------------------------------------------------------------
     def maybe_close(self, p: int, *, final: bool = False) -> None:
@@ -465,7 +379,7 @@ class Syncer:
         snapshot = version if version % self.cfg.store.snapshot_every == 0 else st.snapshot_at
         try:
             self.store.write(p, version, closed.params, merge_math.flatten_state(closed.opt_state), record,
-                             epoch=self.epochs[p], residual=closed.residual, update=closed.update,
+                             epoch=self.ownership.epochs[p], residual=closed.residual, update=closed.update,
                              update_scheme=sc.broadcast, update_packing=sc.broadcast_packing, snapshot_at=snapshot,
                              update_from=st.update_from())
         except StoreFenced as err:
@@ -475,24 +389,18 @@ class Syncer:
             del st.round[cid]
         sync_time = time.perf_counter() - t0
         ema = sync_time if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * sync_time
-        merge_event = self._outbox_event("merge", fragment=p, version=version, ids=ids, learners=record["learners"],
-                                         tokens=record["tokens"], late=late, tokens_each=record["tokens_each"],
-                                         cursors=record["cursors"], reason=reason, missing=record["missing"],
-                                         seconds=round(sync_time, 4))
+        merge_event = self.events.outbox("merge", **rounds.merge_event_fields(record, sync_time))
         try:
             self.state.commit_merge(p, from_version=st.version, ids=ids, late=late, record=record,
                                     offsets=self.replay_offsets([p]), sync_time_s=ema, outbox=[
                                         announcement(self.topics, self.cfg, self.run_id, p, version), merge_event],
-                                    fence={p: self.epochs[p]})
+                                    fence=self.ownership.fence(p))
         except StaleVersion:
             log.error("merge lost a race for fragment %d; reloading", p)
             raise
         crash_point("merge_committed")
-        st.version = version
-        st.params, st.opt_state, st.residual, st._scale = closed.params, closed.opt_state, closed.residual, None
-        if snapshot != st.snapshot_at and sc.updates_from == "snapshot":  # the base of every next update
-            st.snapshot = closed.params
-        st.snapshot_at = snapshot
+        st.advance(version, closed.params, closed.opt_state, closed.residual, snapshot_at=snapshot,
+                   keep_snapshot=sc.updates_from == "snapshot")
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = Status.applied(p, version)
@@ -515,15 +423,16 @@ class Syncer:
         """Per partition of the given owned fragments (default all), the first offset whose effect is
         not yet durable (where a restart or the next owner resumes): syncer/replay.py."""
         frags = sorted(self.fragments) if fragments is None else fragments
-        return replay.replay_offsets(self.consumed, {p: self.fragments[p].round for p in frags}, self._tps,
-                                     self.assembler.pending_offsets)
+        return replay.replay_offsets(self.consumed, {p: self.fragments[p].round for p in frags},
+                                     self.topics.partitions_of, self.assembler.pending_offsets)
 
     def save_offsets(self, force: bool = False) -> None:
         if not self.every_offsets_save.due(force=force):
             return
         self.state.save_events_offset(self.shard, self.consumed[self.events_tp])
         for p in list(self.fragments):
-            self._guarded(p, lambda p=p: self.state.save_offsets(self.replay_offsets([p]), fence={p: self.epochs[p]}))
+            self._guarded(p, lambda p=p: self.state.save_offsets(self.replay_offsets([p]),
+                                                                 fence=self.ownership.fence(p)))
         self.group_offsets.commit(self.replay_offsets())  # Kafka's own tools show the syncer's lag
         if self.every_prune.due():
             for p in list(self.fragments):
@@ -532,7 +441,7 @@ class Syncer:
     def prune_statuses(self, p: int) -> None:
         """Forget what finished ids of fragment p replay will never meet again (bounded status)."""
         for tp, below in self.replay_offsets([p]).items():
-            for cid in self.state.prune_statuses(tp, below, self.cfg.syncer.status_keep, fence={p: self.epochs[p]}):
+            for cid in self.state.prune_statuses(tp, below, self.cfg.syncer.status_keep, fence=self.ownership.fence(p)):
                 self.status.pop(cid, None)
 
     def _pending(self, cid: str) -> Pending | None:
@@ -540,33 +449,24 @@ class Syncer:
         st = self.fragments.get(p) if p is not None else None
         return st.round.get(cid) if st else None
 
-    def _read_to_end(self, where: str) -> bool:
-        """Whether partition `where` ("topic|partition") was read up to its high watermark."""
-        tp = TopicPartition(*parse_partition_key(where))
-        hw = self.consumer.highwater(tp)
-        return hw is not None and tp in self.consumer.assignment() and self.consumer.position(tp) >= hw
-
     def _give_up_lost_payloads(self) -> None:
         """An accepted contribution whose payload a replay does not bring back cannot be merged: it is
         rejected as lost_payload, logged as an error and announced as a `payload_lost` event (its round
         waited for it until then). A set of it that expires is lost too (`_reject_dropped`)."""
         if not self._replaying:
             return
-        c = self.consumer
-        lost, self._replaying = replay.lost_payloads(
-            {p: st.round for p, st in self.fragments.items()}, assembling=lambda cid: cid in self.assembler,
-            position=lambda tp: c.position(t) if (t := TopicPartition(*tp)) in c.assignment() else 0,
-            read_to_end=lambda tp: self._read_to_end(partition_key(tp)))
+        lost, self._replaying = replay.lost_payloads({p: st.round for p, st in self.fragments.items()}, self.consumer,
+                                                     assembling=lambda cid: cid in self.assembler)
         for p, cid, pending, detail in lost:
             if p in self.fragments:
                 self._guarded(p, lambda cid=cid, c=pending, d=detail: self._lose(cid, c, d))
 
     def _lose(self, cid: str, c: Pending, detail: str) -> None:
-        p = self._fragment_of(c.tp)
+        p = c.tp[1]
         log.error("accepted contribution lost: its payload is not in the log",
                   extra={"id": cid, "fragment": p, "detail": detail})
         self._reject(cid, Reason.LOST_PAYLOAD, detail)
-        self._event("payload_lost", id=cid, fragment=p, learner=c.manifest_meta.get("learner"), detail=detail)
+        self.events.send("payload_lost", id=cid, fragment=p, learner=c.manifest_meta.get("learner"), detail=detail)
 
     def _reject_dropped(self, d: Dropped) -> None:
         where = tuple(d.where.rsplit("|", 1)) + (d.first_offset,) if d.where else None
@@ -585,28 +485,15 @@ class Syncer:
                 where = where or (*c.tp, c.first_offset)
         # the fragment whose partition the record came from: only its owner may say anything about it
         about = fragment if fragment is not None else (int(where[1]) if where is not None else None)
-        fence = {about: self.epochs[about]} if about in self.epochs else None
-        fields = {"id": cid if cid is None else cid[:64], "reason": reason, "detail": messages.bounded(detail)}
-        if manifest is not None:
-            fields |= {"learner": manifest.learner, "region": manifest.region, "fragment": manifest.fragment,
-                       "base_version": manifest.base_version}
-        if where is not None:
-            fields["where"] = {"topic": where[0], "partition": int(where[1]), "offset": where[2]}
+        fence = self.ownership.fence(about) if about in self.ownership.epochs else None
+        fields = rejection_fields(cid, reason, detail, manifest, where)
         self.state.reject(cid, reason, self.replay_offsets([about] if fence else []), fragment=fragment,
-                          outbox=[self._outbox_event("contribution_rejected", **fields)], fence=fence,
+                          outbox=[self.events.outbox("contribution_rejected", **fields)], fence=fence,
                           where=(where[0], int(where[1]), where[2]) if where is not None else None)
         if cid is not None:
             self.status[cid] = Status.rejected(reason)
         self.metrics.rejections.labels("-" if about is None else about, reason).inc()
         log.warning("rejected contribution", extra=fields)
-
-    def _outbox_event(self, kind: str, **fields) -> dict:
-        value = messages.event(kind, run=self.run_id, source="syncer", **fields)
-        return {"topic": self.topics.events, "partition": 0, "value": value.decode()}
-
-    def _event(self, kind: str, **fields) -> None:
-        self.producer.send(self.topics.events, messages.event(kind, run=self.run_id, source="syncer", **fields),
-                           partition=0)
 
 
 __all__ = ["Syncer"]

@@ -103,17 +103,17 @@ def test_a_stalled_shard_loses_its_fragments_and_its_late_merge_is_refused(tiny_
     h.publish("eu-0", fragment=1)
     h.syncer = b
     h.pump(lambda: len(b.fragments[1].round) == 2 and all(c.deltas is not None for c in b.fragments[1].round.values()))
-    stale_epoch = b.epochs[1]
+    stale_epoch = b.ownership.epochs[1]
     h.syncer = a                                                              # b stalls; a keeps going
     h.pump(lambda: {1, 3} <= set(a.fragments), timeout=10)
-    assert a.epochs[1] == stale_epoch + 1
+    assert a.ownership.epochs[1] == stale_epoch + 1
     h.publish("us-1", fragment=1)                                             # the round's quorum arrives
     h.pump(lambda: h.state.versions()[1] == 1)                                # a merges b's accepted round
     with pytest.raises(Fenced):
         b.merge(1, reason="late")                                             # b wakes up and tries the same
     assert h.state.versions()[1] == 1 and h.state.statuses()[first.id] == "applied:1:1"
     assert [(m["fragment"], len(m["ids"])) for m in h.state.merges()] == [(1, 3)]
-    assert FragmentStore(cfg.store.url, h.run_id).read_meta(1, 1)["epoch"] == a.epochs[1]
+    assert FragmentStore(cfg.store.url, h.run_id).read_meta(1, 1)["epoch"] == a.ownership.epochs[1]
     b.every_lease.reset()
     b.rebalance()                                                             # renewing fails: b lets go
     assert 1 not in b.fragments

@@ -1,7 +1,7 @@
 """The syncer's decisions, each in its own small module, without a broker, Redis or a store:
 intake's rejection reasons, when a round is due and whom its share counts, norm outliers, the
-records' spellings, the periodic helper, the lease keeper and the learner registry, on fake clocks
-and fakes."""
+records' spellings, the periodic helper, the lease keeper, rebalancing and claiming, and the learner
+registry, on fake clocks and fakes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from diloco.plan import Plan, Tensor
 from diloco.syncer import fused, rounds
 from diloco.syncer import merge as merge_math
 from diloco.syncer.intake import Intake, Rejection
-from diloco.syncer.ownership import LeaseKeeper
+from diloco.syncer import shards
+from diloco.syncer.ownership import LeaseKeeper, Ownership
 from diloco.syncer.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.records import FragmentState, Pending, Reason, Status, parse_partition_key, partition_key
@@ -231,6 +232,95 @@ def test_the_lease_keeper_reports_lost_leases_and_a_displaced_shard_and_stops_wh
     leases.held = set()
     keeper.renew()
     assert keeper.lost == set()                   # a stuck loop lets its leases expire rather than renew them
+
+
+def test_a_rebalance_drops_lost_leases_hands_back_homes_and_claims_fosters_only_once_settled():
+    # 4 fragments, 2 shards; shard 1 is down, so shard 0 fosters its fragments 1 and 3
+    alone = shards.moves(0, 4, 2, live=set(), held=set(), lost=set(), claiming=True, settled=False)
+    assert alone == shards.Moves(drop=[], release=[], claim=[0, 2], coordinator=True)  # its homes only, at once
+    settled = shards.moves(0, 4, 2, live=set(), held={0, 2}, lost=set(), claiming=True, settled=True)
+    assert settled.claim == [1, 3]
+    back = shards.moves(0, 4, 2, live={1}, held={0, 1, 2, 3}, lost={2}, claiming=True, settled=True)
+    assert back.drop == [2] and back.release == [1, 3] and back.claim == [2]  # lost: drop it, then try again
+    stopping = shards.moves(1, 4, 2, live={0}, held={1}, lost=set(), claiming=False, settled=True)
+    assert stopping.claim == [] and stopping.release == [] and not stopping.coordinator
+    with pytest.raises(ValueError, match="3 partitions per region topic for 4 fragments"):
+        shards.check_layout(3, 4, 0, 1)
+    with pytest.raises(ValueError, match=r"shard 2 is not in 0..1"):
+        shards.check_layout(4, 4, 2, 2)
+
+
+class _LeaseTable:
+    """Redis's leases, memberships and fencing epochs as syncer/state.py keeps them, in memory."""
+
+    def __init__(self):
+        self.owner, self.epoch, self.members, self.live = {}, {}, {}, set()
+
+    def join(self, shard, member, ttl):
+        other = self.members.get(shard)
+        if other in (None, member):
+            self.members[shard] = member
+            return None
+        return other
+
+    def leave(self, shard, member):
+        if self.members.get(shard) == member:
+            del self.members[shard]
+
+    def live_shards(self, shards):
+        return self.live | set(self.members)
+
+    def claim(self, p, shard, member, ttl):
+        if self.owner.get(p) not in (None, member):
+            return 0, self.owner[p]
+        previous, self.owner[p] = self.owner.get(p), member
+        self.epoch[p] = self.epoch.get(p, 0) + 1
+        return self.epoch[p], previous
+
+    def renew(self, p, member, ttl):
+        return self.owner.get(p) == member
+
+    def release(self, p, member):
+        if self.owner.get(p) == member:
+            del self.owner[p]
+
+
+def test_ownership_claims_free_leases_fences_by_epoch_and_hands_everything_back_on_leave():
+    table, now = _LeaseTable(), [0.0]
+    a = Ownership(table, 0, 2, 4, ttl_s=3.0, stuck_after_s=10.0, clock=lambda: now[0])
+    a.stand_by(stopping=lambda: False)
+    table.owner[2] = "1:other"                                     # fragment 2 is held by a live shard 1
+    moves = a.moves(claiming=True)
+    assert moves.claim == [0, 2] and moves.coordinator             # shard 1 is not live yet: 2 is 0's home
+    taken = a.claim(moves.claim)
+    assert taken == [(0, 1, None)] and a.fence(0) == {0: 1}        # 2's lease is not free: not taken
+    now[0] += 3.0                                                  # settled: fosters 1 and 3 too
+    assert a.moves(claiming=True).claim == [1, 2, 3]
+    a.claim([1, 3])
+    table.owner[3] = "1:other"                                     # 3's lease lapsed and went elsewhere
+    moves = a.moves(claiming=True)
+    assert moves.drop == [3]
+    a.forget(3)
+    assert sorted(a.epochs) == [0, 1]
+    a.leave(release=True)
+    assert not table.owner.keys() - {2, 3} and 0 not in table.members  # its leases and membership are free
+
+
+def test_a_second_process_of_a_shard_stands_by_until_the_first_leaves_or_it_is_asked_to_stop():
+    table = _LeaseTable()
+    table.members[0] = "0:first"
+    b = Ownership(table, 0, 1, 2, ttl_s=0.03, stuck_after_s=10.0)
+    with pytest.raises(SystemExit):
+        b.stand_by(stopping=lambda: True)
+    calls = []
+
+    def first_leaves():
+        calls.append(1)
+        if len(calls) == 2:
+            table.leave(0, "0:first")
+        return False
+    b.stand_by(stopping=first_leaves)
+    assert table.members[0] == b.member and len(calls) == 2
 
 
 class _Registry:
