@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from diloco import messages
 from diloco.config import build_config
-from diloco.learners.session import Counters, Fetcher
+from diloco.learners.fetcher import Fetcher
+from diloco.learners.publisher import Counters
 from diloco.plan import Plan, Tensor
 
 PLAN = Plan((Tensor("w", (2, 4), "float32", 0, "rda"), Tensor("v", (4,), "float32", 1, "rda")), 2)

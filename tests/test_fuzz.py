@@ -26,7 +26,8 @@ from hypothesis.extra.numpy import arrays
 
 from diloco import messages, quantize
 from diloco.config import build_config
-from diloco.learners.session import Counters, Fetcher
+from diloco.learners.fetcher import Fetcher
+from diloco.learners.publisher import Counters
 from diloco.messages import Assembled, ChunkAssembler, Dropped, WireError
 from diloco.plan import Plan, Tensor
 from diloco.syncer import fused

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from diloco import messages
 from diloco.infra import kafka as kafka_io
-from diloco.learners.session import Counters, Fetcher
+from diloco.learners.fetcher import Fetcher
+from diloco.learners.publisher import Counters
 from diloco.syncer import syncer as syncer_mod
 
 # --- pure: parsing and event checks --------------------------------------------------------------

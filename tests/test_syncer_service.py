@@ -11,7 +11,8 @@ from helpers import Harness
 from diloco import messages, quantize
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import stored_update_bytes
-from diloco.learners.session import Counters, Fetcher
+from diloco.learners.fetcher import Fetcher
+from diloco.learners.publisher import Counters
 from diloco.syncer import merge as merge_math
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,245 @@
+"""The fetcher thread: a learner's new global versions, read from TensorStore as they are announced
+on the outer topic (learners/session.py applies them)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import numpy as np
+from kafka import TopicPartition
+
+from diloco import messages, quantize
+from diloco.config import Config
+from diloco.infra import kafka as kafka_io
+from diloco.infra.store import FragmentStore, StoreError, is_snapshot, stored_update_bytes, update_base
+from diloco.learners.publisher import Counters
+from diloco.plan import Plan, Region, is_whole, whole
+
+log = logging.getLogger(__name__)
+
+
+class Fetcher(threading.Thread):
+    """Follows the outer topic; brings a fragment's newest announced version from TensorStore when
+    the learner asks for it (`need`: with fragments.fetch=before_sync, shortly before it syncs the
+    fragment), at the join, or, with every_version, each announced version. Only this host's blocks
+    of each tensor are read (`want`). A host that holds whole tensors keeps the newest snapshot it reached beside the version it holds: every update is
+    relative to a snapshot (infra.store), so one update brings it to any later version until the
+    next snapshot, and the path of fewest bytes (updates from what it holds, or a stored snapshot
+    and its update) is read. The newest `keep` fetched versions of each fragment wait until the
+    learner applies one (`ready_now`, `release`).
+    """
+
+    MAX_ATTEMPTS = 20  # reads of one announced version before the fetcher gives up on it
+    MAX_LINKS = 64     # updates followed back from a version before reading a snapshot whole instead
+
+    def __init__(self, cfg: Config, run_id: str, consumer, store: FragmentStore, topics: kafka_io.Topics,
+                 counters: Counters, plan: Plan, keep: int = 1):
+        super().__init__(daemon=True, name="fetcher")
+        self.cfg, self.run_id, self.consumer, self.store = cfg, run_id, consumer, store
+        self.topics, self.counters, self.plan, self.keep = topics, counters, plan, keep
+        self.blocks: dict[str, list[Region]] = {}
+        self.wanted = threading.Event()
+        self.held: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}  # newest fetched (whole: its exact global)
+        self.snapshots: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # newest snapshot reached (whole only)
+        self.ready: dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]] = {}
+        self.markers: dict[int, int] = {}  # fragment -> its commit marker, as last read
+        self.announced: dict[int, int] = {}  # fragment -> the newest version announced (versions behind)
+        self.newest: dict[int, int] = {}     # fragment -> the newest version that may be committed
+        self.needed: set[int] = set()        # fragments the learner asked for: the newest, once
+        self.applied: set[int] = set()       # fragments the learner applied a version of (joined)
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def want(self, blocks: dict[str, list[Region]]) -> None:
+        """Read these blocks of each tensor (this host's); fetching starts once this is known."""
+        self.blocks = blocks
+        held = sum(math.prod(b - a for a, b in r) for rs in blocks.values() for r in rs)
+        log.info("fetching this host's blocks", extra={"share": round(held / max(self.plan.num_params, 1), 4)})
+        self.wanted.set()
+
+    def need(self, p: int) -> None:
+        """Fetch fragment p's newest version (if newer than the one held) for the learner to apply."""
+        with self.lock:
+            self.needed.add(p)
+
+    def run(self) -> None:
+        tp = TopicPartition(self.topics.outer, 0)
+        kafka_io.assign_from(self.consumer, {tp: 0})  # the whole log: its last word per fragment wins
+        tries: dict[int, list] = {}  # fragment -> [version, attempts, retry at] of a fetch that failed
+        try:
+            while not self.stop.is_set():
+                for records in self.consumer.poll(timeout_ms=100).values():
+                    for rec in records:
+                        self._take(rec.value)
+                now = time.monotonic()
+                for p, v in self._due() if self.wanted.is_set() else ():
+                    entry = tries.get(p)
+                    if entry and entry[0] == v and entry[2] > now:
+                        continue
+                    try:
+                        blocks, whole, nbytes = self.fetch(p, v)
+                    except (StoreError, quantize.CodecError, OSError, ValueError, KeyError) as err:
+                        # transient (the store is slow or away) or a version that is not there: try
+                        # again with backoff; a newer announcement replaces it meanwhile
+                        entry = tries[p] = entry if entry and entry[0] == v else [v, 0, 0.0]
+                        entry[1] += 1
+                        entry[2] = now + min(0.5 * 2 ** entry[1], 10.0)
+                        log.warning("fetch of fragment %d v%d failed (attempt %d): %s", p, v, entry[1],
+                                    messages.bounded(str(err), 200))
+                        if entry[1] >= self.MAX_ATTEMPTS:
+                            log.error("giving up on fragment %d v%d after %d attempts", p, v, entry[1])
+                            self.newest[p] = self.held.get(p, (-1,))[0]  # until a newer one is announced
+                            del tries[p]
+                        continue
+                    tries.pop(p, None)
+                    self.held[p] = (v, whole)
+                    with self.lock:
+                        self.needed.discard(p)
+                        ready = self.ready.setdefault(p, {})
+                        ready[v] = blocks
+                        for old in sorted(ready)[:-self.keep]:
+                            del ready[old]
+                    with self.counters.lock:
+                        self.counters.bytes_fetched += nbytes
+                        self.counters.fetched_by_fragment[p] = self.counters.fetched_by_fragment.get(p, 0) + nbytes
+        except BaseException as err:
+            self.error = err
+            log.exception("fetch failed")
+        finally:
+            self.consumer.close()
+
+    def _take(self, raw: bytes) -> None:
+        """Note one record of the outer topic: the newest version of its fragment."""
+        p, v = self._announced(raw)
+        if p is not None:
+            self.announced[p] = max(self.announced.get(p, v), v)
+            if v > self.newest.get(p, -1) and self._may_be_committed(p, v):
+                self.newest[p] = v
+
+    def _due(self) -> list[tuple[int, int]]:
+        """(fragment, version) of each fetch to make now: the newest version of each fragment the
+        learner will apply (fragments.fetch)."""
+        out = []
+        with self.lock:
+            for p, v in sorted(self.newest.items()):
+                held = self.held.get(p, (-1,))[0]
+                if v <= held:
+                    continue
+                if (p not in self.applied or p in self.needed or self.cfg.fragments.fetch == "every_version"
+                        or self.ready.get(p)):  # one fetched and not applied yet: the hosts must find a common one
+                    out.append((p, v))
+        return out
+
+    def _announced(self, raw: bytes) -> tuple[int | None, int]:
+        """(fragment, version) of a well-formed announcement of this run, else (None, -1): a bad
+        record on the outer topic is skipped with a warning, never fatal."""
+        ev = messages.parse_event(raw)
+        if not ev or ev["kind"] != "version" or ev.get("run") != self.run_id:
+            return None, -1
+        p, v = ev.get("fragment"), ev.get("version")
+        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (p, v))
+        if not ok or not 0 <= p < self.plan.fragments or not 0 <= v < messages.MAX_COUNT:
+            log.warning("announcement ignored: fragment %s version %s", messages.short(p, 40), messages.short(v, 40))
+            return None, -1
+        return p, v
+
+    def _may_be_committed(self, p: int, v: int) -> bool:
+        """Whether v can be a committed version of fragment p: at most one past the store's commit
+        marker (the owner moves it right after Redis commits; the announcement may be relayed first).
+        One beyond that (a forged or stray record) is ignored: waiting for it would hold back every
+        real version of the fragment. The marker is read only when an announcement outruns it."""
+        if v <= self.markers.get(p, -1) + 1:
+            return True
+        try:
+            marker = self.store.read_committed(p)
+        except (StoreError, OSError, ValueError):
+            return True                        # cannot tell now: the fetch decides
+        if marker is None:
+            return True                        # a store written before commit markers
+        self.markers[p] = marker
+        if v <= marker + 1:
+            return True
+        log.warning("announcement ignored: fragment %d v%d is not committed (the store's commit marker says v%d)",
+                    p, v, marker)
+        return False
+
+    def fetch(self, p: int, v: int) -> tuple[dict[str, dict[Region, np.ndarray]], dict[str, np.ndarray] | None, int]:
+        """(this host's blocks of version v of fragment p, the whole arrays when that is what it holds,
+        bytes read)."""
+        names = self.plan.fragment_names[p]
+        shapes = self.plan.shapes
+        if not all(is_whole(self.blocks[n], shapes[n]) for n in names):
+            blocks = self.store.read_blocks(p, v, {n: self.blocks[n] for n in names})
+            return blocks, None, sum(a.nbytes for b in blocks.values() for a in b.values())
+        params, nbytes = self._fetch_whole(p, v)
+        return {n: {whole(shapes[n]): a} for n, a in params.items()}, params, nbytes
+
+    def _fetch_whole(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
+        """Version v's whole arrays by the path of fewest bytes: its chain of updates (each relative
+        to a snapshot) back to a version this host holds, or a stored snapshot on that chain read
+        whole and the updates after it."""
+        have = {u: a for u, a in (self.held.get(p, (-1, None)), self.snapshots.get(p, (-1, None))) if a is not None}
+        names = self.plan.fragment_names[p]
+        whole_bytes = sum(self.plan.by_name[n].size * self.plan.by_name[n].np_dtype.itemsize for n in names)
+        chain: list[tuple[int, dict]] = []  # (version, meta) from v back, none of them held
+        u = v
+        while u not in have and len(chain) < self.MAX_LINKS:
+            meta = self.store.read_meta(p, u)
+            chain.append((u, meta))
+            if not meta.get("update"):
+                break  # version 0 (or a store without updates): read whole
+            u = update_base(meta)
+
+        # choices: start from what is held (every link's update), or read chain[i] whole (a snapshot)
+        # and apply the links after it
+        options = []
+        if u in have:
+            options.append((sum(stored_update_bytes(m, self.plan.shapes) for _, m in chain), len(chain)))
+        for i, (_, meta) in enumerate(chain):
+            if is_snapshot(meta):
+                options.append((whole_bytes + sum(stored_update_bytes(m, self.plan.shapes) for _, m in chain[:i]), i))
+        if not options:  # nothing held nor stored whole within reach: the store walks it
+            return self.store.read_params(p, v)
+        _, start = min(options)
+        if start == len(chain):
+            params, nbytes = have[u], 0
+        else:
+            params, nbytes = self.store.read_params(p, chain[start][0], chain[start][1])
+            self._reached(p, chain[start][0], chain[start][1], params)
+        for version, meta in reversed(chain[:start]):
+            scheme, update, read = self.store.read_update(p, version, meta)
+            params = quantize.apply_update(params, update, scheme)
+            nbytes += read
+            self._reached(p, version, meta, params)
+        return params, nbytes
+
+    def _reached(self, p: int, version: int, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        if is_snapshot(meta) and version > self.snapshots.get(p, (-1,))[0]:
+            self.snapshots[p] = (version, arrays)
+
+    def start_from(self, p: int, v: int, arrays: dict[str, np.ndarray], *, ready: bool = True) -> None:
+        """Hold version v of fragment p (a snapshot: version 0) as `arrays` (whole, exact) without
+        reading it, as the base newer versions are caught up from; with `ready`, offer it to the
+        learner too. Call before `want`."""
+        self.held[p] = self.snapshots[p] = (v, arrays)
+        if ready:
+            with self.lock:
+                self.ready.setdefault(p, {})[v] = {n: {whole(a.shape): a} for n, a in arrays.items()}
+
+    def ready_now(self) -> dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]]:
+        """The fetched versions of each fragment waiting to be applied, as they are now (a newer
+        arrival may drop one from the fetcher meanwhile; this copy keeps it)."""
+        with self.lock:
+            return {p: dict(r) for p, r in self.ready.items() if r}
+
+    def release(self, p: int, v: int) -> None:
+        """Version v of fragment p was applied: drop it and every older one."""
+        with self.lock:
+            self.applied.add(p)
+            ready = self.ready.get(p, {})
+            for old in [u for u in ready if u <= v]:
+                del ready[old]
