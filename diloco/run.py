@@ -50,9 +50,10 @@ def child_env(cfg: Config) -> dict:
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "OMP_NUM_THREADS": str(n), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(import_roots() + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     if cfg.run.id:  # JAX's persistent compilation cache, for every program however quick to compile: a
-        # restarted learner or a spare taking over finds the steps compiled before in the run
-        env |= {"JAX_COMPILATION_CACHE_DIR": str(Path(cfg.run.dir) / cfg.run.id / "jax-cache"),
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+        # restarted learner or a spare taking over finds the steps compiled before in the run. A cache
+        # the caller set (JAX_COMPILATION_CACHE_DIR) wins: runs of one model then share it.
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(cfg.run.dir) / cfg.run.id / "jax-cache"))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     return env
 
 

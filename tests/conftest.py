@@ -40,6 +40,15 @@ def pytest_unconfigure(config):
     logging.disable(logging.CRITICAL)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """One JAX compilation cache for every run the session starts (diloco/run.py honours a cache
+    the caller set): most tests run the same tiny model, so most learners load their steps compiled."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def close_harnesses():
     """Close the harnesses a test made (their syncer and Kafka clients), pass or fail."""
