@@ -59,7 +59,9 @@ def live_run(tmp_path_factory, kafka_bootstrap, redis_url, data_dir, prometheus_
     syncer_port, learner_base, prom_port = free_port(), free_port(count=2), free_port()  # all distinct
     run_id = f"mon-{time.time_ns() % 10**8}"
     tree = {k: dict(v) if isinstance(v, dict) else v for k, v in TINY.items()}
-    tree |= {"regions": [{"name": "us", "learners": 1, "speed": 0.25}, {"name": "eu", "learners": 1, "speed": 0.25}],
+    # slowed to a tenth so each learner trains for ~25 s: a rate needs two scrapes in its window, and on a
+    # busy 2-core machine a learner at a quarter speed was once scraped too seldom to draw its line
+    tree |= {"regions": [{"name": "us", "learners": 1, "speed": 0.1}, {"name": "eu", "learners": 1, "speed": 0.1}],
              "transport": {"bootstrap_servers": kafka_bootstrap}, "state": {"redis_url": redis_url},
              "store": {"url": f"file://{tmp}/store"}, "outer": {"lr": 1.0, "momentum": 0.0},
              "monitoring": {"host": "127.0.0.1", "syncer_port": syncer_port, "learner_port_base": learner_base}}
@@ -137,6 +139,10 @@ def test_prometheus_scrapes_the_syncer_and_every_learner(live_run):
     assert set(steps) == set(cfg.learner_ids()) and all(0 < s <= cfg.inner.steps for s in steps.values())
     sent = query(prom, "max_over_time(diloco_learner_sent_bytes_total[10m])")
     assert len(sent) == 2 and all(float(r["value"][1]) > 0 for r in sent)
+    # every learner was scraped while it trained, often enough for the dashboard's rates
+    scrapes = {r["metric"]["learner"]: int(r["value"][1])
+               for r in query(prom, "count_over_time(diloco_learner_tokens_total[10m])")}
+    assert set(scrapes) == set(cfg.learner_ids()) and min(scrapes.values()) >= 5, scrapes
 
 
 @pytest.mark.integration
