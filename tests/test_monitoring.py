@@ -59,8 +59,8 @@ def live_run(tmp_path_factory, kafka_bootstrap, redis_url, data_dir, prometheus_
     syncer_port, learner_base, prom_port = free_port(), free_port(count=2), free_port()  # all distinct
     run_id = f"mon-{time.time_ns() % 10**8}"
     tree = {k: dict(v) if isinstance(v, dict) else v for k, v in TINY.items()}
-    # slowed to a tenth so each learner trains for ~25 s: a rate needs two scrapes in its window, and on a
-    # busy 2-core machine a learner at a quarter speed was once scraped too seldom to draw its line
+    # slowed to a tenth so each learner trains for ~25 s: a rate needs two scrapes in its window, which a
+    # short-lived learner on a busy machine may not get
     tree |= {"regions": [{"name": "us", "learners": 1, "speed": 0.1}, {"name": "eu", "learners": 1, "speed": 0.1}],
              "transport": {"bootstrap_servers": kafka_bootstrap}, "state": {"redis_url": redis_url},
              "store": {"url": f"file://{tmp}/store"}, "outer": {"lr": 1.0, "momentum": 0.0},

@@ -281,10 +281,9 @@ def test_broker_restart_mid_run_with_durable_storage(tiny_config, tmp_path):
     run_id = f"broker-restart-{time.time_ns() % 10**8}"
     # Slow learners (a sync period ~1 s): the outage spans a few periods, not dozens, so the deltas it
     # holds up are mostly not too stale to merge when it ends.
-    # Each fetch from Tansu's s3 engine lists the partition's objects on the S3 emulator, so every record
-    # makes the records after it slower (3 consumers polling: 53 ms a produce at 100 records, 515 ms at
-    # 800): one chunk per contribution and a beat a second keep the log short enough on a slow machine
-    # (with 4 KiB chunks and a beat each 0.5 s one CI run's learners took 470 s after the restart).
+    # With consumers polling, Tansu's s3 engine on the S3 emulator slows with every record the log holds
+    # (the cost of a run grows with the square of its records): one chunk per contribution and a beat a
+    # second keep the log short enough for a slow machine.
     steps = 200
     cfg = tiny_config(transport={"bootstrap_servers": f"127.0.0.1:{kport}"}, inner={"steps": steps},
                       run={"id": run_id, "heartbeat_s": 1.0}, fragments={"chunk_bytes": 1 << 16},
