@@ -39,9 +39,10 @@ from diloco.syncer import state as state_mod
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prefect_api(tmp_path_factory):
-    """`prefect server start` on a free port with its own PREFECT_HOME and sqlite database."""
+    """`prefect server start` on a free port with its own PREFECT_HOME and sqlite database. Module-scoped:
+    the server and its workers keep a share of a core busy, which the rest of the suite should not pay."""
     home = tmp_path_factory.mktemp("prefect-server")
     port = services.free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
@@ -80,7 +81,7 @@ def prefect_env(prefect_api, tmp_path):
 POOLS = ("diloco-local", "diloco-us", "diloco-eu", "diloco-evals")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def region_workers(prefect_api, tmp_path_factory):
     """prefect.yaml deployed, and a process worker for each region's pool (diloco-us, diloco-eu) and the
     evals pool (one eval at a time: the run's learners keep the cores)."""
