@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from diloco.sim.checkpointing import best_checkpoint_interval, dp_goodput
 from diloco.sim.goodput import (
     SCHEMES,
     YEAR_S,
     Cluster,
     Diloco,
-    best_checkpoint_interval,
-    dp_goodput,
+    learner_slices,
     simulate,
+    simulate_diloco,
 )
 
 
@@ -172,3 +174,147 @@ def test_cli_capacity_prints_the_plan_and_json():
     assert json.loads(js.stdout)["layout"]["quorum"] == 4
     bad = CliRunner().invoke(app, ["capacity", "--params", "1e9", "--quantization", "int9"])
     assert bad.exit_code == 2 and "unknown codec" in bad.output
+
+
+# --- the syncer as it now is: quorum of fresh deltas, held deltas -----------------------------------
+
+def test_without_the_fresh_quorum_the_numbers_are_those_of_the_syncer_before_it():
+    """quorum_of_fresh = False is the syncer before syncer.quorum_of_fresh: these are the figures the
+    simulator gave then (seed 0), to the last bit, with held deltas on or off (a learner that waits for
+    a newer version never holds)."""
+    c = Cluster(chips=200_000, hours=6.0)
+    before = {(4, False): (0.9602630579297253, 207, 826), (1, False): (0.7260004748338138, 491, 628),
+              (8, False): (0.9276866096866099, 101, 0), (4, True): (0.9077459639126305, 196, 779)}
+    for (k, spares), (goodput, rounds, late) in before.items():
+        for hold in (True, False):
+            setup = Diloco(quorum=k, grace_max_s=0.0 if k == 8 else 3.0, spares=spares, quorum_of_fresh=False,
+                           hold_deltas=hold)
+            r = simulate("diloco", c, setup)
+            assert (r.goodput, r.rounds, r.late) == (goodput, rounds, late)
+
+
+def test_late_deltas_no_longer_close_rounds_alone():
+    """K = 1: without the fresh quorum every arrival closes a round, the version races ahead and
+    max_staleness rejects a quarter of the tokens; with it a round needs a delta trained from the
+    current version, late ones ride along with it, and every token is merged."""
+    c = Cluster(chips=200_000, hours=6.0)
+    old = simulate("diloco", c, Diloco(quorum=1, quorum_of_fresh=False))
+    new = simulate("diloco", c, Diloco(quorum=1))
+    assert old.merged_share < 0.8 and new.merged_share == 1.0
+    assert new.rounds < old.rounds / 3 and new.goodput > old.goodput + 0.2
+
+
+def test_hold_periods_is_the_learners():
+    from pathlib import Path
+    import re
+
+    import diloco.sim.goodput as gp
+
+    source = (Path(__file__).parents[1] / "learners" / "session.py").read_text()
+    assert int(re.search(r"^HOLD_PERIODS = (\d+)", source, re.M).group(1)) == gp.HOLD_PERIODS
+
+
+def test_a_learner_that_does_not_wait_holds_a_second_delta_from_the_same_version():
+    """Without the wait, fast learners three times as fast as the slow ones under K = M would send a
+    second and a third delta from version 0 before the slow ones' first: held, they send one, bigger,
+    once the version moves. Nothing is lost either way; the deltas are fewer."""
+    from diloco.sim.scenarios import Mixed
+
+    c = steady(chips=8 * 1024, hours=2.0)
+    speeds = Mixed(slow_factor=3.0).speeds(8)
+    setup = Diloco(quorum=8, grace_max_s=0.0, wait_for_merge=False)
+    held = simulate_diloco(c, setup, np.random.default_rng(0), speeds=speeds)
+    sent = simulate_diloco(c, Diloco(**{**vars(setup), "hold_deltas": False}), np.random.default_rng(0), speeds=speeds)
+    assert held.goodput == sent.goodput == pytest.approx(1.0) and held.merged_share == sent.merged_share == 1.0
+    assert held.contributions < 0.7 * sent.contributions
+
+
+# --- scavenged compute (diloco simulate scavenge) ------------------------------------------------------
+
+from diloco.sim import scenarios as sn  # noqa: E402
+
+
+def test_no_extra_or_no_share_of_it_is_the_base_run():
+    c = Cluster(chips=65536, mtbi_years=0.05)  # a failure every ~24 s: the runs are not trivial
+    for s in (sn.Scavenge(extra=0.0, budget_hours=2.0), sn.Scavenge(extra=1.0, share=0.0, budget_hours=2.0)):
+        for row in sn.scavenge(c, Diloco(), s):
+            assert row.ratio == 1.0 and row.base_failures > 100
+
+
+def test_without_failures_both_schemes_come_within_a_hair_of_the_ideal():
+    """No failures, no jitter, free joins: the only costs left are dp's re-forming pause and
+    diloco's rounds, so the times are those of a lossless system, share / (1 + x) + 1 - share."""
+    c = steady()
+    setup = Diloco(sync_every=20, overlap_steps=4)
+    for x in (0.25, 1.0, 3.0):
+        dp, diloco = sn.scavenge(c, setup, sn.Scavenge(extra=x, budget_hours=4.0, join_s=0.0))
+        assert diloco.ideal == pytest.approx(0.5 + 0.5 / (1 + x))
+        assert diloco.ratio == pytest.approx(diloco.ideal, abs=0.005)
+        assert dp.ideal < dp.ratio < dp.ideal + 0.002
+    slow_join = sn.scavenge(c, setup, sn.Scavenge(extra=1.0, budget_hours=4.0, join_s=600.0), schemes=("diloco",))
+    assert slow_join[0].ratio > 0.75 + 0.01  # ten minutes of the extra learners' half are lost
+
+
+def test_the_paper_scavenging_figures():
+    """1.2M chips, MTBI 1 year, 8 learners: diloco's four ratios are the paper's, and data-parallel,
+    whose bigger job fails more often than its extra chips can make up for, is above it at every level."""
+    c = Cluster()
+    for extra, paper in sn.PAPER_SCAVENGE["diloco"].items():
+        dp, diloco = sn.scavenge(c, Diloco(), sn.Scavenge(extra=extra))
+        assert diloco.ratio == pytest.approx(paper, abs=0.02) and diloco.paper == paper
+        assert dp.ratio > diloco.ratio + 0.05
+    assert diloco.ratio == pytest.approx(0.62, abs=0.05)
+
+
+def test_a_graceful_leave_merges_the_work_an_abrupt_one_loses():
+    c = Cluster(chips=65536, mtbi_years=0.05)
+    abrupt, graceful = (sn.scavenge(c, Diloco(), sn.Scavenge(extra=3.0, budget_hours=6.0, graceful_leave=g),
+                                    schemes=("diloco",))[0].ratio for g in (False, True))
+    assert graceful < abrupt - 0.005
+
+
+def test_dp_to_a_work_target_takes_what_the_closed_form_says():
+    c = Cluster(step_cv=0.0)
+    rate, restart = c.chips / (c.mtbi_years * YEAR_S), c.recovery_s + c.reconfig_s
+    expected = dp_goodput(rate, restart, c.checkpoint_s, best_checkpoint_interval(rate, restart, c.checkpoint_s))
+    work = c.chips * 240 * 3600.0  # ten days of the cluster: ~10k failures
+    seconds, failures, done = sn.dp_time_to_work(work, c.chips, c, c.chips, np.random.default_rng(0))
+    assert work <= done < work + c.chips * 10 and failures > 5000
+    assert work / (c.chips * seconds) == pytest.approx(expected, abs=0.01)
+
+
+# --- two chip generations (diloco simulate mixed) -----------------------------------------------------
+
+def test_mixed_hardware_makes_fast_learners_wait_under_a_full_quorum():
+    """Half the learners 1.5x slower, no failures: K = M holds the fast half idle a third of each slow
+    period; K = 1 loses only the straggling inside each learner."""
+    c = Cluster(mtbi_years=math.inf, hours=6.0)
+    full, alone, grace = sn.mixed(c, Diloco(), sn.Mixed())
+    pace = c.step_s / c.mean_step_s(learner_slices(c, 8)[0])
+    assert full.goodput == pytest.approx(pace * (0.5 / 1.5 + 0.5), abs=0.01)
+    assert alone.goodput == pytest.approx(pace, abs=0.002) and grace.goodput == pytest.approx(pace, abs=0.002)
+    assert full.merged_share == alone.merged_share == grace.merged_share == 1.0 and full.late_share == 0.0
+    # without the fresh quorum, K = 1 lets the fast learners race the version past the slow ones' deltas,
+    # which are then rejected as stale; the grace window, batching close arrivals, saves most of them
+    old = sn.mixed(c, Diloco(quorum_of_fresh=False), sn.Mixed())
+    assert old[1].merged_share < 0.75 < old[2].merged_share and old[2].goodput > old[1].goodput + 0.2
+
+
+def test_cli_scavenge_and_mixed_json():
+    from diloco.cli import app
+
+    out = CliRunner().invoke(app, ["simulate", "scavenge", "--chips", "16384", "--extra", "50,300",
+                                   "--budget-hours", "2", "--workers", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    assert [(r["scheme"], r["extra"], r["paper"]) for r in rows] == [
+        ("dp", 0.5, None), ("diloco", 0.5, 0.83), ("dp", 3.0, 0.8), ("diloco", 3.0, 0.62)]
+    assert all(0.5 < r["ratio"] < 1.0 and r["extra_chips"] == r["extra"] * 16384 for r in rows)
+    table = CliRunner().invoke(app, ["simulate", "scavenge", "--chips", "16384", "--extra", "100",
+                                     "--budget-hours", "1", "--workers", "1"])
+    assert table.exit_code == 0 and "+100%" in table.output
+    out = CliRunner().invoke(app, ["simulate", "mixed", "--chips", "16384", "--hours", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    assert [(r["quorum"], r["grace_max_s"]) for r in json.loads(out.stdout)] == [(8, 0.0), (1, 0.0), (1, 3.0)]
+    bad = CliRunner().invoke(app, ["simulate", "scavenge", "--schemes", "elastic-dp"])
+    assert bad.exit_code == 2 and "elastic-dp" in bad.output

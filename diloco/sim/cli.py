@@ -1,12 +1,13 @@
-"""`diloco simulate goodput`: the goodput simulator over schemes and cluster sizes, in parallel.
+"""`diloco simulate goodput | scavenge | mixed | capacity`: the simulators, their tables and JSON.
 
-Imports only numpy, typer, rich and the pure policy module, so `diloco --help` stays fast;
+Imports only numpy, typer, rich and the pure simulator modules, so `diloco --help` stays fast;
 matplotlib loads only when a plot is asked for.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -18,22 +19,71 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.sim import goodput as gp
+from diloco.sim import scenarios as sc
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-_C, _D = gp.Cluster(), gp.Diloco()  # option defaults come from the model's own defaults
+_C, _D, _S, _X = gp.Cluster(), gp.Diloco(), sc.Scavenge(), sc.Mixed()  # option defaults: the models' own
+
+# Options the simulate commands share: the cluster and how it fails, the learners and the syncer.
+Learners = Annotated[int, typer.Option(help="M: diloco learners")]
+Quorum = Annotated[Optional[int], typer.Option(help="K: diloco minimum quorum [default: M/2 rounded up]")]
+MtbiYears = Annotated[float, typer.Option(help="mean time between interruptions of one chip (inf: none)")]
+RecoveryS = Annotated[float, typer.Option(help="until a failed slice (or its spare) serves")]
+ReconfigS = Annotated[float, typer.Option(help="to re-form a synchronous job on changed slices")]
+CheckpointS = Annotated[float, typer.Option(help="dp: to snapshot the state")]
+SliceChips = Annotated[int, typer.Option(help="chips one failure takes out")]
+StepS = Annotated[float, typer.Option(help="nominal inner step time")]
+StepCv = Annotated[float, typer.Option(help="per-slice step-time jitter, std/mean")]
+SyncEvery = Annotated[int, typer.Option(help="diloco: inner steps between contributions")]
+OverlapSteps = Annotated[int, typer.Option(help="diloco: tau, steps the merge may take")]
+GraceGamma = Annotated[float, typer.Option(help="diloco: share of the slack given to stragglers")]
+GraceMaxS = Annotated[float, typer.Option(help="diloco: cap on the grace window")]
+SyncS = Annotated[float, typer.Option(help="diloco: round close to merged value readable")]
+MaxStaleness = Annotated[int, typer.Option(help="diloco: versions a contribution may lag")]
+Spares = Annotated[bool, typer.Option(help="diloco: a warm spare learner replaces a failed one whole")]
+SpareS = Annotated[float, typer.Option(help="diloco with --spares: until the spare trains (measured locally)")]
+QuorumOfFresh = Annotated[bool, typer.Option(
+    help="diloco: only contributions trained from the current version count towards K and the grace window "
+         "(syncer.quorum_of_fresh); a late one is merged with the next fresh ones")]
+WaitForMerge = Annotated[bool, typer.Option(
+    help="diloco: a learner idles if no newer version has come overlap_steps after it sent (the paper's "
+         "learners); --no-wait-for-merge: it applies versions as they come and never idles (the runner's "
+         "default, fragments.wait_for_merge = false)")]
+HoldDeltas = Annotated[bool, typer.Option(
+    help="diloco: at most one delta per version (fragments.one_delta_per_version): one due before the version "
+         f"moved is held until it does, or {gp.HOLD_PERIODS} periods; only acts with --no-wait-for-merge")]
+Hours = Annotated[float, typer.Option(help="simulated wall-clock time")]
+Workers = Annotated[int, typer.Option(help="processes for the sweep")]
+JsonOut = Annotated[bool, typer.Option("--json", help="print rows as JSON instead of a table")]
 
 
 def _split(values: list[str]) -> list[str]:
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
 
-def run_cases(cases: list[tuple[str, gp.Cluster, gp.Diloco, int]], workers: int) -> list[gp.Result]:
+def _fail(err: Exception):
+    Console(stderr=True).print(f"[red]error:[/] {err}")
+    raise typer.Exit(2) from None
+
+
+def _learner_caption(setup: gp.Diloco) -> str:
+    """The syncer and learner switches, where they differ from the defaults."""
+    changed = [n for n in ("quorum_of_fresh", "wait_for_merge", "hold_deltas") if getattr(setup, n) != getattr(_D, n)]
+    return "".join(f", {n.replace('_', '-')} {'on' if getattr(setup, n) else 'off'}" for n in changed)
+
+
+def _cluster_caption(c: gp.Cluster) -> str:
+    return (f"MTBI {c.mtbi_years:g} y/chip, slices of {c.slice_chips}, recovery {c.recovery_s:g} s, "
+            f"reconfig {c.reconfig_s:g} s, step {c.step_s:g} s (cv {c.step_cv:g})")
+
+
+def run_cases(cases: list[tuple], workers: int, fn=gp.simulate) -> list:
     """Each case is independent and seeded by (seed, scheme, chips), so processes change nothing but time."""
     if workers <= 1 or len(cases) <= 1:
-        return [gp.simulate(*case) for case in cases]
+        return [fn(*case) for case in cases]
     # forkserver: forking a process that has imported JAX (as a test run has) can deadlock
     with ProcessPoolExecutor(min(workers, len(cases)), mp_context=multiprocessing.get_context("forkserver")) as pool:
-        return list(pool.map(gp.simulate, *zip(*cases)))
+        return list(pool.map(fn, *zip(*cases)))
 
 
 def _table(results: list[gp.Result], caption: str) -> Table:
@@ -68,34 +118,36 @@ def _plot(results: list[gp.Result], path: Path, title: str) -> None:
 def goodput(
     chips: Annotated[list[str], typer.Option(help="cluster sizes, comma-separated or repeated")] = [str(_C.chips)],
     schemes: Annotated[str, typer.Option(help="comma-separated: dp, elastic-dp, diloco")] = ",".join(gp.SCHEMES),
-    learners: Annotated[int, typer.Option(help="M: diloco learners")] = _D.learners,
-    quorum: Annotated[Optional[int], typer.Option(help="K: diloco minimum quorum [default: M/2 rounded up]")] = None,
-    mtbi_years: Annotated[float, typer.Option(help="mean time between interruptions of one chip")] = _C.mtbi_years,
-    recovery_s: Annotated[float, typer.Option(help="until a failed slice (or its spare) serves")] = _C.recovery_s,
-    reconfig_s: Annotated[float, typer.Option(help="to re-form a synchronous job on changed slices")] = _C.reconfig_s,
-    checkpoint_s: Annotated[float, typer.Option(help="dp: to snapshot the state")] = _C.checkpoint_s,
-    slice_chips: Annotated[int, typer.Option(help="chips one failure takes out")] = _C.slice_chips,
-    step_s: Annotated[float, typer.Option(help="nominal inner step time")] = _C.step_s,
-    step_time_cv: Annotated[float, typer.Option(help="per-slice step-time jitter, std/mean")] = _C.step_cv,
-    sync_every: Annotated[int, typer.Option(help="diloco: inner steps between contributions")] = _D.sync_every,
-    overlap_steps: Annotated[int, typer.Option(help="diloco: tau, steps the merge may take")] = _D.overlap_steps,
-    grace_gamma: Annotated[float, typer.Option(help="diloco: share of the slack given to stragglers")] = _D.grace_gamma,
-    grace_max_s: Annotated[float, typer.Option(help="diloco: cap on the grace window")] = _D.grace_max_s,
-    sync_s: Annotated[float, typer.Option(help="diloco: round close to merged value readable")] = _D.sync_s,
-    max_staleness: Annotated[int, typer.Option(help="diloco: versions a contribution may lag")] = _D.max_staleness,
-    spares: Annotated[bool, typer.Option(help="diloco: a warm spare learner replaces a failed one whole")] = _D.spares,
-    spare_s: Annotated[float, typer.Option(help="diloco with --spares: until the spare trains (measured locally)")] = _D.spare_s,
-    hours: Annotated[float, typer.Option(help="simulated wall-clock time")] = _C.hours,
+    learners: Learners = _D.learners,
+    quorum: Quorum = None,
+    mtbi_years: MtbiYears = _C.mtbi_years,
+    recovery_s: RecoveryS = _C.recovery_s,
+    reconfig_s: ReconfigS = _C.reconfig_s,
+    checkpoint_s: CheckpointS = _C.checkpoint_s,
+    slice_chips: SliceChips = _C.slice_chips,
+    step_s: StepS = _C.step_s,
+    step_time_cv: StepCv = _C.step_cv,
+    sync_every: SyncEvery = _D.sync_every,
+    overlap_steps: OverlapSteps = _D.overlap_steps,
+    grace_gamma: GraceGamma = _D.grace_gamma,
+    grace_max_s: GraceMaxS = _D.grace_max_s,
+    sync_s: SyncS = _D.sync_s,
+    max_staleness: MaxStaleness = _D.max_staleness,
+    spares: Spares = _D.spares,
+    spare_s: SpareS = _D.spare_s,
+    quorum_of_fresh: QuorumOfFresh = _D.quorum_of_fresh,
+    wait_for_merge: WaitForMerge = _D.wait_for_merge,
+    hold_deltas: HoldDeltas = _D.hold_deltas,
+    hours: Hours = _C.hours,
     seed: int = 0,
-    workers: Annotated[int, typer.Option(help="processes for the sweep")] = os.cpu_count() or 1,
+    workers: Workers = os.cpu_count() or 1,
     plot: Annotated[Optional[Path], typer.Option(help="write a PNG of goodput against chips")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="print rows as JSON instead of a table")] = False,
+    json_out: JsonOut = False,
 ):
     """Simulate goodput under Poisson chip failures for synchronous, elastic and Decoupled-DiLoCo training.
 
     The diloco rounds close by diloco.syncer.policy, the code the real syncer runs. See docs/simulate.md.
     """
-    err = Console(stderr=True)
     try:
         names = _split([schemes])
         if unknown := [s for s in names if s not in gp.SCHEMES]:
@@ -103,24 +155,165 @@ def goodput(
         sizes = [int(c.replace("_", "")) for c in _split(chips)]
         setup = gp.Diloco(learners=learners, quorum=quorum, sync_every=sync_every, overlap_steps=overlap_steps,
                           grace_gamma=grace_gamma, grace_max_s=grace_max_s, sync_s=sync_s,
-                          max_staleness=max_staleness, spares=spares, spare_s=spare_s)
+                          max_staleness=max_staleness, spares=spares, spare_s=spare_s,
+                          quorum_of_fresh=quorum_of_fresh, wait_for_merge=wait_for_merge, hold_deltas=hold_deltas)
         clusters = [gp.Cluster(chips=n, slice_chips=slice_chips, mtbi_years=mtbi_years, recovery_s=recovery_s,
                                reconfig_s=reconfig_s, checkpoint_s=checkpoint_s, step_s=step_s,
                                step_cv=step_time_cv, hours=hours) for n in sizes]
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2) from None
+        _fail(e)
     results = run_cases([(s, c, setup, seed) for c in clusters for s in names], workers)
-    settings = (f"MTBI {mtbi_years:g} y/chip, slices of {slice_chips}, recovery {recovery_s:g} s, "
-                f"reconfig {reconfig_s:g} s, step {step_s:g} s (cv {step_time_cv:g}), {hours:g} h, seed {seed}"
-                + (f", diloco spares {spare_s:g} s" if spares else ""))
+    settings = (f"{_cluster_caption(clusters[0])}, {hours:g} h, seed {seed}"
+                + (f", diloco spares {spare_s:g} s" if spares else "") + _learner_caption(setup))
     if json_out:
         typer.echo(json.dumps([r.row() for r in results]))
     else:
         Console().print(_table(results, settings))
     if plot:
         _plot(results, plot, settings.split(", step")[0])
-        err.print(f"plot written to {plot}")
+        Console(stderr=True).print(f"plot written to {plot}")
+
+
+@app.command("scavenge")
+def scavenge(
+    extra: Annotated[list[str], typer.Option(
+        help="extra compute, in % of the base chips (comma-separated or repeated); rounded to whole learners of "
+             "the base size, the same chips for dp")] = ["25", "50", "100", "300"],
+    share: Annotated[float, typer.Option(help="of the budget merged (dp: checkpointed) before the extra chips "
+                                              "are reclaimed")] = _S.share,
+    budget_hours: Annotated[float, typer.Option(help="the token budget: the base cluster's chip-time over "
+                                                     "this many hours")] = _S.budget_hours,
+    join_s: Annotated[float, typer.Option(help="diloco: until a joining learner trains, from the latest merged "
+                                               "version (default: spare_s, measured)")] = _S.join_s,
+    graceful_leave: Annotated[bool, typer.Option(help="diloco: reclaimed learners send their unsent work first; "
+                                                      "otherwise it is lost")] = _S.graceful_leave,
+    schemes: Annotated[str, typer.Option(help="comma-separated: dp, diloco")] = ",".join(sc.SCAVENGE_SCHEMES),
+    chips: Annotated[int, typer.Option(help="the base cluster")] = _C.chips,
+    learners: Learners = _D.learners,
+    quorum: Quorum = None,
+    mtbi_years: MtbiYears = _C.mtbi_years,
+    recovery_s: RecoveryS = _C.recovery_s,
+    reconfig_s: ReconfigS = _C.reconfig_s,
+    checkpoint_s: CheckpointS = _C.checkpoint_s,
+    slice_chips: SliceChips = _C.slice_chips,
+    step_s: StepS = _C.step_s,
+    step_time_cv: StepCv = _C.step_cv,
+    sync_every: SyncEvery = _D.sync_every,
+    overlap_steps: OverlapSteps = _D.overlap_steps,
+    grace_gamma: GraceGamma = _D.grace_gamma,
+    grace_max_s: GraceMaxS = _D.grace_max_s,
+    sync_s: SyncS = _D.sync_s,
+    max_staleness: MaxStaleness = _D.max_staleness,
+    quorum_of_fresh: QuorumOfFresh = _D.quorum_of_fresh,
+    wait_for_merge: WaitForMerge = _D.wait_for_merge,
+    hold_deltas: HoldDeltas = _D.hold_deltas,
+    seed: int = 0,
+    workers: Workers = os.cpu_count() or 1,
+    json_out: JsonOut = False,
+):
+    """Time to a token budget with scavenged compute, for data-parallel and Decoupled DiLoCo.
+
+    The base run trains the budget (merged productive chip-time) on the base cluster. In the scavenged run,
+    extra chips are there from the start and are reclaimed once --share of the budget has been merged. Each
+    scheme's time is divided by its own base run's: the paper's figure (Decoupled DiLoCo, arXiv 2604.21428).
+    diloco's extra chips are extra learners (K stays as configured); dp runs one bigger job, which fails and
+    straggles more, and re-forms to shrink. See docs/simulate.md.
+    """
+    try:
+        levels = [float(x.rstrip("%")) / 100 for x in _split(extra)]
+        names = _split([schemes])
+        if unknown := [s for s in names if s not in sc.SCAVENGE_SCHEMES]:
+            raise ValueError(f"unknown scheme(s) {', '.join(unknown)}; expected {', '.join(sc.SCAVENGE_SCHEMES)}")
+        setup = gp.Diloco(learners=learners, quorum=quorum, sync_every=sync_every, overlap_steps=overlap_steps,
+                          grace_gamma=grace_gamma, grace_max_s=grace_max_s, sync_s=sync_s,
+                          max_staleness=max_staleness, quorum_of_fresh=quorum_of_fresh,
+                          wait_for_merge=wait_for_merge, hold_deltas=hold_deltas)
+        cluster = gp.Cluster(chips=chips, slice_chips=slice_chips, mtbi_years=mtbi_years, recovery_s=recovery_s,
+                             reconfig_s=reconfig_s, checkpoint_s=checkpoint_s, step_s=step_s, step_cv=step_time_cv)
+        runs = [sc.Scavenge(extra=x, share=share, budget_hours=budget_hours, join_s=join_s,
+                            graceful_leave=graceful_leave) for x in [0.0, *levels]]
+    except ValueError as e:
+        _fail(e)
+    cases = [(name, cluster, setup, s, seed) for name in names for s in runs]
+    times = dict(zip([(name, s.extra) for name, *_, s, _ in cases], run_cases(cases, workers, sc.time_to_budget)))
+    rows = [sc.scavenge_row(name, cluster, setup, s, times[name, 0.0], times[name, s.extra])
+            for s in runs[1:] for name in names]
+    if json_out:
+        typer.echo(json.dumps([r.row() for r in rows]))
+        return
+    table = Table(title="Time to a token budget with scavenged compute, over the scheme's own run without it",
+                  caption=f"{chips:,} chips, {_cluster_caption(cluster)}, budget {budget_hours:g} h of the base "
+                          f"cluster, extra reclaimed at {share:g} of it, join {join_s:g} s"
+                          + (", graceful leave" if graceful_leave else "") + f", seed {seed}"
+                          + _learner_caption(setup))
+    for name in ("extra", "scheme", "extra chips", "base run", "with extra", "ratio", "ideal", "paper"):
+        table.add_column(name, justify="left" if name == "scheme" else "right")
+    for r in rows:
+        table.add_row(f"+{100 * r.extra:g}%", r.scheme, f"{r.extra_chips:,}", f"{r.base_hours:.2f} h",
+                      f"{r.hours:.2f} h", f"{r.ratio:.3f}x", f"{r.ideal:.3f}x",
+                      "-" if r.paper is None else f"{r.paper:.2f}x")
+    Console().print(table)
+
+
+@app.command("mixed")
+def mixed(
+    slow_share: Annotated[float, typer.Option(help="share of the learners on the older, slower chips")] = _X.slow_share,
+    slow_factor: Annotated[float, typer.Option(
+        help="their step time over the newer chips' (TPU v5p against v6e: 1 to 2 by peak compute and memory "
+             "bandwidth)")] = _X.slow_factor,
+    chips: Annotated[int, typer.Option(help="the cluster, both generations")] = _C.chips,
+    learners: Learners = _D.learners,
+    mtbi_years: MtbiYears = math.inf,
+    recovery_s: RecoveryS = _C.recovery_s,
+    reconfig_s: ReconfigS = _C.reconfig_s,
+    slice_chips: SliceChips = _C.slice_chips,
+    step_s: Annotated[float, typer.Option(help="nominal inner step time on the newer chips")] = _C.step_s,
+    step_time_cv: StepCv = _C.step_cv,
+    sync_every: SyncEvery = _D.sync_every,
+    overlap_steps: OverlapSteps = _D.overlap_steps,
+    grace_gamma: GraceGamma = _D.grace_gamma,
+    grace_max_s: Annotated[float, typer.Option(help="diloco: cap on the third policy's grace window")] = _D.grace_max_s,
+    sync_s: SyncS = _D.sync_s,
+    max_staleness: MaxStaleness = _D.max_staleness,
+    quorum_of_fresh: QuorumOfFresh = _D.quorum_of_fresh,
+    wait_for_merge: WaitForMerge = _D.wait_for_merge,
+    hold_deltas: HoldDeltas = _D.hold_deltas,
+    hours: Hours = _C.hours,
+    seed: int = 0,
+    json_out: JsonOut = False,
+):
+    """Two chip generations in one run: K = M without grace, K = 1 without grace, K = 1 with grace.
+
+    --slow-share of the learners take --slow-factor times as long per step. Goodput counts each chip's
+    steps at its own nominal time, so a slow chip that never waits is fully productive; it falls when fast
+    learners idle for a merge, or when trained tokens never enter a merge (stale). No failures by default,
+    as the comparison is about speed (give --mtbi-years 1 for the paper's failure rate). See docs/simulate.md.
+    """
+    try:
+        setup = gp.Diloco(learners=learners, sync_every=sync_every, overlap_steps=overlap_steps,
+                          grace_gamma=grace_gamma, grace_max_s=grace_max_s, sync_s=sync_s,
+                          max_staleness=max_staleness, quorum_of_fresh=quorum_of_fresh,
+                          wait_for_merge=wait_for_merge, hold_deltas=hold_deltas)
+        cluster = gp.Cluster(chips=chips, slice_chips=slice_chips, mtbi_years=mtbi_years, recovery_s=recovery_s,
+                             reconfig_s=reconfig_s, step_s=step_s, step_cv=step_time_cv, hours=hours)
+        mix = sc.Mixed(slow_share=slow_share, slow_factor=slow_factor)
+    except ValueError as e:
+        _fail(e)
+    rows = sc.mixed(cluster, setup, mix, seed)
+    if json_out:
+        typer.echo(json.dumps([r.row() for r in rows]))
+        return
+    slow = round(slow_share * learners)
+    table = Table(title=f"Mixed hardware: {learners - slow} learners at {step_s:g} s/step, "
+                        f"{slow} at {slow_factor:g}x that",
+                  caption=f"{chips:,} chips, {_cluster_caption(cluster)}, {hours:g} h, seed {seed}"
+                          + _learner_caption(setup))
+    for name in ("policy", "goodput", "tokens merged", "late", "merges"):
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for r in rows:
+        table.add_row(r.policy, f"{100 * r.goodput:.1f}%", f"{100 * r.merged_share:.1f}%",
+                      f"{100 * r.late_share:.0f}%", f"{r.rounds:,}")
+    Console().print(table)
 
 
 @app.command("capacity")

@@ -12,8 +12,12 @@ what lets a day of 1.2M chips run in about a second.
   slice, runs smaller, and re-forms again when the slice is back after recovery_s.
 - diloco: M learners, each an elastic job over its own slices, so a failure pauses only its learner.
   Contributions go to a simulated syncer whose rounds close by `diloco.syncer.policy.decide`, the
-  code the real syncer runs. A learner needs the merged value `overlap_steps` after sending and
-  waits for it only if it has not come: with K = M and no grace this is synchronous DiLoCo.
+  code the real syncer runs, over the contributions `syncer/rounds.py` counts: with quorum_of_fresh
+  only those trained from the current version. A learner needs the merged value `overlap_steps` after
+  sending and waits for it only if it has not come: with K = M and no grace this is synchronous
+  DiLoCo. Without that wait (the runner's default, fragments.wait_for_merge = False) it applies each
+  version as it is published and never idles, and a delta due before the version it last sent from
+  has moved is held (fragments.one_delta_per_version) until one has, or HOLD_PERIODS periods.
   With spares (the local runner's `run.spares`), a failure kills the whole learner instead and a warm
   spare learner with its own slices takes its place after `spare_s`: no second pause when the slice
   comes back, but the steps since its last contribution are lost (the spare joins from the latest
@@ -23,6 +27,9 @@ Goodput is productive chip-time over total chip-time. A chip-step is worth its n
 straggling (a synchronous step waits for its slowest slice) costs goodput too; for diloco only steps
 whose tokens entered a merge count. Every run stops gracefully at the horizon: dp checkpoints, the
 learners send what they have and the syncer flushes its open round, as the real syncer does on stop.
+Runs can also stop at a work target instead of a horizon, with learners that join late and leave
+early and learners of different speeds: diloco/sim/scenarios.py builds the scavenging and the
+mixed-hardware scenarios from them.
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diloco.sim.checkpointing import best_checkpoint_interval
 from diloco.syncer.policy import QuorumPolicy, decide
 
 SCHEMES = ("dp", "elastic-dp", "diloco")
 YEAR_S = 365.25 * 24 * 3600
 _EULER_GAMMA = 0.5772156649015329  # mean of the standard Gumbel distribution
 _MIN_STEP = 0.5                    # a step never takes under half its nominal time (bounds the arrays)
+HOLD_PERIODS = 4                   # learners/session.py: a held delta is sent anyway after this many periods
+_STEPS_CHUNK = 20_000              # work-target runs draw step times in chunks of this many, as they need them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +112,9 @@ class Diloco:
     # runner: mean of 1.79, 2.06, 2.15 and 2.43 s (docs/operations.md, "Learner failures": diloco chaos
     # on configs/local.yaml, 300 steps, seed 0, a 2-core machine, 2026-12-01).
     spare_s: float = 2.1
+    quorum_of_fresh: bool = True  # only contributions trained from the current version count towards K
+    wait_for_merge: bool = True   # the paper's learners: idle if no newer version overlap_steps after sending
+    hold_deltas: bool = True      # fragments.one_delta_per_version: at most one delta per version
 
     def __post_init__(self):
         if self.spare_s < 0:
@@ -131,41 +144,16 @@ class Result:
     failures: int      # slice failures seen during the horizon
     rounds: int = 0    # diloco: merges
     late: int = 0      # diloco: merged contributions that started from an older version than their round's
+    contributions: int = 0     # diloco: merged contributions
+    merged_share: float = 1.0  # diloco: share of the trained tokens that entered a merge
+    seconds: float = 0.0       # wall-clock simulated: the horizon, or the time to reach a work target
 
     def row(self) -> dict:
         return {"scheme": self.scheme, "chips": self.chips, "learners": self.learners, "quorum": self.quorum,
                 "goodput": self.goodput}
 
 
-# --- dp: closed form and simulation ----------------------------------------------------------------------
-
-def dp_goodput(rate: float, restart_s: float, checkpoint_s: float, interval_s: float) -> float:
-    """Closed-form goodput of one synchronous job checkpointing every `interval_s` (before straggling).
-
-    A segment of interval + checkpoint seconds is redone after any failure inside it, so the expected
-    wall time per committed segment is (1/rate + restart)(exp(rate (interval + checkpoint)) - 1)
-    (Daly 2006). Failures during a restart are absorbed by it, which keeps the restart outside the
-    exponential. interval 0 means free continuous checkpoints: only restarts cost.
-    """
-    if rate == 0:
-        return 1.0 if math.isinf(interval_s) else interval_s / (interval_s + checkpoint_s)
-    if interval_s == 0:
-        return 1.0 / (1.0 + rate * restart_s)
-    return interval_s / ((1.0 / rate + restart_s) * math.expm1(rate * (interval_s + checkpoint_s)))
-
-
-def best_checkpoint_interval(rate: float, restart_s: float, checkpoint_s: float) -> float:
-    """The interval maximising `dp_goodput`, searched around Young-Daly sqrt(2 C / rate): that
-    first-order rule overshoots when a failure comes every few tens of seconds."""
-    if rate == 0:
-        return math.inf
-    if checkpoint_s == 0:
-        return 0.0
-    grid = math.sqrt(2 * checkpoint_s / rate) * np.geomspace(1e-2, 1e2, 4001)
-    with np.errstate(over="ignore"):
-        g = grid / ((1.0 / rate + restart_s) * np.expm1(rate * (grid + checkpoint_s)))
-    return float(grid[np.argmax(g)])
-
+# --- dp: simulation (the closed form: diloco/sim/checkpointing.py) ----------------------------------------------------------------------
 
 def simulate_dp(c: Cluster, rng: np.random.Generator) -> Result:
     """Alternating runs (exponential, at the whole cluster's failure rate) and restarts, vectorised."""
@@ -175,7 +163,7 @@ def simulate_dp(c: Cluster, rng: np.random.Generator) -> Result:
     pace = c.step_s / c.mean_step_s(c.slices())
     T = c.horizon_s
     if rate == 0:
-        return Result("dp", c.chips, 1, 1, pace, 0)
+        return Result("dp", c.chips, 1, 1, pace, 0, seconds=T)
     seg = interval + c.checkpoint_s
 
     def committed(run: np.ndarray) -> np.ndarray:
@@ -194,7 +182,7 @@ def simulate_dp(c: Cluster, rng: np.random.Generator) -> Result:
                 work += float(committed(np.array([tail]))[0]) + (0.0 if interval == 0 else min(tail % seg, interval))
             break
         t = starts[-1] + runs[-1] + restart
-    return Result("dp", c.chips, 1, 1, float(work * pace / T), failures)
+    return Result("dp", c.chips, 1, 1, float(work * pace / T), failures, seconds=T)
 
 
 # --- elastic jobs and the syncer: an event simulation ----------------------------------------------------
@@ -206,6 +194,7 @@ class _Job:
     cum: np.ndarray           # cum[i]: time of steps [0, i) before the job's straggling term
     straggle: float           # jitter_scale: a step over n slices takes straggle * ln n longer
     slice_step_chip_s: float  # productive chip-time of one slice-step (slice chips * nominal step)
+    nominal_step_s: float     # this job's chips' nominal step (slower chips, longer step)
     step: int = 0
     run_from: float | None = None  # start of the current run; None while paused, waiting or down
     target: int | None = None      # step at which the current run raises a milestone
@@ -215,20 +204,26 @@ class _Job:
     fail_epoch: int = 0            # bumped whenever the failure rate changes, voiding the scheduled failure
     done: float = 0.0              # productive chip-seconds of all completed steps
     unsent: float = 0.0            # ... since the last contribution
+    trained: float = 0.0           # tokens, as slice-steps, of all completed steps
+    unsent_tokens: float = 0.0     # ... since the last contribution
     next_send: int = 0
     check_at: int | None = None    # step by which the outstanding contribution's merge is needed
     base: int = 0                  # version the last contribution started from
-    adopted: int = 0               # version taken at the last need for a merge: the next contribution's base
+    adopted: int = 0               # version the parameters are on: the next contribution's base
+    sent_from: int = -1            # hold_deltas: the version of the last send of this incarnation (-1: none)
+    last_sent_step: int = 0
+    held: bool = False             # a due delta waits for a new version
+    left: bool = False             # reclaimed: no longer in the run
 
     def duration(self, k: int) -> float:
         return float(self.cum[self.step + k] - self.cum[self.step]) + k * self.straggle * math.log(self.slices)
 
-    def steps_within(self, elapsed: float, nominal_step: float) -> int:
+    def steps_within(self, elapsed: float) -> int:
         """Whole steps finished `elapsed` seconds into a run; the step in flight does not count."""
         limit = len(self.cum) - 1 - self.step
         if self.target is not None:
             limit = min(limit, self.target - self.step)
-        k = min(limit, int(elapsed / (_MIN_STEP * nominal_step)) + 1)
+        k = min(limit, int(elapsed / (_MIN_STEP * self.nominal_step_s)) + 1)
         ends = (self.cum[self.step + 1:self.step + k + 1] - self.cum[self.step]
                 + self.straggle * math.log(self.slices) * np.arange(1, k + 1))
         return int(np.searchsorted(ends, elapsed, side="right"))
@@ -238,6 +233,18 @@ class _Job:
         self.step += k
         self.done += chip_s
         self.unsent += chip_s
+        self.trained += k * self.slices
+        self.unsent_tokens += k * self.slices
+
+
+@dataclass(frozen=True)
+class Churn:
+    """Learners that join late and leave once the syncer has merged some work (the scavenging scenario)."""
+    joiners: tuple[int, ...] = ()   # learners that start join_s late, from the latest merged version
+    join_s: float = 0.0
+    leavers: tuple[int, ...] = ()   # learners reclaimed once `leave_at` productive chip-seconds are merged
+    leave_at: float = math.inf
+    graceful: bool = False          # a leaver sends its unsent work first; otherwise that work is lost
 
 
 @dataclass
@@ -245,57 +252,89 @@ class _Syncer:
     """One rolling round, as the real syncer keeps per fragment: late contributions join the next."""
     policy: QuorumPolicy
     step_time_s: float
-    open: list[tuple[int, float, float, int]] = field(default_factory=list)  # learner, arrival, chip-s, base
+    # the open round: (learner, arrival, chip-s, tokens, base version) of each contribution
+    open: list[tuple[int, float, float, float, int]] = field(default_factory=list)
     version: int = 0      # rounds closed
     published: int = 0    # latest version learners can read
     deadline: float | None = None
     batch_at: float | None = None
     merged: float = 0.0
+    merged_tokens: float = 0.0
     rounds: int = 0
     late: int = 0
+    contributions: int = 0
 
 
 class _EventSim:
     """Events on one heap: slice failures and returns, ends of reconfigurations, learner milestones
-    (send a contribution, need a merge), grace deadlines and publications of merged values."""
+    (send a contribution, need a merge), grace deadlines and publications of merged values.
 
-    def __init__(self, c: Cluster, groups: list[int], rng: np.random.Generator, setup: Diloco | None):
+    By default the run lasts the cluster's horizon and all jobs draw from `rng`. With `until_work` it
+    stops once the syncer has merged that many productive chip-seconds (`done_at`), and each job draws
+    its step times and failures from its own stream spawned from `rng`: a learner's hardware then
+    fails at the same times whoever else is in the run, so two scenarios differ by the scenario alone."""
+
+    def __init__(self, c: Cluster, groups: list[int], rng: np.random.Generator, setup: Diloco | None, *,
+                 speeds: list[float] | None = None, churn: Churn | None = None, until_work: float | None = None):
         self.c, self.rng, self.setup = c, rng, setup
-        self.T = c.horizon_s
-        self.rate = c.slice_rate(len(groups))
-        self.slice_step_chip_s = c.chips / c.slices(len(groups)) * c.step_s
+        self.churn, self.until_work = churn or Churn(), until_work
+        self.T = c.horizon_s if until_work is None else math.inf
+        base = setup.learners if setup else len(groups)  # the slices are cut for the base learners; extra
+        self.rate = c.slice_rate(base)                     # learners (scavenging) bring slices of that size
+        self.slice_chips = c.chips / c.slices(base)
+        self.speeds = speeds or [1.0] * len(groups)
+        self.rngs = [rng] * len(groups) if until_work is None else rng.spawn(len(groups))
         self.heap: list = []
         self.seq = itertools.count()  # ties break in push order, so runs are reproducible
-        self.jobs = [self._job(n) for n in groups]
-        self.syncer = _Syncer(setup.policy(), c.mean_step_s(groups[0])) if setup else None
+        self.jobs = [self._job(j, n) for j, n in enumerate(groups)]
+        # the real syncer reads the median step time the live learners report
+        step_time = c.mean_step_s(groups[0]) * float(np.median(self.speeds))
+        self.syncer = _Syncer(setup.policy(), step_time) if setup else None
         self.failures = 0
+        self.done_at: float | None = None
 
-    def _job(self, n: int) -> _Job:
-        c = self.c
-        length = int(self.T / (_MIN_STEP * c.step_s)) + 2  # more steps than fit in the horizon
-        steps = c.step_s + c.jitter_scale * (self.rng.gumbel(size=length) - _EULER_GAMMA)
-        cum = np.concatenate(([0.0], np.cumsum(np.maximum(steps, _MIN_STEP * c.step_s))))
-        return _Job(n, cum, c.jitter_scale, self.slice_step_chip_s,
-                    next_send=self.setup.sync_every if self.setup else 0)
+    def _job(self, j: int, n: int) -> _Job:
+        c, speed = self.c, self.speeds[j]
+        nominal = c.step_s * speed
+        length = int(self.T / (_MIN_STEP * nominal)) + 2 if self.until_work is None else _STEPS_CHUNK
+        job = _Job(n, np.zeros(1), c.jitter_scale * speed, self.slice_chips * nominal, nominal,
+                   next_send=self.setup.sync_every if self.setup else 0)
+        self._draw_steps(j, job, length)
+        return job
+
+    def _draw_steps(self, j: int, job: _Job, count: int) -> None:
+        """Append `count` step times: nominal plus Gumbel jitter, floored at half the nominal."""
+        steps = job.nominal_step_s + job.straggle * (self.rngs[j].gumbel(size=count) - _EULER_GAMMA)
+        job.cum = np.concatenate((job.cum, job.cum[-1] + np.cumsum(np.maximum(steps, _MIN_STEP * job.nominal_step_s))))
 
     def push(self, t: float, kind: str, j: int = 0, tag: int = 0) -> None:
         if t <= self.T:
             heapq.heappush(self.heap, (t, next(self.seq), kind, j, tag))
 
     def run(self) -> float:
-        """Productive chip-seconds over the horizon."""
+        """Productive chip-seconds merged (diloco) or done (elastic-dp), by the horizon or by `done_at`."""
+        if self.churn.leave_at <= 0:
+            self.leave(0.0)
+        for j in self.churn.joiners:
+            self.jobs[j].pause_end = self.churn.join_s
+            self.push(self.churn.join_s, "resume", j)
         for j in range(len(self.jobs)):
             self.schedule_failure(j, 0.0)
             self.try_run(j, 0.0)
         while self.heap:
             t, _, kind, j, tag = heapq.heappop(self.heap)
             getattr(self, "on_" + kind)(t, j, tag)
+            if self.done_at is not None:
+                return self.syncer.merged
+        if self.until_work is not None:  # the target was never met (the heap empties only if nothing runs)
+            self.done_at = math.inf
+            return self.syncer.merged
         for j in range(len(self.jobs)):
             self.interrupt(j, self.T)
         if self.syncer is None:
             return sum(job.done for job in self.jobs)
         for j, job in enumerate(self.jobs):  # graceful stop: learners send, the syncer flushes
-            if job.unsent:
+            if job.unsent and not job.left:
                 self.arrive(self.T, j)
         self.evaluate(self.T, final=True)
         return self.syncer.merged
@@ -304,14 +343,14 @@ class _EventSim:
     def schedule_failure(self, j: int, t: float) -> None:
         job = self.jobs[j]
         job.fail_epoch += 1
-        if job.slices and self.rate:
-            self.push(t + self.rng.exponential(1.0 / (job.slices * self.rate)), "fail", j, job.fail_epoch)
+        if job.slices and self.rate and not job.left:
+            self.push(t + self.rngs[j].exponential(1.0 / (job.slices * self.rate)), "fail", j, job.fail_epoch)
 
     def interrupt(self, j: int, t: float) -> None:
         """Bank the steps finished by t; the step in flight is lost with its slice or the old mesh."""
         job = self.jobs[j]
         if job.run_from is not None:
-            job.complete(job.steps_within(t - job.run_from, self.c.step_s))
+            job.complete(job.steps_within(t - job.run_from))
             job.run_from = None
             job.epoch += 1
 
@@ -341,8 +380,8 @@ class _EventSim:
         """A warm spare becomes learner j after spare_s, from the latest merged version: the steps
         since its last contribution are lost, and it sends its next one sync_every steps on."""
         job = self.jobs[j]
-        job.unsent = 0.0
-        job.waiting, job.check_at = False, None
+        job.unsent = job.unsent_tokens = 0.0
+        job.waiting, job.check_at, job.held, job.sent_from = False, None, False, -1
         job.adopted = self.syncer.published
         job.next_send = job.step + self.setup.sync_every
         job.pause_end = max(job.pause_end, t + self.setup.spare_s)
@@ -351,6 +390,8 @@ class _EventSim:
 
     def on_return(self, t: float, j: int, tag: int) -> None:
         job = self.jobs[j]
+        if job.left:  # the slice comes back to a learner already reclaimed
+            return
         self.interrupt(j, t)
         job.slices += 1
         self.pause(j, t)
@@ -361,16 +402,40 @@ class _EventSim:
     def on_resume(self, t: float, j: int, tag: int) -> None:
         self.try_run(j, t)
 
+    # --- learners join and leave ---
+    def leave(self, t: float) -> None:
+        """The leavers are reclaimed at t: what they finished is sent if the leave is graceful, and
+        lost otherwise; the step in flight is lost either way."""
+        for j in self.churn.leavers:
+            job = self.jobs[j]
+            self.interrupt(j, t)
+            if self.churn.graceful and job.unsent:
+                self.arrive(t, j)
+            job.left, job.waiting, job.held = True, False, False
+            job.fail_epoch += 1  # no more failures of hardware no longer ours
+        if self.syncer and t > 0:  # fewer learners to expect: the open round may be complete now
+            self.push(t, "deadline")
+
     # --- learners run, send and wait ---
-    def try_run(self, j: int, t: float) -> None:
+    def try_run(self, j: int, t: float, start: float | None = None) -> None:
+        """Run job j from t, or from `start` when a step begun then goes on."""
         job = self.jobs[j]
-        if job.run_from is not None or job.waiting or job.slices == 0 or t < job.pause_end:
+        if job.run_from is not None or job.waiting or job.slices == 0 or t < job.pause_end or job.left:
             return
-        job.run_from = t
+        if job.held and not self.must_hold(job):  # a new version came while it could not send
+            self.send(j, t)
+        job.run_from = t if start is None else start
         if self.syncer is not None:  # elastic-dp has no milestones: it runs until an event interrupts it
-            job.target = job.next_send if job.check_at is None else min(job.next_send, job.check_at)
+            targets = [job.next_send]
+            if job.check_at is not None:
+                targets.append(job.check_at)
+            if job.held:
+                targets.append(job.last_sent_step + HOLD_PERIODS * self.setup.sync_every)
+            job.target = min(targets)
+            if self.until_work is not None and job.target >= len(job.cum):
+                self._draw_steps(j, job, max(_STEPS_CHUNK, job.target - len(job.cum) + 1))
         if job.target is not None and job.target < len(job.cum):
-            self.push(t + job.duration(job.target - job.step), "milestone", j, job.epoch)
+            self.push(job.run_from + job.duration(job.target - job.step), "milestone", j, job.epoch)
 
     def on_milestone(self, t: float, j: int, tag: int) -> None:
         job = self.jobs[j]
@@ -379,10 +444,14 @@ class _EventSim:
         job.complete(job.target - job.step)
         job.run_from = None
         job.epoch += 1
-        if job.step == job.next_send:
-            self.arrive(t, j)
-            job.next_send += self.setup.sync_every
-            job.check_at = job.step + self.setup.overlap_steps
+        forced = job.held and job.step >= job.last_sent_step + HOLD_PERIODS * self.setup.sync_every
+        if job.step == job.next_send or forced:
+            if job.step == job.next_send:
+                job.next_send += self.setup.sync_every
+            if self.must_hold(job):
+                job.held = True
+            else:
+                self.send(j, t)
         if job.step == job.check_at:
             job.check_at = None
             if self.syncer.published > job.base:  # a newer version (its round, or a later one) is here
@@ -391,10 +460,36 @@ class _EventSim:
                 job.waiting = True
         self.try_run(j, t)
 
+    def must_hold(self, job: _Job) -> bool:
+        """learners/session.py `_must_hold`: it already sent from the version it is on, and has held for
+        under HOLD_PERIODS periods. A learner that waited for a newer version never holds."""
+        return (self.setup.hold_deltas and job.sent_from == job.adopted
+                and job.step - job.last_sent_step < HOLD_PERIODS * self.setup.sync_every)
+
+    def send(self, j: int, t: float) -> None:
+        job = self.jobs[j]
+        job.held = False
+        job.sent_from, job.last_sent_step = job.adopted, job.step
+        self.arrive(t, j)
+        if self.setup.wait_for_merge:
+            job.check_at = job.step + self.setup.overlap_steps
+
     def on_publish(self, t: float, j: int, version: int) -> None:
         self.syncer.published = max(self.syncer.published, version)
         for i, job in enumerate(self.jobs):
-            if job.waiting and job.base < self.syncer.published:
+            if job.left:
+                continue
+            if not self.setup.wait_for_merge:  # every version is applied as it comes
+                job.adopted = self.syncer.published
+                if job.held and job.run_from is not None:  # send at the step boundary; the step in flight goes on
+                    k = job.steps_within(t - job.run_from)
+                    started = job.run_from + job.duration(k)
+                    job.complete(k)
+                    job.run_from = None
+                    job.epoch += 1
+                    self.send(i, t)
+                    self.try_run(i, t, start=started)
+            elif job.waiting and job.base < self.syncer.published:
                 job.waiting = False
                 job.adopted = self.syncer.published
                 self.try_run(i, t)
@@ -402,32 +497,43 @@ class _EventSim:
     # --- the syncer ---
     def arrive(self, t: float, j: int) -> None:
         job, s = self.jobs[j], self.syncer
-        chip_s, job.unsent = job.unsent, 0.0
+        chip_s, tokens, job.unsent, job.unsent_tokens = job.unsent, job.unsent_tokens, 0.0, 0.0
         job.base = job.adopted
         if job.base < s.version - self.setup.max_staleness:
             return  # rejected as stale, as the real syncer does: these tokens never enter a merge
-        s.open.append((j, t, chip_s, job.base))
+        s.open.append((j, t, chip_s, tokens, job.base))
         if s.batch_at != t:  # judge after everything that arrives at this instant, like a polled batch
             s.batch_at = t
             self.push(t, "deadline")
 
     def evaluate(self, t: float, final: bool = False) -> None:
+        """syncer/rounds.py `due`, then `decide`: with quorum_of_fresh only contributions trained from
+        the current version count (unless nobody is left to train); each learner's first arrival."""
         s = self.syncer
         if not s.open:
             return
+        live = {i for i, job in enumerate(self.jobs) if job.slices and not job.left}
+        present = {i for i, job in enumerate(self.jobs) if not job.left}
+        fresh_only = self.setup.quorum_of_fresh and bool(live)
         first: dict[int, float] = {}
-        for j, at, _, _ in s.open:  # in arrival order, so setdefault keeps each learner's first
-            first.setdefault(j, at)
-        live = sum(1 for job in self.jobs if job.slices)
-        d = decide(s.policy, list(first.values()), now=t, expected=live, step_time_s=s.step_time_s,
-                   sync_time_s=self.setup.sync_s)
+        for j, at, _, _, base in s.open:  # in arrival order, so setdefault keeps each learner's first
+            if not (fresh_only and base < s.version):
+                first.setdefault(j, at)
+        d = decide(s.policy, list(first.values()), now=t, expected=len(live | set(first)),
+                   step_time_s=s.step_time_s, sync_time_s=self.setup.sync_s, members=len(present | set(first)))
         if d.close or final:
             s.late += sum(1 for *_, base in s.open if base < s.version)
-            s.merged += sum(chip_s for _, _, chip_s, _ in s.open)
+            s.contributions += len(s.open)
+            s.merged += sum(chip_s for _, _, chip_s, _, _ in s.open)
+            s.merged_tokens += sum(tokens for _, _, _, tokens, _ in s.open)
             s.version += 1
             s.rounds += 1
             s.open, s.deadline = [], None
             self.push(t + self.setup.sync_s, "publish", tag=s.version)
+            if self.until_work is not None and s.merged >= self.until_work and not final:
+                self.done_at = t
+            if s.merged >= self.churn.leave_at and not any(self.jobs[i].left for i in self.churn.leavers):
+                self.leave(t)
         elif d.deadline is not None and d.deadline != s.deadline:
             s.deadline = d.deadline
             self.push(d.deadline, "deadline")
@@ -436,7 +542,33 @@ class _EventSim:
         self.evaluate(t)
 
 
-# --- entry point ---------------------------------------------------------------------------------------
+# --- entry points --------------------------------------------------------------------------------------
+
+def learner_slices(c: Cluster, learners: int) -> list[int]:
+    """The cluster's slices dealt out to `learners` learners as evenly as whole slices allow."""
+    n = c.slices(learners)
+    return [n // learners + (i < n % learners) for i in range(learners)]
+
+
+def simulate_diloco(c: Cluster, setup: Diloco, rng: np.random.Generator, *, groups: list[int] | None = None,
+                    speeds: list[float] | None = None, churn: Churn | None = None,
+                    until_work: float | None = None) -> Result:
+    """diloco on `groups` (slices per learner; default the cluster dealt out to setup.learners), each
+    learner's step `speeds` times the nominal, with `churn`; to the horizon, or to `until_work` merged
+    productive chip-seconds (then `seconds` is the time it took, math.inf if never). Goodput is over the
+    chips of `groups` for the time simulated."""
+    given, groups = groups, groups or learner_slices(c, setup.learners)
+    sim = _EventSim(c, groups, rng, setup, speeds=speeds, churn=churn, until_work=until_work)
+    productive = sim.run()
+    seconds = c.horizon_s if until_work is None else sim.done_at
+    chips = c.chips if given is None else round(sum(groups) * sim.slice_chips)
+    chip_s = chips * seconds
+    trained = sum(job.trained for job in sim.jobs)
+    return Result("diloco", chips, len(groups), setup.k,
+                  productive / chip_s if 0 < chip_s < math.inf else 0.0, sim.failures, sim.syncer.rounds,
+                  sim.syncer.late, sim.syncer.contributions, sim.syncer.merged_tokens / trained if trained else 1.0,
+                  seconds)
+
 
 def simulate(scheme: str, cluster: Cluster, setup: Diloco = Diloco(), seed: int = 0) -> Result:
     """One scheme on one cluster. The stream depends on (seed, scheme, chips) only, so a sweep gives
@@ -449,9 +581,5 @@ def simulate(scheme: str, cluster: Cluster, setup: Diloco = Diloco(), seed: int 
     total = cluster.chips * cluster.horizon_s
     if scheme == "elastic-dp":
         sim = _EventSim(cluster, [cluster.slices()], rng, None)
-        return Result(scheme, cluster.chips, 1, 1, sim.run() / total, sim.failures)
-    n, m = cluster.slices(setup.learners), setup.learners
-    sim = _EventSim(cluster, [n // m + (i < n % m) for i in range(m)], rng, setup)
-    productive = sim.run()
-    return Result(scheme, cluster.chips, m, setup.k, productive / total, sim.failures, sim.syncer.rounds,
-                  sim.syncer.late)
+        return Result(scheme, cluster.chips, 1, 1, sim.run() / total, sim.failures, seconds=cluster.horizon_s)
+    return simulate_diloco(cluster, setup, rng)
