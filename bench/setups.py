@@ -102,9 +102,6 @@ METHODS: dict[str, dict] = {
                                               "syncer": {"broadcast": "topk", "update_base": "previous"}}),
     # learners fetch a fragment only shortly before they sync it: fewer downloads, older globals
     "decoupled-before-sync": _merge(DECOUPLED, {"fragments": {"fetch": "before_sync"}}),
-    # learners skip a version whose sync period is still coming in (the syncer's announcement names
-    # a round's worth of learners yet to send) and fetch the one that completes it
-    "decoupled-settled": _merge(DECOUPLED, {"fragments": {"fetch": "settled"}}),
     # the round policy alone, the paper's comparison on mixed hardware: every learner waited for
     # (K = M, learners still never block), and K = 1 with and without the grace window
     "decoupled-kM": _merge(DECOUPLED, {"syncer": {"quorum": sum(r["learners"] for r in REGIONS)}}),

@@ -36,11 +36,10 @@ class Fetcher(threading.Thread):
     MAX_LINKS = 64     # updates followed back from a version before reading a snapshot whole instead
 
     def __init__(self, cfg: Config, run_id: str, consumer, store: FragmentStore, topics: kafka_io.Topics,
-                 counters: Counters, plan: Plan, keep: int = 1, learner: str | None = None):
+                 counters: Counters, plan: Plan, keep: int = 1):
         super().__init__(daemon=True, name="fetcher")
         self.cfg, self.run_id, self.consumer, self.store = cfg, run_id, consumer, store
         self.topics, self.counters, self.plan, self.keep = topics, counters, plan, keep
-        self.learner = learner
         self.blocks: dict[str, list[Region]] = {}
         self.wanted = threading.Event()
         self.held: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}  # newest fetched (whole: its exact global)
@@ -50,7 +49,6 @@ class Fetcher(threading.Thread):
         self.announced: dict[int, int] = {}  # fragment -> the newest version announced (versions behind)
         self.newest: dict[int, int] = {}     # fragment -> the newest version that may be committed
         self.needed: set[int] = set()        # fragments the learner asked for: the newest, once
-        self.unsettled: dict[int, int] = {}  # fragment -> a version announced with others' deltas still to come
         self.applied: set[int] = set()       # fragments the learner applied a version of (joined)
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -115,15 +113,12 @@ class Fetcher(threading.Thread):
             self.consumer.close()
 
     def _take(self, raw: bytes) -> None:
-        """Note one record of the outer topic: the newest version of its fragment, and whether the
-        syncer still awaits other learners' deltas of its sync period (fetch=settled waits for those)."""
-        p, v, awaiting = self._announced(raw)
+        """Note one record of the outer topic: the newest version of its fragment."""
+        p, v = self._announced(raw)
         if p is not None:
             self.announced[p] = max(self.announced.get(p, v), v)
             if v > self.newest.get(p, -1) and self._may_be_committed(p, v):
                 self.newest[p] = v
-                if awaiting and self.learner not in awaiting:
-                    self.unsettled[p] = v
 
     def _due(self) -> list[tuple[int, int]]:
         """(fragment, version) of each fetch to make now: the newest version of each fragment the
@@ -134,30 +129,23 @@ class Fetcher(threading.Thread):
                 held = self.held.get(p, (-1,))[0]
                 if v <= held:
                     continue
-                mode = self.cfg.fragments.fetch
-                if (p not in self.applied or p in self.needed or mode == "every_version"
-                        or (mode == "settled" and self.unsettled.get(p) != v)
+                if (p not in self.applied or p in self.needed or self.cfg.fragments.fetch == "every_version"
                         or self.ready.get(p)):  # one fetched and not applied yet: the hosts must find a common one
                     out.append((p, v))
         return out
 
-    def _announced(self, raw: bytes) -> tuple[int | None, int, frozenset[str]]:
-        """(fragment, version, learners awaited) of a well-formed announcement of this run, else
-        (None, -1, none): a bad record on the outer topic is skipped with a warning, never fatal. An
-        `awaiting` that is not a list of learner ids is dropped (the version is fetched at once)."""
+    def _announced(self, raw: bytes) -> tuple[int | None, int]:
+        """(fragment, version) of a well-formed announcement of this run, else (None, -1): a bad
+        record on the outer topic is skipped with a warning, never fatal."""
         ev = messages.parse_event(raw)
         if not ev or ev["kind"] != "version" or ev.get("run") != self.run_id:
-            return None, -1, frozenset()
+            return None, -1
         p, v = ev.get("fragment"), ev.get("version")
         ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (p, v))
         if not ok or not 0 <= p < self.plan.fragments or not 0 <= v < messages.MAX_COUNT:
             log.warning("announcement ignored: fragment %s version %s", messages.short(p, 40), messages.short(v, 40))
-            return None, -1, frozenset()
-        awaiting = ev.get("awaiting", [])
-        if not isinstance(awaiting, list) or not all(isinstance(x, str) for x in awaiting):
-            log.warning("announcement's awaiting ignored: %s", messages.short(awaiting, 80))
-            awaiting = []
-        return p, v, frozenset(awaiting)
+            return None, -1
+        return p, v
 
     def _may_be_committed(self, p: int, v: int) -> bool:
         """Whether v can be a committed version of fragment p: at most one past the store's commit

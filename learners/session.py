@@ -149,8 +149,7 @@ class Session:
         self.heartbeat = Heartbeat(self._beat, self.cfg.run.heartbeat_s, kafka_io.BrokerWatch(self.cfg.transport, self.id))
         self.publisher.on_published = self.heartbeat.beat_now  # a restart resumes past what was handed in
         self.fetcher = Fetcher(self.cfg, self.run_id, self._outer or kafka_io.consumer(self.cfg.transport), self.store,
-                               self.topics, self.counters, self.plan, keep=1 if jax.process_count() == 1 else 2,
-                               learner=self.id)
+                               self.topics, self.counters, self.plan, keep=1 if jax.process_count() == 1 else 2)
         if self.leader:
             self.publisher.start()
             self.heartbeat.start()

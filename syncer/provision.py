@@ -5,7 +5,6 @@ announces what it commits."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -47,12 +46,9 @@ def provision(cfg: Config, run_id: str, *, state: SyncerState, store: FragmentSt
     return True
 
 
-def announcement(topics: kafka_io.Topics, cfg: Config, run_id: str, fragment: int, version: int,
-                 awaiting: Sequence[str] = ()) -> dict:
-    """An outbox record telling learners that `version` of `fragment` is in the store, and which live
-    learners' deltas of the same sync period are still on their way (`rounds.awaited`)."""
-    value = messages.event("version", run=run_id, fragment=fragment, version=version, store=cfg.store.url,
-                           awaiting=list(awaiting))
+def announcement(topics: kafka_io.Topics, cfg: Config, run_id: str, fragment: int, version: int) -> dict:
+    """An outbox record telling learners that `version` of `fragment` is in the store."""
+    value = messages.event("version", run=run_id, fragment=fragment, version=version, store=cfg.store.url)
     return {"topic": topics.outer, "partition": 0, "value": value.decode()}
 
 

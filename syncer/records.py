@@ -118,12 +118,6 @@ class FragmentState:
     snapshot_at: int = 0  # the newest version stored whole (store.snapshot_every)
     snapshot: dict[str, np.ndarray] | None = None  # its parameters, the base of every next update (None: params)
     _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
-    sent_at: dict[str, float] = field(default_factory=dict)  # learner -> arrival of its last accepted delta
-
-    def hold(self, cid: str, c: Pending) -> None:
-        """Take an accepted contribution into the open round: the newest delta its learner sent."""
-        self.round[cid] = c
-        self.sent_at[c.manifest_meta["learner"]] = c.arrival
 
     def update_base(self) -> dict[str, np.ndarray]:
         """The parameters the next version's update is encoded against: the newest snapshot's."""

@@ -8,9 +8,7 @@ arrive, and the rebuild replays `close_round` from a merge record to reproduce a
   run are partial), and the round's contributors;
 - `norm_outliers`: which contributions are too far above the round's median norm;
 - `close_round`: token (and staleness) weights, the merge (mean, or RDA over learners), the outer
-  step and the encoded update learners fetch;
-- `awaited`: whose deltas of the same sync period are still on their way when a round closes (the
-  announcement says so, and learners that already sent theirs wait for the version that completes it).
+  step and the encoded update learners fetch.
 """
 
 from __future__ import annotations
@@ -51,26 +49,6 @@ def due(policy: QuorumPolicy, st: FragmentState, *, live: set[str], present: set
         first_by_learner[lrn] = min(first_by_learner.get(lrn, math.inf), c.arrival)
     return decide(policy, list(first_by_learner.values()), now=now, expected=len(live | set(first_by_learner)),
                   step_time_s=step_time_s, sync_time_s=sync_time_s, members=len(present | set(first_by_learner)))
-
-
-MAX_AWAITED = 256  # learner ids one announcement names; beyond, the hint names the first ones (sorted)
-
-
-def awaited(sent_at: Mapping[str, float], live: Collection[str], merged: Collection[str], *, now: float,
-            period_s: float, quorum: int) -> list[str]:
-    """Live learners outside this round whose last delta of the fragment came more than half a sync
-    period ago: their deltas of this period are still to come. Named only when there are at least
-    `quorum` of them, so that they make the next round soon; fewer would wait for the next period's
-    round, and whoever waited for them would train a whole period on an old global. A learner never
-    heard from on this fragment (a joiner, or after a syncer restart) and a period not yet measured
-    (`period_s` 0) count as not owing: the hint only ever delays a fetch, so when in doubt it stays
-    silent and learners fetch at once."""
-    if period_s <= 0:
-        return []
-    merged = set(merged)
-    owed = sorted(lid for lid in live
-                  if lid not in merged and lid in sent_at and now - sent_at[lid] > period_s / 2)
-    return owed[:MAX_AWAITED] if len(owed) >= quorum else []
 
 
 def in_canonical_order(contribs: Collection[Pending]) -> list[Pending]:

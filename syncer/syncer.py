@@ -23,7 +23,6 @@ their payloads back, and new ids are handled as usual.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -223,8 +222,7 @@ class Syncer:
         v = self.state.version(p)
         durability.check_fragment(self.state, self.store, self.run_id, p, v)
         st = self.rebuild_fragment(p, v)
-        for cid, meta in self.state.round(p).items():
-            st.hold(cid, Pending.from_meta(meta))
+        st.round.update({cid: Pending.from_meta(meta) for cid, meta in self.state.round(p).items()})
         for tp in self.topics.partitions_of(p):
             self.consumed[tp] = offsets.get(tp, 0)
         self.fragments[p] = st
@@ -243,8 +241,10 @@ class Syncer:
 
     def release(self, p: int) -> None:
         """Hand fragment p back: its replay offsets first, so the next owner resumes where this one was."""
-        with contextlib.suppress(Fenced):
+        try:
             self.state.save_offsets(self.replay_offsets([p]), fence=self.ownership.fence(p))
+        except Fenced:
+            pass
         self.ownership.release(p)
         self.drop(p, "handed to its home shard")
 
@@ -331,7 +331,7 @@ class Syncer:
         self.registry.admit(m.learner)  # a joiner whose delta came before its first heartbeat is a member now
         meta = contribution_meta(m, tp, a.first_offset, self.clock())
         st = self.fragments[m.fragment]
-        st.hold(m.id, Pending(meta, meta["arrival"], tp, a.first_offset, verdict))
+        st.round[m.id] = Pending(meta, meta["arrival"], tp, a.first_offset, verdict)
         self.status[m.id] = Status.pending(m.fragment)
         accepted = self.events.outbox("contribution_accepted", **accepted_fields(m, st.version, meta))
         self.state.accept(m.fragment, m.id, meta, self.replay_offsets([m.fragment]), outbox=[accepted],
@@ -390,12 +390,10 @@ class Syncer:
         sync_time = time.perf_counter() - t0
         ema = sync_time if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * sync_time
         merge_event = self.events.outbox("merge", **rounds.merge_event_fields(record, sync_time))
-        awaiting = rounds.awaited(st.sent_at, live, record["learners"], now=self.clock(), quorum=sc.quorum,
-                                  period_s=self.cfg.fragments.sync_every * self.registry.step_time_s())
         try:
             self.state.commit_merge(p, from_version=st.version, ids=ids, late=late, record=record,
                                     offsets=self.replay_offsets([p]), sync_time_s=ema, outbox=[
-                                        announcement(self.topics, self.cfg, self.run_id, p, version, awaiting), merge_event],
+                                        announcement(self.topics, self.cfg, self.run_id, p, version), merge_event],
                                     fence=self.ownership.fence(p))
         except StaleVersion:
             log.error("merge lost a race for fragment %d; reloading", p)
@@ -497,3 +495,5 @@ class Syncer:
         self.metrics.rejections.labels("-" if about is None else about, reason).inc()
         log.warning("rejected contribution", extra=fields)
 
+
+__all__ = ["Syncer"]

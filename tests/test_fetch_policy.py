@@ -14,14 +14,13 @@ PLAN = Plan((Tensor("w", (2, 4), "float32", 0, "rda"), Tensor("v", (4,), "float3
 
 def fetcher(**fragments) -> Fetcher:
     cfg = build_config({"fragments": {"count": 2, "fetch": "before_sync", **fragments}})
-    f = Fetcher(cfg, "run", None, None, None, Counters(), PLAN, learner="us-0")
+    f = Fetcher(cfg, "run", None, None, None, Counters(), PLAN)
     f.markers = {0: 10 ** 6, 1: 10 ** 6}  # every announcement below is committed: no store read
     return f
 
 
-def announce(f: Fetcher, fragment: int, version: int, awaiting=()) -> None:
-    f._take(messages.event("version", run="run", fragment=fragment, version=version, store="x",
-                           awaiting=list(awaiting)))
+def announce(f: Fetcher, fragment: int, version: int) -> None:
+    f._take(messages.event("version", run="run", fragment=fragment, version=version, store="x"))
 
 
 def fetched(f: Fetcher, fragment: int, version: int) -> None:
@@ -77,31 +76,3 @@ def test_a_version_fetched_and_not_yet_applied_keeps_the_fragment_due_for_newer_
     f.ready[0] = {3: {}}
     announce(f, 0, 4)
     assert f._due() == [(0, 4)]
-
-
-def test_settled_skips_a_version_whose_period_is_still_coming_in_for_the_one_that_completes_it():
-    f = fetcher(fetch="settled")
-    fetched(f, 0, 1)
-    announce(f, 0, 2, awaiting=["eu-0", "eu-1"])  # this learner's delta is in; two others' are on their way
-    assert f._due() == []
-    announce(f, 0, 3)                               # their round: the period is complete
-    assert f._due() == [(0, 3)]                     # one fetch brings both versions
-
-
-def test_settled_fetches_at_once_when_this_learner_is_awaited_or_its_own_sync_is_near():
-    f = fetcher(fetch="settled")
-    fetched(f, 0, 1)
-    announce(f, 0, 2, awaiting=["us-0", "eu-1"])   # its own delta is still to come: train it from v2
-    assert f._due() == [(0, 2)]
-    fetched(f, 0, 2)
-    announce(f, 0, 3, awaiting=["eu-0", "eu-1"])
-    assert f._due() == []
-    f.need(0)                                       # prefetch_steps before its sync: the newest there is
-    assert f._due() == [(0, 3)]
-
-
-def test_settled_reads_a_malformed_hint_as_none():
-    f = fetcher(fetch="settled")
-    fetched(f, 0, 1)
-    f._take(messages.event("version", run="run", fragment=0, version=2, store="x", awaiting="eu-0"))
-    assert f._due() == [(0, 2)]

@@ -433,8 +433,7 @@ IDS = st.text("0123456789abcdef", min_size=32, max_size=32)
 EVENT_FIELDS = {
     "heartbeat": heartbeats(),
     "version": st.fixed_dictionaries({"run": st.just("run"), "fragment": st.integers(0, 3), "version": COUNT,
-                                      "store": st.text(max_size=20),
-                                      "awaiting": st.lists(st.sampled_from(LEARNER_IDS), max_size=3)}),
+                                      "store": st.text(max_size=20)}),
     "syncer_started": st.fixed_dictionaries({"shard": st.integers(0, 8), "fragments": st.lists(st.integers(0, 3)),
                                              "versions": st.dictionaries(st.integers(0, 3).map(str), COUNT),
                                              "pending": COUNT}),
@@ -550,16 +549,13 @@ def test_a_mutated_heartbeat_is_refused_or_reaches_the_registry_typed_and_finite
 @given(mutation=mutated_events(EVENT_FIELDS["version"].map(lambda f: {"kind": "version", **f})))
 def test_a_mutated_announcement_is_skipped_or_read_as_what_it_says(fetcher, mutation):
     _, raw = mutation
-    p, v, awaiting = fetcher._announced(raw)
+    p, v = fetcher._announced(raw)
     if p is None:
-        assert v == -1 and not awaiting
+        assert v == -1
         return
     ev = messages.parse_event(raw)
     assert (p, v) == (ev["fragment"], ev["version"]) and ev["run"] == "run" and ev["kind"] == "version"
     assert type(p) is int and type(v) is int and 0 <= p < fetcher.plan.fragments and 0 <= v < messages.MAX_COUNT
-    said = ev.get("awaiting")  # a hint only: one that is not a list of ids is read as none
-    assert awaiting == (frozenset(said) if isinstance(said, list) and all(isinstance(x, str) for x in said)
-                        else frozenset())
 
 
 # --- validation and merge of decoded contributions ------------------------------------------------

@@ -380,32 +380,3 @@ def test_a_member_never_heard_from_ages_out_after_a_restart(tiny_config):
         h.pump(lambda: h.syncer.registry.present() == {"us-0"})
     finally:
         h.producer.close()
-
-
-def test_an_announcement_names_the_learners_whose_deltas_of_its_period_are_still_to_come(harness):
-    """The `awaiting` hint (docs/wire-format.md): sync_every 10 at 1 s a step is a 10 s period."""
-    h = harness
-    now = [time.time()]
-    h.syncer.clock = lambda: now[0]
-    for lid in h.cfg.learner_ids():
-        h.heartbeat(lid, step=5, step_time=1.0)
-    h.pump(lambda: len(h.syncer.registry) == 4)
-
-    def round_of(learners, base):
-        for lid in h.cfg.learner_ids():  # every learner is alive (silent_after_s is on the same clock)
-            h.heartbeat(lid, step=5 + base, step_time=1.0)
-        h.pump(lambda: all(hb["step"] == 5 + base for hb in h.syncer.registry.beats.values()))
-        for lid in learners:
-            h.publish(lid, 0, base_version=base)
-        h.pump(lambda: h.state.versions()[0] == base + 1)
-
-    round_of(["us-1", "eu-0"], 0)   # v1: nobody else has sent fragment 0 yet: nobody is awaited
-    now[0] += 8.0                   # most of a period later, the other two send theirs
-    round_of(["us-0", "eu-1"], 1)   # v2: us-1 and eu-0 sent 8 s ago, so their next deltas are due
-    now[0] += 2.0
-    round_of(["us-1", "eu-0"], 2)   # v3: us-0 and eu-1 sent 2 s ago: this period is complete
-    h.syncer.step()
-    announced = [messages.parse_event(r.value) for r in
-                 kafka_io.read_to_end(h.cfg.transport, kafka_io.partitions_of(h.topics.outer, 1))]
-    awaiting = {e["version"]: e["awaiting"] for e in announced if e["fragment"] == 0 and e["version"] > 0}
-    assert awaiting[1] == [] and awaiting[2] == ["eu-0", "us-1"] and awaiting[3] == []

@@ -173,24 +173,6 @@ def test_a_rounds_share_counts_finished_learners_but_not_silent_ones():
     assert merge_math.round_share(1, len(members)) == pytest.approx(1 / 3)
 
 
-def test_a_round_names_the_learners_whose_deltas_of_its_period_are_still_to_come():
-    live = {"a", "b", "c", "d"}
-    sent_at = {"a": 99.0, "b": 99.5, "c": 88.0, "d": 87.0}  # c and d last sent a period ago (period 12 s)
-    assert rounds.awaited(sent_at, live, ["a", "b"], now=100.0, period_s=12.0, quorum=2) == ["c", "d"]
-    # the round after: c and d sent now, a and b a few seconds ago: nobody owes this period anything
-    sent_at |= {"c": 103.0, "d": 103.5}
-    assert rounds.awaited(sent_at, live, ["c", "d"], now=104.0, period_s=12.0, quorum=2) == []
-    # one straggler alone would not make a round before the next period's: nobody is told to wait for it
-    assert rounds.awaited({**sent_at, "c": 88.0}, live, ["a", "b", "d"], now=100.0, period_s=12.0, quorum=2) == []
-    # silent when in doubt: no step time measured yet, or learners never heard from on this fragment
-    assert rounds.awaited(sent_at, live, ["a"], now=200.0, period_s=0.0, quorum=1) == []
-    assert rounds.awaited({}, live, ["a"], now=100.0, period_s=12.0, quorum=1) == []
-    # learners that are not live (finished, left, silent) are never awaited; the list is bounded
-    assert rounds.awaited(sent_at, {"a", "b"}, [], now=200.0, period_s=12.0, quorum=1) == ["a", "b"]
-    many = {f"l{i:04d}": 0.0 for i in range(1000)}
-    assert len(rounds.awaited(many, set(many), [], now=100.0, period_s=12.0, quorum=2)) == rounds.MAX_AWAITED
-
-
 def test_norm_outliers_are_those_far_above_the_median():
     contribs = [_pending("us-0", 3, 0, 1.0), _pending("us-1", 3, 0, 1.2), _pending("eu-0", 3, 0, 50.0)]
     out = rounds.norm_outliers(contribs, factor=10.0)

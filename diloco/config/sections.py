@@ -172,17 +172,14 @@ class FragmentsConfig(_Section):
                                                     "fragment, stop until its next global version arrives")
     wait_timeout_s: float = Field(60.0, gt=0, description="give up waiting for a merge after this long "
                                                           "(a delta lost in a crash leaves its round short)")
-    fetch: Literal["every_version", "settled", "before_sync"] = Field(
+    fetch: Literal["every_version", "before_sync"] = Field(
         "every_version", description="when a learner fetches a fragment's new global version: every_version = the "
                                      "newest announced one as soon as it is committed (one update from the snapshot, "
-                                     "however many versions came between); settled = the same, but a version "
-                                     "announced while the syncer awaits a round's worth of other learners' deltas of "
-                                     "the same sync period waits for the version that brings them (or for "
-                                     "prefetch_steps before this learner's own sync); before_sync = only prefetch_steps before "
+                                     "however many versions came between); before_sync = only prefetch_steps before "
                                      "it syncs that fragment (and while a delta of it is held or awaited): fewer "
                                      "downloads when a fragment gets several versions per sync period, but the "
                                      "learner trains the period on an older global (docs/bench.md)")
-    prefetch_steps: int = Field(4, ge=1, description="with fetch=before_sync or settled, how many inner steps before a "
+    prefetch_steps: int = Field(4, ge=1, description="with fetch=before_sync, how many inner steps before a "
                                 "fragment's sync point its newest version is fetched (time for the read)")
     one_delta_per_version: bool = Field(True, description="a learner sends at most one delta of a fragment from "
                                         "each of its versions: one due again before the version it sent from has "
