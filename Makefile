@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh Debian machine with Python 3.11:
 #   make demo   - install, start the local broker and Redis, run the 2 regions x 2 learners demo
 #   make test   - install, run the test suite (the tests start their own services)
-#   make test-fast - the unit and property tests alone, no services (a few minutes)
+#   make test-fast - the unit and property tests alone, no services, over every core (2-4 minutes on 2)
 #   make bench  - benchmarks against data-parallel and sync DiLoCo (BENCH_ARGS, docs/bench.md)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -65,9 +65,10 @@ prefect-demo: up
 test: install
 	$(BIN)/pytest -q
 
-# the unit and property tier: no broker, Redis, store server or Prefect (tests marked integration are left out)
+# the unit and property tier: no broker, Redis, store server or Prefect (tests marked integration are left
+# out), spread over the cores by pytest-xdist: these tests share nothing but the read-only repository
 test-fast: install
-	$(BIN)/pytest -q -m "not integration"
+	$(BIN)/pytest -q -m "not integration" -n auto
 
 BENCH_ARGS ?= --quick --output docs/bench
 bench: up
