@@ -62,8 +62,11 @@ prefect-demo: up
 	$(BIN)/prefect deployment run 'decoupled-diloco/local' --watch; \
 	$(BIN)/python -m diloco.flows.show
 
+# everything: the unit and property tier over the cores first, then the integration tier in one process
+# (its tests start services and whole runs, and time-sensitive ones want the cores to themselves)
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not integration" -n auto
+	$(BIN)/pytest -q -m integration
 
 # the unit and property tier: no broker, Redis, store server or Prefect (tests marked integration are left
 # out), spread over the cores by pytest-xdist: these tests share nothing but the read-only repository
