@@ -131,7 +131,10 @@ def main_load(argv: list[str]) -> list[dict]:
     print(load.drain_table(rows) if a.drain else load.table(rows))
     ceiling = load.client_ceiling(load_config(None, a.set))
     print(f"the Kafka client alone, one process, {ceiling['record_bytes'] // 1024} KiB records: produce "
-          f"{ceiling['produce_mb_per_s']:.0f} MB/s, consume {ceiling['consume_mb_per_s']:.0f} MB/s")
+          f"{ceiling['produce_mb_per_s']:.0f} MB/s, consume {ceiling['consume_mb_per_s']:.0f} MB/s on "
+          f"{ceiling['consume_cores']:.2f} cores ({ceiling['consume_mb_per_core_s']:.0f} MB/s per core)")
+    if a.drain:
+        print("\n".join(load.intake_against_client(rows, ceiling)))
     rows = [*rows, {"client_ceiling": ceiling}]
     if a.output:
         a.output.parent.mkdir(parents=True, exist_ok=True)

@@ -404,17 +404,31 @@ def client_ceiling(base: Config, *, megabytes: float = 300.0, partitions: int = 
     c = kafka_io.consumer(t)
     try:
         kafka_io.assign_from(c, {tp: 0 for tp in kafka_io.partitions_of(topic, partitions)})
-        got, start = 0, time.perf_counter()
+        got, start, cpu = 0, time.perf_counter(), time.process_time()  # process time: the client's threads too
         deadline = start + 120
         while got < n * len(record) and time.perf_counter() < deadline:
             for records in c.poll(timeout_ms=200, max_records=500).values():
                 got += sum(len(r.value) for r in records)
-        consume_s = time.perf_counter() - start
+        consume_s, consume_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     finally:
         c.close()
         kafka_io.delete_topics(t, [topic])
     return {"record_bytes": len(record), "records": n, "produce_mb_per_s": n * len(record) / produce_s / 1e6,
-            "consume_mb_per_s": got / consume_s / 1e6}
+            "consume_mb_per_s": got / consume_s / 1e6, "consume_cores": consume_cpu_s / consume_s,
+            "consume_mb_per_core_s": got / max(consume_cpu_s, 1e-9) / 1e6}
+
+
+def intake_against_client(rows: list[dict], ceiling: dict) -> list[str]:
+    """Each drain row's intake per core the syncer shards used, against what the Kafka client alone
+    takes in per core of its process: the share of the client's speed the syncer's own work leaves."""
+    client = ceiling["consume_mb_per_core_s"]
+    out = []
+    for r in rows:
+        per_core = r["taken_in_mb_per_s"] / max(r["syncer_cores"], 1e-9)
+        out.append(f"{r['params_per_fragment'] / 1e6:.1f}M x {r['shards']} shard(s): the syncer takes in "
+                   f"{per_core:.0f} MB/s per core it used, {100 * per_core / client:.0f}% of the client's "
+                   f"{client:.0f} MB/s per core")
+    return out
 
 
 def sweep(base: Config, *, sizes, learners, shards, seconds: float, period_s: float, jitter: float,

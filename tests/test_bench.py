@@ -329,6 +329,14 @@ def test_ideal_diloco_with_one_learner_is_plain_training(tiny_corpus):
     assert all(s != pytest.approx(g, rel=1e-5) for s, g in zip(slow["loss"][1:], got["loss"][1:]))
 
 
+def test_drain_intake_is_compared_with_the_client_per_core_on_both_sides():
+    from bench import load
+
+    rows = [{"params_per_fragment": 10_000_000, "shards": 1, "taken_in_mb_per_s": 140.0, "syncer_cores": 0.7}]
+    line, = load.intake_against_client(rows, {"consume_mb_per_core_s": 350.0})
+    assert "200 MB/s per core it used, 57% of the client's 350 MB/s per core" in line
+
+
 def test_merge_micro_benchmark_at_a_tiny_size():
     out = merge_bench.run(TransformerOptions(vocab_size=16, d_model=8, n_layers=1, n_heads=2, seq_len=8), k=2, repeats=1)
     assert out["contributions"] == 2 and out["payload_mb"] > 0
