@@ -102,9 +102,10 @@ return 0
 """
 
 
-def connect(cfg: StateConfig, timeout_s: float = 20.0) -> redis.Redis | RedisCluster:
-    """A client for the config's URL and ACL credentials, once the server answers. With state.cluster
-    it is a cluster client: the URL names any one node and the client finds the others."""
+def connect(cfg: StateConfig, timeout_s: float | None = None) -> redis.Redis | RedisCluster:
+    """A client for the config's URL and ACL credentials, once the server answers (within `timeout_s`,
+    default state.connect_timeout_s). With state.cluster it is a cluster client: the URL names any one
+    node and the client finds the others."""
     kind = RedisCluster if cfg.cluster else redis.Redis
     password = resolve_secret(cfg.password_env, "state.password_env")
 
@@ -113,7 +114,7 @@ def connect(cfg: StateConfig, timeout_s: float = 20.0) -> redis.Redis | RedisClu
                           socket_timeout=10, socket_connect_timeout=5, decode_responses=True)
         r.ping()
         return r
-    return wait_until_up(attempt, cfg, timeout_s)
+    return wait_until_up(attempt, cfg, cfg.connect_timeout_s if timeout_s is None else timeout_s)
 
 
 def wait_until_up(attempt, cfg: StateConfig, timeout_s: float):

@@ -46,6 +46,9 @@ def shared_compilation_cache(tmp_path_factory):
     the caller set): most tests run the same tiny model, so most learners load their steps compiled."""
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+    # and this process's own compilations: JAX read the variable when the test modules imported it
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     yield
 
 

@@ -28,7 +28,8 @@ def test_train_without_services_fails_clearly(tmp_path):
     port = services.free_port()  # nothing listens there
     res = subprocess.run(
         [sys.executable, "-m", "diloco", "train", "--set", f"transport.bootstrap_servers=127.0.0.1:{port}",
-         "--set", f"state.redis_url=redis://127.0.0.1:{port}/0", "--set", f"run.dir={tmp_path}",
+         "--set", f"state.redis_url=redis://127.0.0.1:{port}/0", "--set", "state.connect_timeout_s=2",
+         "--set", f"run.dir={tmp_path}",
          "--set", f"data.dir={tmp_path}/data", "--set", "data.max_corpus_bytes=200000"],
         capture_output=True, text=True, timeout=300)
     assert res.returncode == 1

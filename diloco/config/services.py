@@ -50,6 +50,8 @@ class StateConfig(_Section):
     key_prefix: str = Field("diloco", pattern=r"^[A-Za-z0-9._-]+$")
     username: str | None = Field(None, description="Redis ACL user")
     password_env: str | None = Field(None, pattern=_ENV, description="name of the env var holding the Redis password")
+    connect_timeout_s: float = Field(20.0, gt=0, description="how long a process waits at start for Redis to answer "
+                                     "(it may still be starting) before it says it is not reachable")
     cluster: bool = Field(False, description="redis_url names a node of a Redis Cluster: use the cluster client "
                                              "(a run's keys share one hash slot, `{<run>}`)")
 
