@@ -31,11 +31,13 @@ def pytest_collection_modifyitems(config, items):
                                 "pytestmark): " + ", ".join(unmarked[:20]) + (" ..." if len(unmarked) > 20 else ""))
 
 
-def pytest_unconfigure(config):
+def pytest_sessionfinish(session, exitstatus):
     # Client threads still running when the session ends (a Kafka client reconnecting to the broker
     # the fixtures just stopped) log into handlers Prefect has closed; their tracebacks would bury
     # pytest's summary, which must be the last thing a CI log shows. Their log lines are dropped too:
-    # a reconnecting client writes hundreds, and a CI log shows its last lines only.
+    # a reconnecting client writes hundreds, and a CI log shows its last lines only. Here, not at
+    # unconfigure: the terminal summary is printed after this hook, and lines logged while it is
+    # printed would land below it.
     logging.raiseExceptions = False
     logging.disable(logging.CRITICAL)
 
