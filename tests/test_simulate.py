@@ -237,7 +237,7 @@ from diloco.sim import scenarios as sn  # noqa: E402
 def test_no_extra_or_no_share_of_it_is_the_base_run():
     c = Cluster(chips=65536, mtbi_years=0.05)  # a failure every ~24 s: the runs are not trivial
     for s in (sn.Scavenge(extra=0.0, budget_hours=2.0), sn.Scavenge(extra=1.0, share=0.0, budget_hours=2.0)):
-        for row in sn.scavenge(c, Diloco(), s):
+        for row in sn.scavenge(c, Diloco(), [s]):
             assert row.ratio == 1.0 and row.base_failures > 100
 
 
@@ -247,11 +247,11 @@ def test_without_failures_both_schemes_come_within_a_hair_of_the_ideal():
     c = steady()
     setup = Diloco(sync_every=20, overlap_steps=4)
     for x in (0.25, 1.0, 3.0):
-        dp, diloco = sn.scavenge(c, setup, sn.Scavenge(extra=x, budget_hours=4.0, join_s=0.0))
+        dp, diloco = sn.scavenge(c, setup, [sn.Scavenge(extra=x, budget_hours=4.0, join_s=0.0)])
         assert diloco.ideal == pytest.approx(0.5 + 0.5 / (1 + x))
         assert diloco.ratio == pytest.approx(diloco.ideal, abs=0.005)
         assert dp.ideal < dp.ratio < dp.ideal + 0.002
-    slow_join = sn.scavenge(c, setup, sn.Scavenge(extra=1.0, budget_hours=4.0, join_s=600.0), schemes=("diloco",))
+    slow_join = sn.scavenge(c, setup, [sn.Scavenge(extra=1.0, budget_hours=4.0, join_s=600.0)], schemes=("diloco",))
     assert slow_join[0].ratio > 0.75 + 0.01  # ten minutes of the extra learners' half are lost
 
 
@@ -259,8 +259,9 @@ def test_the_paper_scavenging_figures():
     """1.2M chips, MTBI 1 year, 8 learners: diloco's four ratios are the paper's, and data-parallel,
     whose bigger job fails more often than its extra chips can make up for, is above it at every level."""
     c = Cluster()
-    for extra, paper in sn.PAPER_SCAVENGE["diloco"].items():
-        dp, diloco = sn.scavenge(c, Diloco(), sn.Scavenge(extra=extra))
+    papers = sn.PAPER_SCAVENGE["diloco"]
+    rows = sn.scavenge(c, Diloco(), [sn.Scavenge(extra=extra) for extra in papers])
+    for paper, dp, diloco in zip(papers.values(), rows[::2], rows[1::2]):
         assert diloco.ratio == pytest.approx(paper, abs=0.02) and diloco.paper == paper
         assert dp.ratio > diloco.ratio + 0.05
     assert diloco.ratio == pytest.approx(0.62, abs=0.05)
@@ -268,7 +269,7 @@ def test_the_paper_scavenging_figures():
 
 def test_a_graceful_leave_merges_the_work_an_abrupt_one_loses():
     c = Cluster(chips=65536, mtbi_years=0.05)
-    abrupt, graceful = (sn.scavenge(c, Diloco(), sn.Scavenge(extra=3.0, budget_hours=6.0, graceful_leave=g),
+    abrupt, graceful = (sn.scavenge(c, Diloco(), [sn.Scavenge(extra=3.0, budget_hours=6.0, graceful_leave=g)],
                                     schemes=("diloco",))[0].ratio for g in (False, True))
     assert graceful < abrupt - 0.005
 

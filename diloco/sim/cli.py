@@ -221,6 +221,8 @@ def scavenge(
     """
     try:
         levels = [float(x.rstrip("%")) / 100 for x in _split(extra)]
+        if not levels:
+            raise ValueError("--extra names no level of extra compute")
         names = _split([schemes])
         if unknown := [s for s in names if s not in sc.SCAVENGE_SCHEMES]:
             raise ValueError(f"unknown scheme(s) {', '.join(unknown)}; expected {', '.join(sc.SCAVENGE_SCHEMES)}")
@@ -231,13 +233,10 @@ def scavenge(
         cluster = gp.Cluster(chips=chips, slice_chips=slice_chips, mtbi_years=mtbi_years, recovery_s=recovery_s,
                              reconfig_s=reconfig_s, checkpoint_s=checkpoint_s, step_s=step_s, step_cv=step_time_cv)
         runs = [sc.Scavenge(extra=x, share=share, budget_hours=budget_hours, join_s=join_s,
-                            graceful_leave=graceful_leave) for x in [0.0, *levels]]
+                            graceful_leave=graceful_leave) for x in levels]
     except ValueError as e:
         _fail(e)
-    cases = [(name, cluster, setup, s, seed) for name in names for s in runs]
-    times = dict(zip([(name, s.extra) for name, *_, s, _ in cases], run_cases(cases, workers, sc.time_to_budget)))
-    rows = [sc.scavenge_row(name, cluster, setup, s, times[name, 0.0], times[name, s.extra])
-            for s in runs[1:] for name in names]
+    rows = sc.scavenge(cluster, setup, runs, seed, names, run_all=lambda fn, cases: run_cases(cases, workers, fn))
     if json_out:
         typer.echo(json.dumps([r.row() for r in rows]))
         return

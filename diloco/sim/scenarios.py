@@ -16,6 +16,7 @@ The rounds close by `diloco.syncer.policy.decide` through goodput._EventSim, as 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -92,10 +93,9 @@ def _rng(seed: int, scheme: str, c: Cluster) -> np.random.Generator:
 def diloco_to_budget(c: Cluster, setup: Diloco, s: Scavenge, seed: int = 0) -> Result:
     """diloco to the budget with extra learners (none if s.extra rounds to 0 learners or s.share is 0).
     Each learner draws from its own stream, so the base learners fail alike with or without the extra."""
-    base = learner_slices(c, setup.learners)
-    n_extra = extra_learners(setup.learners, s.extra)
-    extra = list(range(setup.learners, setup.learners + n_extra))
-    groups = base + [base[i % setup.learners] for i in range(n_extra)]
+    added = extra_groups(c, setup, s.extra)
+    extra = list(range(setup.learners, setup.learners + len(added)))
+    groups = learner_slices(c, setup.learners) + added
     budget = budget_chip_s(c, s)
     churn = Churn(tuple(extra), s.join_s, tuple(extra), s.share * budget if extra else math.inf, s.graceful_leave)
     return simulate_diloco(c, setup, _rng(seed, "diloco", c), groups=groups, churn=churn, until_work=budget)
@@ -154,10 +154,15 @@ def dp_to_budget(c: Cluster, extra_slices: int, s: Scavenge, seed: int = 0) -> t
     return first + rest, failures + more
 
 
+def extra_groups(c: Cluster, setup: Diloco, extra: float) -> list[int]:
+    """The slices of each extra learner: whole learners the size of the base ones."""
+    base = learner_slices(c, setup.learners)
+    return [base[i % setup.learners] for i in range(extra_learners(setup.learners, extra))]
+
+
 def extra_slices(c: Cluster, setup: Diloco, extra: float) -> int:
     """The slices of the extra learners: the same chips for dp, as one bigger job."""
-    base = learner_slices(c, setup.learners)
-    return sum(base[i % setup.learners] for i in range(extra_learners(setup.learners, extra)))
+    return sum(extra_groups(c, setup, extra))
 
 
 def time_to_budget(scheme: str, c: Cluster, setup: Diloco, s: Scavenge, seed: int = 0) -> tuple[float, int]:
@@ -180,11 +185,22 @@ def scavenge_row(scheme: str, c: Cluster, setup: Diloco, s: Scavenge, base: tupl
                        base[1], scavenged[1])
 
 
-def scavenge(c: Cluster, setup: Diloco, s: Scavenge, seed: int = 0,
-             schemes: tuple[str, ...] = SCAVENGE_SCHEMES) -> list[ScavengeRow]:
-    """Each scheme's time to the budget with and without the extra chips, and their ratio."""
-    return [scavenge_row(scheme, c, setup, s, time_to_budget(scheme, c, setup, replace(s, extra=0.0), seed),
-                         time_to_budget(scheme, c, setup, s, seed)) for scheme in schemes]
+def _serially(fn, cases: list[tuple]) -> list:
+    return [fn(*case) for case in cases]
+
+
+def scavenge(c: Cluster, setup: Diloco, levels: Sequence[Scavenge], seed: int = 0,
+             schemes: Sequence[str] = SCAVENGE_SCHEMES, run_all=_serially) -> list[ScavengeRow]:
+    """Each scheme's time to the budget at each level of extra chips against its base run (one per
+    scheme: the first level's budget without the extra), level by level. `run_all(fn, cases)` runs
+    the independent cases (the CLI spreads them over processes)."""
+    if not levels:
+        return []
+    runs = [replace(levels[0], extra=0.0), *levels]
+    times = run_all(time_to_budget, [(scheme, c, setup, s, seed) for scheme in schemes for s in runs])
+    of = {scheme: times[k * len(runs):(k + 1) * len(runs)] for k, scheme in enumerate(schemes)}
+    return [scavenge_row(scheme, c, setup, s, of[scheme][0], of[scheme][i])
+            for i, s in enumerate(runs[1:], 1) for scheme in schemes]
 
 
 # --- two chip generations --------------------------------------------------------------------------------
