@@ -27,7 +27,7 @@ from diloco.infra.store import FragmentStore
 from diloco.learners.data import Corpus, corpus_for
 from diloco.plan import Plan, flatten, unflatten
 from diloco.spec import ModelSpec, evaluate, import_roots, initial_plan, load_spec
-from diloco.summary import build_summary, loss_warning, summary_table
+from diloco.summary import build_summary, run_warnings, summary_table
 from diloco.supervisor import RunError, RunSupervisor
 from diloco.syncer import state as state_mod
 from diloco.syncer.provision import provision
@@ -148,14 +148,13 @@ def finish(setup: RunSetup, run: RunSupervisor, console: Console, summary_json: 
     summary["members"] = list(run.members)
     summary["run_dir"] = str(setup.run_dir)
     summary["bad_events"] = run.bad_events  # skipped: malformed, or claims nothing in the run backs
-    warning = loss_warning(summary)
-    summary["warnings"] = [warning] if warning else []
+    summary["warnings"] = run_warnings(summary)
     (setup.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if summary_json:
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_json).write_text(json.dumps(summary, indent=1))
     console.print(summary_table(summary))
-    if warning:
+    for warning in summary["warnings"]:
         log.warning(warning, extra={"run_id": cfg.run.id})
         console.print(Text(f"WARNING: {warning}", style="bold red"))
     return summary

@@ -128,6 +128,9 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
             "rejected": counters.get("rejected", 0),
             "late": counters.get("late", 0),
             "pending": statuses.get("pending", 0),
+            # in the log, never judged: a syncer stopped before it caught up (its log says where)
+            "unread": max(0, published - counters.get("applied", 0) - counters.get("rejected", 0)
+                          - statuses.get("pending", 0)),
             "applied_twice": sum(1 for n in seen.values() if n > 1),
             "duplicate_records": counters.get("duplicate_records", 0),
             "rejected_records": counters.get("rejected_records", 0),
@@ -154,6 +157,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("contributions published", str(c["published"])),
         ("  applied / late / rejected / pending", f"{c['applied']} / {c['late']} / {c['rejected']} / {c['pending']}"),
         ("  applied twice", str(c["applied_twice"])),
+        *([("  never read by the syncer", str(c["unread"]))] if c.get("unread") else []),
         ("bytes across regions (up + down)", f"{s['bytes_across'] / 1e6:,.2f} MB"),
         ("  up: deltas over Kafka", f"{s['bytes_sent'] / 1e6:,.2f} MB"),
         ("  down: globals from TensorStore", f"{s['bytes_fetched'] / 1e6:,.2f} MB"),
@@ -172,13 +176,19 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def loss_warning(s: dict) -> str | None:
-    """What to tell an operator whose run made the global model worse than it started, or None."""
-    if not s["eval_loss_end"] > s["eval_loss_start"]:
-        return None
-    return (f"the held-out loss ROSE from {s['eval_loss_start']:.4f} to {s['eval_loss_end']:.4f}: the run made the "
-            "global model worse. Check the merge settings (preset, outer.lr, syncer.merge) and the inner "
-            "learning rate; docs/bench.md lists the measured ones")
+def run_warnings(s: dict) -> list[str]:
+    """What to tell an operator about a finished run: a global model worse than it started, or
+    contributions the syncer never read."""
+    out = []
+    if s["eval_loss_end"] > s["eval_loss_start"]:
+        out.append(f"the held-out loss ROSE from {s['eval_loss_start']:.4f} to {s['eval_loss_end']:.4f}: the run "
+                   "made the global model worse. Check the merge settings (preset, outer.lr, syncer.merge) and the "
+                   "inner learning rate; docs/bench.md lists the measured ones")
+    if unread := s["contributions"].get("unread"):
+        out.append(f"{unread} published contributions were never read: the syncer stopped before it caught up with "
+                   "the log (its log says 'stopped before catching up'; raise syncer.drain_timeout_s, or look for "
+                   "a slow broker). They stay in Kafka and a later syncer of the run replays them")
+    return out
 
 
 def summary_table(s: dict) -> Table:

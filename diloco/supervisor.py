@@ -425,7 +425,7 @@ class RunSupervisor:
                 if on_tick:
                     on_tick(self)
                 if not stop_sent and self._learners_done(now):
-                    stop_sent, deadline = True, min(deadline, now + 180)
+                    stop_sent, deadline = True, min(deadline, now + self.cfg.syncer.drain_timeout_s + 60)
                 if stop_sent and set(self.syncers) <= self.finished:
                     self._pump(500)  # the syncer's last events
                     return

@@ -74,6 +74,11 @@ def lags(consumer) -> dict[TP, int]:
             if (hw := consumer.highwater(tp)) is not None}
 
 
+def unread(consumer) -> dict[str, int]:
+    """Records left to read per assigned partition ("topic|partition"), those with any."""
+    return {partition_key(tp): n for tp, n in lags(consumer).items() if n > 0}
+
+
 class GroupOffsets:
     """Commits replay offsets as the consumer group's offsets. Monitoring only: Redis stays the source
     of truth, and a failed commit is logged (once until one succeeds), never raised."""

@@ -38,15 +38,18 @@ def main(cfg: Config, run_id: str, shard: int = 0) -> None:
     producer.close()
 
 
-def run(syncer: Syncer, *, drain_timeout_s: float = 30.0) -> None:
+def run(syncer: Syncer) -> None:
     """Poll until a signal asks to stop, then until caught up, then stop cleanly (`Syncer.finish`).
 
     Caught up is judged by the high watermark of a fetch that may predate the last records (a
     learner's final hand-in just before the stop), so it is trusted only once it held over several
-    fetches, for DRAIN_SETTLE_S. A Redis outage (a cluster mid-failover says CLUSTERDOWN or TRYAGAIN)
-    is waited out and followed by a reload from durable state."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: setattr(syncer, "stopping", True))
+    fetches, for DRAIN_SETTLE_S. A shard that lags (a slow broker) may need far longer than the last
+    learner's hand-in to catch up: it keeps reading for up to `syncer.drain_timeout_s`, and what it
+    still left unread then is logged as an error and named in its `syncer_stopped` event. A Redis
+    outage (a cluster mid-failover says CLUSTERDOWN or TRYAGAIN) is waited out and followed by a
+    reload from durable state."""
+    previous = {sig: signal.signal(sig, lambda *_: setattr(syncer, "stopping", True))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     syncer.start()
     stop_at = settled_at = None
     try:
@@ -57,15 +60,17 @@ def run(syncer: Syncer, *, drain_timeout_s: float = 30.0) -> None:
                 syncer.recover_from_redis_outage(err)
             if syncer.stopping:
                 now = syncer.clock()
-                stop_at = stop_at or now + drain_timeout_s
+                stop_at = stop_at or now + syncer.cfg.syncer.drain_timeout_s
                 settled_at = (settled_at or now) if syncer.caught_up() else None
                 if (settled_at is not None and now - settled_at >= DRAIN_SETTLE_S) or now > stop_at:
                     break
-        syncer.finish()
+        syncer.finish(caught_up=settled_at is not None)
     finally:
         syncer.ownership.keeper.halt()
         syncer.producer.flush()
         syncer.consumer.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def live_status(syncer: Syncer) -> dict:

@@ -65,9 +65,8 @@ class Syncer:
         self.producer, self.consumer, self.clock = producer, consumer, clock
         self.topics = kafka_io.Topics.for_run(cfg, run_id)
         self.run_plan = store.read_plan()      # what the run syncs; no model code needed
-        self.plan = self.run_plan.fragment_names
+        self.plan, self.shard = self.run_plan.fragment_names, shard
         shards_mod.check_layout(self.topics.partitions, len(self.plan), shard, cfg.syncer.shards)
-        self.shard = shard
         self.events = Events(producer, self.topics.events, run_id)
         self.opt = merge_math.outer_optimizer(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         self.policy = QuorumPolicy(cfg.syncer.quorum, cfg.syncer.overlap_steps, cfg.syncer.grace_gamma,
@@ -75,7 +74,6 @@ class Syncer:
         self.events_tp: TP = (self.topics.events, 0)
         self.region_of_topic = {topic: region for region, topic in self.topics.fragments.items()}
         self.registry = LearnerRegistry(cfg, state, self.events.send, clock)
-        self.stopping = False
         self.broker = kafka_io.BrokerWatch(cfg.transport, f"syncer-{shard}")
         self.outbox = OutboxRelay(state, producer, self.broker)
         self.group_offsets = replay.GroupOffsets(consumer, self.broker)
@@ -83,7 +81,7 @@ class Syncer:
                                    cfg.syncer.stuck_after_s, clock)
         self.intake = Intake(cfg, run_id, self.run_plan)
         self.metrics = metrics_mod.SyncerMetrics(shard)
-        self.recent: deque[dict] = deque(maxlen=200)  # the newest events other than heartbeats (status page)
+        self.stopping, self.recent = False, deque(maxlen=200)  # recent: newest events but beats (status page)
         self._reset()
 
     def _reset(self) -> None:
@@ -130,15 +128,18 @@ class Syncer:
         """Stop renewing and leave the membership (leases lapse or go to this shard's next process)."""
         self.ownership.leave()
 
-    def finish(self) -> None:
-        """A clean stop, once caught up: the final flush (`syncer.flush_on_stop`), the outbox and the
-        offsets out, and every lease handed over at once rather than after it times out."""
+    def finish(self, *, caught_up: bool = True) -> None:
+        """A clean stop: the final flush (`syncer.flush_on_stop`), the outbox and the offsets out, every
+        lease handed over at once, and what a stop before catching up left unread (replayed later)."""
+        if unread := {} if caught_up else replay.unread(self.consumer):
+            log.error("stopped before catching up: records left unread", extra={"shard": self.shard, "unread": unread})
         if self.cfg.syncer.flush_on_stop:
             for p in list(self.fragments):
                 self._guarded(p, lambda p=p: self.maybe_close(p, final=True))
         self.outbox.relay()
         self.save_offsets(force=True)
-        self.events.send("syncer_stopped", shard=self.shard, versions={p: f.version for p, f in self.fragments.items()})
+        versions = {p: f.version for p, f in self.fragments.items()}
+        self.events.send("syncer_stopped", shard=self.shard, versions=versions, unread=unread)
         self.ownership.leave(release=True)
 
     def recover_from_redis_outage(self, err: Exception) -> None:
@@ -405,8 +406,7 @@ class Syncer:
         for cid in ids:
             self.status[cid] = Status.applied(p, version)
         self.store.mark_committed(p, version)
-        committed_at = self.clock()
-        self.metrics.merged(p, len(ids), sync_time, [committed_at - c.arrival for c in contribs])
+        self.metrics.merged(p, len(ids), sync_time, [self.clock() - c.arrival for c in contribs])
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": version, "contributions": len(ids),
                                   "late": late, "reason": reason, "seconds": round(sync_time, 4)})
 

@@ -6,14 +6,27 @@ from diloco.config import build_config
 
 
 def test_a_run_that_made_the_model_worse_says_so():
-    from diloco.summary import loss_warning, summary_rows
-    worse = {"eval_loss_start": 5.5, "eval_loss_end": 16.5, "eval_loss_drop": (5.5 - 16.5) / 5.5}
-    assert "ROSE from 5.5000 to 16.5000" in loss_warning(worse)
-    assert loss_warning({**worse, "eval_loss_end": 2.0}) is None
+    from diloco.summary import run_warnings, summary_rows
+    counts = {k: 0 for k in ("published", "applied", "late", "rejected", "pending", "applied_twice", "unread")}
+    worse = {"eval_loss_start": 5.5, "eval_loss_end": 16.5, "eval_loss_drop": (5.5 - 16.5) / 5.5, "contributions": counts}
+    [warning] = run_warnings(worse)
+    assert "ROSE from 5.5000 to 16.5000" in warning
+    assert run_warnings({**worse, "eval_loss_end": 2.0}) == []
     s = {**worse, "tokens": 0, "versions": {}, "merges": {}, "bytes_across": 0, "bytes_sent": 0, "bytes_fetched": 0,
-         "bytes_dp_equivalent": 0, "bytes_ratio": 0, "bytes_ratio_sent": 0, "rejections": {},
-         "contributions": {k: 0 for k in ("published", "applied", "late", "rejected", "pending", "applied_twice")}}
+         "bytes_dp_equivalent": 0, "bytes_ratio": 0, "bytes_ratio_sent": 0, "rejections": {}}
     assert "ROSE 200.0%" in dict(summary_rows(s))["held-out loss start -> end"]
+    assert "never read by the syncer" not in dict(summary_rows(s))
+
+
+def test_contributions_the_syncer_never_read_are_a_warning_and_a_row():
+    from diloco.summary import run_warnings, summary_rows
+    counts = {"published": 10, "applied": 6, "late": 0, "rejected": 1, "pending": 0, "applied_twice": 0, "unread": 3}
+    s = {"eval_loss_start": 5.5, "eval_loss_end": 2.0, "eval_loss_drop": 0.6, "contributions": counts, "tokens": 0,
+         "versions": {}, "merges": {}, "bytes_across": 0, "bytes_sent": 0, "bytes_fetched": 0,
+         "bytes_dp_equivalent": 0, "bytes_ratio": 0, "bytes_ratio_sent": 0, "rejections": {}}
+    [warning] = run_warnings(s)
+    assert warning.startswith("3 published contributions were never read") and "drain_timeout_s" in warning
+    assert dict(summary_rows(s))["  never read by the syncer"] == "3"
 
 
 def test_the_traffic_ledger_splits_bytes_by_learner_region_and_fragment():

@@ -369,3 +369,45 @@ def test_a_follower_shard_keeps_its_own_view_and_says_nothing():
     now[0] += CFG.syncer.silent_after_s + 0.1
     reg.check()
     assert reg["eu-1"]["status"] == "silent" and reg.by_status()["silent"] == 1
+
+
+class _LaggingShard:
+    """What syncer/service.run drives, for its drain loop alone: each step is a second on a fake
+    clock, and the shard catches up with the log after `lag_steps` steps (never when None)."""
+
+    def __init__(self, lag_steps: int | None, drain_timeout_s: float):
+        self.cfg = build_config({"syncer": {"drain_timeout_s": drain_timeout_s}})
+        self.now, self.steps, self.lag_steps, self.stopping, self.finished = 0.0, 0, lag_steps, True, None
+        nothing = type("Nothing", (), {"__getattr__": lambda self, name: lambda *a, **k: None})()
+        self.ownership = type("O", (), {"keeper": nothing})()
+        self.producer = self.consumer = nothing
+
+    def start(self):
+        pass
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self):
+        self.steps += 1
+        self.now += 1.0
+
+    def caught_up(self) -> bool:
+        return self.lag_steps is not None and self.steps >= self.lag_steps
+
+    def finish(self, *, caught_up: bool):
+        self.finished = caught_up
+
+
+@pytest.mark.parametrize("lag_steps, timeout_s, caught_up", [(3, 120.0, True), (90, 120.0, True),
+                                                             (None, 120.0, False), (90, 30.0, False)])
+def test_a_stopping_shard_reads_until_caught_up_however_far_behind_within_its_drain_timeout(lag_steps, timeout_s,
+                                                                                             caught_up):
+    from diloco.syncer import service
+    shard = _LaggingShard(lag_steps, timeout_s)
+    service.run(shard)
+    assert shard.finished is caught_up
+    if caught_up:   # it stops once caught up for the settle time, not at the timeout
+        assert shard.steps <= lag_steps + service.DRAIN_SETTLE_S + 1
+    else:           # and gives up (saying so) at the timeout, not before
+        assert timeout_s <= shard.now <= timeout_s + 2

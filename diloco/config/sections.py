@@ -249,6 +249,8 @@ class SyncerConfig(_Section):
                                 "whose code of everything since the snapshot would stay that coarse (topk: the "
                                 "global could differ from the snapshot in 3% of its values)")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")
+    drain_timeout_s: float = Field(120.0, gt=0, description="on stop, how long a shard keeps reading to catch up "
+                                   "with what learners handed in before it gives up, saying what it left unread")
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")
     poll_ms: int = Field(100, ge=1)
