@@ -266,9 +266,10 @@ def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
 @dataclass
 class _Partial:
     manifest: Manifest | None = None
-    chunks: dict[int, bytes] = field(default_factory=dict)
+    chunks: dict[int, memoryview] = field(default_factory=dict)  # views into the records: copied once, at the end
     count: int | None = None        # chunks the first chunk frame said the set has
     nbytes: int = 0                 # payload bytes held (kept as chunks arrive: no re-summing)
+    held: int = 0                   # bytes the chunks keep alive: their whole records, frame headers too
     idle_s: float = 0.0             # reading time without progress (see ChunkAssembler.expire)
     mark: int = 0                   # bytes of its partition read when it last progressed
     first_offset: int | None = None
@@ -293,8 +294,13 @@ class Dropped:
     where: str
 
 
-# What one buffered chunk costs besides its bytes (dict entry, bytes object): zero-byte floods count too.
+# What one buffered chunk costs besides its bytes (dict entry, view object): zero-byte floods count too.
 CHUNK_OVERHEAD = 128
+
+
+def _held(view: memoryview) -> int:
+    """Bytes a chunk's view keeps alive: the whole record it points into (its frame header too)."""
+    return memoryview(view.obj).nbytes if view.obj is not None else view.nbytes
 
 
 class ChunkAssembler:
@@ -386,13 +392,14 @@ class ChunkAssembler:
                 return self._drop(cid, "malformed", f"chunk {index} of {count} is empty")
             part.count = count
             old = part.chunks.get(index)
-            size = len(payload) + CHUNK_OVERHEAD
             if old is not None:                  # a repeated chunk replaces its earlier copy
                 part.nbytes -= len(old)
-                self._buffered -= len(old) + CHUNK_OVERHEAD
-            part.chunks[index] = bytes(payload)
-            part.nbytes += len(payload)
-            self._buffered += size
+                part.held -= _held(old)
+                self._buffered -= _held(old) + CHUNK_OVERHEAD
+            view = part.chunks[index] = memoryview(payload)
+            part.nbytes += len(view)
+            part.held += _held(view)
+            self._buffered += _held(view) + CHUNK_OVERHEAD
             limit = part.manifest.total_bytes if part.manifest is not None else self.max_bytes
             if part.nbytes > limit:
                 return self._drop(cid, "oversized" if part.manifest is None else "malformed",
@@ -433,9 +440,12 @@ class ChunkAssembler:
         out, self._evicted = self._evicted, []
         tick = 0.0 if self._last_check is None else min(max(now - self._last_check, 0.0), self.tick_s)
         self._last_check = now
+        read_to_end: dict[str, bool] = {}        # asked once per partition, not once per set
         for cid, p in list(self._partial.items()):
             outgrown = self._read.get(p.where, 0) - p.mark > self.after_bytes
-            if not outgrown and not caught_up(p.where):
+            if not outgrown and p.where not in read_to_end:
+                read_to_end[p.where] = caught_up(p.where)
+            if not outgrown and not read_to_end[p.where]:
                 continue                         # its chunks may be in the part of the log not read yet
             p.idle_s += tick
             if outgrown or p.idle_s > self.timeout_s:
@@ -450,7 +460,7 @@ class ChunkAssembler:
         p = self._partial.pop(cid, None)
         if p is None:
             return _Partial()
-        self._buffered -= p.nbytes + CHUNK_OVERHEAD * len(p.chunks)
+        self._buffered -= p.held + CHUNK_OVERHEAD * len(p.chunks)
         return p
 
     def _drop(self, cid: str, reason: str, detail: str, manifest: Manifest | None = None) -> Dropped:

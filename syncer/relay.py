@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from kafka.errors import KafkaError
 
 from diloco import messages
+from diloco.syncer.periodic import Every
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +41,25 @@ class Events:
 
 
 class OutboxRelay:
-    def __init__(self, state, producer, broker):
+    def __init__(self, state, producer, broker, clock=time.monotonic):
         self.state, self.producer, self.broker = state, producer, broker
         self.broker_down = False   # said once per outage
+        self.seen_empty_at = -1    # state.outbox_writes when the outbox was last seen empty
+        self.every_look = Every(1.0, clock)
 
-    def relay(self) -> None:
-        """Publish the outbox; while the broker is away the outbox waits and the next call tries again."""
-        while self.broker.up and (raw := self.state.outbox_peek()):  # no blocking flush while it is away
+    def relay(self, *, only_if_written: bool = False) -> None:
+        """Publish the outbox; while the broker is away the outbox waits and the next call tries again.
+
+        `only_if_written` (the main loop's call, once per poll): skip the Redis round trip when this
+        process wrote nothing to the outbox since it last saw it empty, but look once a second anyway,
+        for what other shards or an outage left there."""
+        writes, look_anyway = self.state.outbox_writes, self.every_look.due()
+        if only_if_written and writes == self.seen_empty_at and not look_anyway:
+            return
+        while self.broker.up:  # no blocking flush while it is away
+            if not (raw := self.state.outbox_peek()):
+                self.seen_empty_at = writes
+                return
             try:
                 refused = self._send(raw)
             except KafkaError as err:

@@ -157,6 +157,7 @@ def run_prefix(key_prefix: str, run_id: str) -> str:
 class SyncerState:
     def __init__(self, r: redis.Redis | RedisCluster, key_prefix: str, run_id: str):
         self.r = r
+        self.outbox_writes = 0   # transactions of this process that wrote to the outbox
         self.k = run_prefix(key_prefix, run_id)
 
     # --- reads -------------------------------------------------------------------------------
@@ -403,6 +404,7 @@ class SyncerState:
     def _outbox(self, p, records: list[dict]) -> None:
         if records:
             p.rpush(self.k + "outbox", *(json.dumps(r) for r in records))
+            self.outbox_writes += 1  # tells the relay there may be something new (a failed EXEC: one idle look)
 
     def _finished(self, tp: tuple[str, int]) -> str:
         return self.k + f"finished:{_offset_key(tp)}"

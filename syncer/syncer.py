@@ -174,7 +174,7 @@ class Syncer:
             self.registry.check()
         for p in list(self.fragments):
             self._guarded(p, lambda p=p: self.maybe_close(p))
-        self.outbox.relay()
+        self.outbox.relay(only_if_written=True)
         self.save_offsets()
         self.rebalance()
         self.observe()

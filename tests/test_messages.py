@@ -116,6 +116,21 @@ def test_buffered_bytes_are_bounded_and_counted_exactly():
     assert asm.buffered == 2 * (1000 + messages.CHUNK_OVERHEAD)
 
 
+def test_a_held_chunk_counts_the_whole_record_it_keeps_alive_header_and_all():
+    """Chunks are held as views into their records (no copy until the set is complete), so a frame
+    with a large header costs its header too: a flood of tiny chunks with padded headers stays bounded."""
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5, max_buffered=1 << 20)
+    raw = messages.frame({"kind": "chunk", "id": "a", "index": 0, "count": 2, "pad": "p" * 5000}, b"x" * 100)
+    header, payload = messages.parse_frame(raw)
+    assert asm.add(header, payload, now=0.0) is None
+    assert asm.buffered == len(raw) + messages.CHUNK_OVERHEAD
+    raw2 = messages.frame({"kind": "chunk", "id": "a", "index": 1, "count": 2}, b"y" * 100)
+    assert asm.add(*messages.parse_frame(raw2), now=0.0) is None          # no manifest yet: still held
+    assert asm.buffered == len(raw) + len(raw2) + 2 * messages.CHUNK_OVERHEAD
+    asm.discard("a")
+    assert asm.buffered == 0
+
+
 def test_empty_chunks_and_more_chunks_than_bytes_are_malformed():
     asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
     r = asm.add(*_chunk("z", 1, 1 << 30, b""), now=0.0)

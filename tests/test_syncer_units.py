@@ -411,3 +411,44 @@ def test_a_stopping_shard_reads_until_caught_up_however_far_behind_within_its_dr
         assert shard.steps <= lag_steps + service.DRAIN_SETTLE_S + 1
     else:           # and gives up (saying so) at the timeout, not before
         assert timeout_s <= shard.now <= timeout_s + 2
+
+
+def test_the_relay_looks_at_the_outbox_after_this_process_wrote_to_it_and_once_a_second_otherwise():
+    from diloco.syncer.relay import OutboxRelay
+
+    class Outbox:
+        outbox_writes, peeks, records = 0, 0, []
+
+        def outbox_peek(self):
+            self.peeks += 1
+            return list(self.records)
+
+        def outbox_trim(self, sent):
+            del self.records[:len(sent)]
+            return True
+
+    class Sent:
+        def get(self, timeout):
+            return None
+
+    sent = []
+    producer = type("P", (), {"send": lambda self, topic, value, partition: sent.append(value) or Sent(),
+                              "flush": lambda self, timeout: None})()
+    now = [0.0]
+    state = Outbox()
+    relay = OutboxRelay(state, producer, type("B", (), {"up": True})(), clock=lambda: now[0])
+    relay.relay(only_if_written=True)
+    assert state.peeks == 1                                       # the first look always happens
+    relay.relay(only_if_written=True)
+    assert state.peeks == 1                                       # nothing written since: no round trip
+    state.records, state.outbox_writes = ['{"topic": "t", "partition": 0, "value": "e1"}'], 1
+    relay.relay(only_if_written=True)
+    assert sent == [b"e1"] and state.records == [] and state.peeks == 3   # relayed, then seen empty
+    state.records = ['{"topic": "t", "partition": 0, "value": "e2"}']    # another shard's record
+    relay.relay(only_if_written=True)
+    assert sent == [b"e1"]
+    now[0] = 1.5                                                  # a second later it is looked at anyway
+    relay.relay(only_if_written=True)
+    assert sent == [b"e1", b"e2"]
+    relay.relay()                                                 # an explicit relay always looks
+    assert state.peeks == 6
