@@ -22,7 +22,7 @@ dp = learner_mesh(cfg)
 assert local_batch_size(cfg.inner.batch_size) == 8
 params = dp.replicate(init_params(cfg.model.transformer))
 opt = adamw(cfg)
-state = opt.init(params)
+state = dp.init_optimizer(opt, params)  # as the learner does: step counts on the mesh, one compilation
 data = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)  # learnable: seen each step
 step = make_train_step(lambda p, b: loss_fn(p, b, cfg.model.transformer), opt)
 losses = []

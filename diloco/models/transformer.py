@@ -86,10 +86,12 @@ def loss_fn(params: Params, batch: jax.Array, cfg: TransformerOptions) -> jax.Ar
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 
 
+_held_out_loss = jax.jit(loss_fn, static_argnames="cfg")  # one compilation per model shape, however often it runs
+
+
 def evaluate(params: Params, batches: np.ndarray, cfg: TransformerOptions) -> float:
     """Mean loss over a fixed stack of (N, B, T + 1) held-out batches."""
-    fn = jax.jit(lambda p, b: loss_fn(p, b, cfg))
-    return float(np.mean([float(fn(params, jnp.asarray(b))) for b in batches]))
+    return float(np.mean([float(_held_out_loss(params, jnp.asarray(b), cfg=cfg)) for b in batches]))
 
 
 def adamw(cfg: Config, start_step: int = 0, steps: int | None = None) -> optax.GradientTransformation:
