@@ -81,7 +81,8 @@ def run(*, devices: int = 8, d_model: int = 768, layers: int = 4, seq_len: int =
     for layout in LAYOUTS:
         args = {"layout": layout, "d_model": d_model, "layers": layers, "seq_len": seq_len, "fragments": fragments,
                 "steps": steps}
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}  # the caller's own flags kept
         code = f"import json; from bench.sharded_bench import worker; print(json.dumps(worker({args!r})))"
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
         if out.returncode:

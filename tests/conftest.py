@@ -14,6 +14,13 @@ from pathlib import Path
 import pytest
 
 import helpers  # tests/helpers.py: pytest puts this folder on sys.path for its conftest
+
+# XLA compiles for CPU at LLVM's lowest optimisation level in the tests, this process and every run it
+# starts (they inherit XLA_FLAGS): the tests' models are tiny, so compiling, not running, is most of
+# their time, and level 0 halves it. IEEE semantics stay (no fast math either way); set XLA_FLAGS
+# yourself to test at the default level.
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
 from diloco.config import Config, build_config
 from diloco.infra import services
 

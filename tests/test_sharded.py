@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from diloco import checkpoint
 from diloco.infra.store import FragmentStore
 from diloco.run import finish, open_run, prepare, train
 
-XLA = "--xla_force_host_platform_device_count={}"
+XLA = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count={}"  # conftest's flags kept
 
 
 def _quiet() -> Console:
