@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh Debian machine with Python 3.11:
 #   make demo   - install, start the local broker and Redis, run the 2 regions x 2 learners demo
 #   make test   - install, run the test suite (the tests start their own services)
-#   make test-fast - the unit and property tests alone, no services, over every core (2-4 minutes on 2)
+#   make test-fast - the unit and property tests alone, no services, over every core (about 2.5 minutes on 2)
 #   make bench  - benchmarks against data-parallel and sync DiLoCo (BENCH_ARGS, docs/bench.md)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
