@@ -47,7 +47,7 @@ def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int, dict[tuple[
             cid = header.get("id")
         except messages.WireError:
             header, cid = {}, None
-        if not isinstance(cid, str):
+        if not isinstance(cid, str) or not 0 < len(cid) <= 64:  # no contribution id (wire format): bytes only
             where = ("?", region_of_topic.get(rec.topic, "?"), rec.partition)
             loose[where] = loose.get(where, 0) + n
             continue

@@ -137,7 +137,7 @@ def test_a_live_run_under_attack_finishes_clean(tiny_config, tmp_path):
     honest = published - set(expect)
     assert honest and Counter(status[cid].split(":")[0] for cid in honest) == {"applied": len(honest)}
     c = s["contributions"]
-    assert c["applied_twice"] == 0 and c["pending"] == 0
+    assert c["applied_twice"] == 0 and c["pending"] == 0 and c["unread"] == 0   # forged ids are not "unread"
     assert state.counters().get("bad_events", 0) >= 4                 # the malformed heartbeats, counted
     for p in range(cfg.fragments.count):                              # the global stayed finite
         params, _ = FragmentStore(cfg.store.url, run_id).read_params(p, state.versions()[p])
