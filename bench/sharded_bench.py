@@ -12,7 +12,6 @@ host allocations traced with tracemalloc; that peak is bounded by the fragment, 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -77,12 +76,13 @@ def worker(args: dict) -> dict:
 
 def run(*, devices: int = 8, d_model: int = 768, layers: int = 4, seq_len: int = 64, fragments: int = 4,
         steps: int = 3) -> dict:
+    from diloco.learners.parallel import cpu_devices_env
+
     rows = {}
     for layout in LAYOUTS:
         args = {"layout": layout, "d_model": d_model, "layers": layers, "seq_len": seq_len, "fragments": fragments,
                 "steps": steps}
-        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}  # the caller's own flags kept
+        env = cpu_devices_env(devices)
         code = f"import json; from bench.sharded_bench import worker; print(json.dumps(worker({args!r})))"
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
         if out.returncode:

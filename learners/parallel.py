@@ -39,6 +39,12 @@ BATCH_AXES = ("data", "fsdp")
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
 
+def cpu_devices_env(n: int, env=os.environ) -> dict[str, str]:
+    """`env` for a child process that sees n CPU devices: the XLA_FLAGS it had kept, the count added."""
+    flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+    return {**env, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
 def initialize_distributed(cfg: Config) -> None:
     """Join this learner's other hosts, once per process; a no-op for a one-host learner."""
     if jax.distributed.is_initialized():

@@ -129,8 +129,7 @@ class Syncer:
         self.ownership.leave()
 
     def finish(self, *, caught_up: bool = True) -> None:
-        """A clean stop: the final flush (`syncer.flush_on_stop`), the outbox and the offsets out, every
-        lease handed over at once, and what a stop before catching up left unread (replayed later)."""
+        """A clean stop: the final flush, outbox and offsets out, leases handed over, what was left unread said."""
         if unread := {} if caught_up else replay.unread(self.consumer):
             log.error("stopped before catching up: records left unread", extra={"shard": self.shard, "unread": unread})
         if self.cfg.syncer.flush_on_stop:
@@ -406,7 +405,8 @@ class Syncer:
         for cid in ids:
             self.status[cid] = Status.applied(p, version)
         self.store.mark_committed(p, version)
-        self.metrics.merged(p, len(ids), sync_time, [self.clock() - c.arrival for c in contribs])
+        committed_at = self.clock()
+        self.metrics.merged(p, len(ids), sync_time, [committed_at - c.arrival for c in contribs])
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": version, "contributions": len(ids),
                                   "late": late, "reason": reason, "seconds": round(sync_time, 4)})
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
+
+from diloco.learners.parallel import cpu_devices_env
 
 SCRIPT = r"""
 import json, sys
@@ -36,9 +37,8 @@ print(json.dumps({"devices": dp.devices, "shards": len(batch.addressable_shards)
 
 
 def _run(devices: int) -> dict:
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=cpu_devices_env(devices), capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -52,7 +52,7 @@ def test_four_cpu_devices_follow_the_single_device_loss_curve():
 
 
 def test_a_batch_that_does_not_split_over_the_devices_is_refused():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}
+    env = cpu_devices_env(3)
     code = ("from diloco.config import build_config; from diloco.learners.parallel import learner_mesh; "
             "learner_mesh(build_config({'inner': {'batch_size': 8}}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
