@@ -14,18 +14,8 @@ from diloco.config import Config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore
 from diloco.progress import Progress
+from diloco.sim.capacity import dp_allreduce_bytes  # the plan counts data-parallel's bytes the same way
 from diloco.syncer import state as state_mod
-
-
-def dp_allreduce_bytes(num_params: int, workers: int, steps: int, bytes_per_value: int = 4) -> int:
-    """Bytes all workers together send for `steps` ring all-reduces of fp32 gradients.
-
-    Per step each of M workers sends 2 (M - 1) / M of the gradient (reduce-scatter + all-gather);
-    `steps` counts every learner's steps, i.e. the same tokens a data-parallel job would process.
-    """
-    if workers < 2:
-        return 0
-    return int(steps * 2 * (workers - 1) / workers * num_params * bytes_per_value)
 
 
 def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int, dict[tuple[str, str, int], int]]:

@@ -16,7 +16,11 @@ Every figure is arithmetic on the layout (docs/simulate.md says how each is deri
   more than that says how many fragments the model should be cut into instead;
 - a shard keeps per owned fragment the parameters, the outer optimizer's state, the snapshot the
   updates are encoded against, the broadcast residual and the round's accumulator in fp32, plus the
-  open round's K encoded contributions and up to `syncer.max_buffered_bytes` of partial chunk sets.
+  open round's K encoded contributions and up to `syncer.max_buffered_bytes` of partial chunk sets;
+- a learner sends each fragment once per period and fetches each new version of it (the default
+  `fragments.fetch: every_version`, each update from the snapshot): one to M / K updates per period,
+  as a period's contributions close one round or M / K of them. The traffic figures take the most,
+  and the ratio to data-parallel (counted as the run summary counts it) is given for both ends.
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ from dataclasses import asdict, dataclass
 from diloco import quantize
 
 ROW = 1024   # the codes' row length the per-parameter size is taken at (scales are per row)
+
+
+def dp_allreduce_bytes(num_params: float, workers: int, steps: int, bytes_per_value: int = 4) -> int:
+    """Bytes all workers together send for `steps` ring all-reduces of fp32 gradients: what the run
+    summary and the plan compare against.
+
+    Per step each of M workers sends 2 (M - 1) / M of the gradient (reduce-scatter + all-gather);
+    `steps` counts every learner's steps, i.e. the same tokens a data-parallel job would process.
+    """
+    if workers < 2:
+        return 0
+    return int(steps * 2 * (workers - 1) / workers * num_params * bytes_per_value)
 
 
 def bytes_per_param(scheme: str, packing_ratio: float = 1.0) -> float:
@@ -110,8 +126,9 @@ def plan(x: Layout) -> dict:
     snapshot_bytes = frag * 4 * (1 + x.optimizer_floats + 1)              # params, optimizer state, residual
     snapshot_span_s = x.snapshot_every / versions_s                       # a rebuild replays this far back
     retention = intake * snapshot_span_s * 2                              # two snapshot spans: a margin for one missed
-    dp_per_step = 2 * x.params * 4                                        # a ring all-reduce of fp32 gradients, per learner
-    learner_period = x.params * (up + down) / frag                        # each fragment up once and down once per period
+    dp_per_step = dp_allreduce_bytes(x.params, M, 1)                      # one learner's share of a step's all-reduce
+    fetches = max(1.0, M / K)                                             # updates of a fragment per period, at most
+    learner_up = P * up                                                   # per period
     return {
         "layout": asdict(x) | {"quorum": K},
         "fragment_params": frag,
@@ -134,8 +151,10 @@ def plan(x: Layout) -> dict:
         "retention_s": 2 * snapshot_span_s,
         "store_bytes_per_hour": 3600 * versions_s * P * (down + snapshot_bytes / x.snapshot_every),
         "learner_download_per_version": down,
-        "learner_bytes_per_s": {"up": x.params * up / frag / (H * t), "down": x.params * down / frag / (H * t)},
-        "bytes_ratio_vs_dp": dp_per_step * H / learner_period,
+        "learner_fetches_per_period": {"fewest": 1.0, "most": fetches},
+        "learner_bytes_per_s": {"up": learner_up / (H * t), "down": fetches * P * down / (H * t)},
+        "bytes_ratio_vs_dp": dp_per_step * H / (learner_up + fetches * P * down),
+        "bytes_ratio_vs_dp_one_fetch": dp_per_step * H / (learner_up + P * down),
     }
 
 
@@ -171,7 +190,9 @@ def rows(p: dict) -> list[tuple[str, str]]:
         ("retention (replay window)", f"{_si(p['retention_bytes'])} over {p['retention_s'] / 3600:,.2f} h "
                                       f"({_si(p['retention_bytes_replicated'])} with {x['replicas']} replicas)"),
         ("store writes", f"{_si(p['store_bytes_per_hour'])}/h (updates + a snapshot every {x['snapshot_every']})"),
-        ("learner traffic", f"up {_si(p['learner_bytes_per_s']['up'])}/s, down {_si(p['learner_bytes_per_s']['down'])}/s; "
-                            f"{_si(p['learner_download_per_version'])} per version fetched"),
-        ("vs data-parallel", f"{p['bytes_ratio_vs_dp']:,.0f}x fewer bytes per learner (fp32 ring all-reduce every step)"),
+        ("learner traffic", f"up {_si(p['learner_bytes_per_s']['up'])}/s, down up to {_si(p['learner_bytes_per_s']['down'])}/s "
+                            f"({_si(p['learner_download_per_version'])} per version, "
+                            f"{p['learner_fetches_per_period']['most']:g} versions per period at most)"),
+        ("vs data-parallel", f"{p['bytes_ratio_vs_dp']:,.0f}x-{p['bytes_ratio_vs_dp_one_fetch']:,.0f}x fewer bytes per "
+                             "learner than an fp32 ring all-reduce every step (fetching M/K versions a period; one)"),
     ]
