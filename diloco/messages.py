@@ -34,10 +34,16 @@ MAX_EVENT_BYTES = 1 << 20
 MAX_COUNT = 1 << 53          # tokens, steps, versions: beyond this a float64 stops counting exactly
 MAX_DIMS = 32                # of a tensor's shape (numpy's own limit in 1.x)
 DETAIL_CHARS = 300           # error texts quote input at most this long
+MAX_NAME_CHARS = 64          # contribution and learner ids
 
 
 class WireError(ValueError):
     """A message that cannot be decoded; the text says what is wrong with it."""
+
+
+def is_name(value) -> bool:
+    """Whether `value` can be a contribution or learner id on the wire: a string of 1-64 characters."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS
 
 
 def short(value, limit: int = 80) -> str:
@@ -533,7 +539,7 @@ def clean_heartbeat(ev: Mapping) -> dict:
     """The heartbeat's known fields, each checked (types, finite, in range), or WireError saying
     which field is wrong: nothing unchecked reaches the syncer's state."""
     learner = ev.get("learner")
-    if not isinstance(learner, str) or not 0 < len(learner) <= 64:
+    if not is_name(learner):
         raise WireError(f"heartbeat learner must be a short string, got {short(learner)}")
     out = {"kind": "heartbeat", "learner": learner}
     for key, ok in _HEARTBEAT.items():

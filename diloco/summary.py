@@ -37,13 +37,13 @@ def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int, dict[tuple[
             cid = header.get("id")
         except messages.WireError:
             header, cid = {}, None
-        if not isinstance(cid, str) or not 0 < len(cid) <= 64:  # no contribution id (wire format): bytes only
+        if not messages.is_name(cid):  # no contribution id (wire format): bytes only
             where = ("?", region_of_topic.get(rec.topic, "?"), rec.partition)
             loose[where] = loose.get(where, 0) + n
             continue
         by_id[cid] = by_id.get(cid, 0) + n
         if header.get("kind") == "manifest" and cid not in owner:
-            name = lambda v: v if isinstance(v, str) and 0 < len(v) <= 64 else "?"  # noqa: E731  (from outside)
+            name = lambda v: v if messages.is_name(v) else "?"  # noqa: E731  (from outside)
             fragment = header.get("fragment")
             owner[cid] = (name(header.get("learner")), name(header.get("region")),
                           fragment if isinstance(fragment, int) and not isinstance(fragment, bool) else -1)

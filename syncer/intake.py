@@ -26,7 +26,7 @@ def read_frame(raw: bytes) -> tuple[str, dict, memoryview]:
     or names no contribution id of 1-64 characters."""
     header, payload = messages.parse_frame(raw)
     cid = header.get("id")
-    if not isinstance(cid, str) or not 0 < len(cid) <= 64:
+    if not messages.is_name(cid):
         raise WireError(f"frame header needs a contribution id of 1-64 characters, got {messages.short(cid, 40)}")
     return cid, header, payload
 

@@ -85,7 +85,7 @@ class TopicMonitor:
                 t["malformed"] += 1
                 return
             cid = header.get("id")
-            if not isinstance(cid, str) or not 0 < len(cid) <= 64:
+            if not messages.is_name(cid):
                 t["malformed"] += 1
                 return
             if header.get("kind") == "manifest":
