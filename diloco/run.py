@@ -22,7 +22,7 @@ from diloco import chaos, membership
 from diloco.checkpoint import read_global
 from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.jobs import LocalJobs
+from diloco.infra.jobs import LocalJobs, sigterm_raises
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import Corpus, corpus_for
 from diloco.plan import Plan, flatten, unflatten
@@ -166,10 +166,11 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     console = console or Console(stderr=True)
     setup = prepare(cfg, console)
     jobs = LocalJobs(setup.run_dir / "logs", child_env(setup.cfg))
-    run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
-    try:
-        run.watch(progress, setup.t_start)
-    finally:
-        jobs.stop_all()
-        run.events.close()
+    with sigterm_raises():  # a SIGTERM (exit status 143) stops the jobs first
+        run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
+        try:
+            run.watch(progress, setup.t_start)
+        finally:
+            jobs.stop_all()
+            run.events.close()
     return finish(setup, run, console, summary_json)

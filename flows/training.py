@@ -14,10 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -35,7 +32,7 @@ from diloco.config import Config, ConfigError, load_config
 from diloco.flows import reports
 from diloco.flows.evals import evaluate_checkpoint, record_eval, recorded_evals
 from diloco.flows.tpu import jobs_for
-from diloco.infra.jobs import LocalJobs
+from diloco.infra.jobs import LocalJobs, sigterm_raises
 from diloco.learners.data import corpus_for
 from diloco.run import RunError, RunSetup, child_env, events_from_start, finish, open_run, prepare
 from diloco.supervisor import RunSupervisor
@@ -50,24 +47,6 @@ def make_jobs(cfg: Config, cfg_path: Path, region: str | None):
     if cfg.backend.kind != "local":
         return jobs_for(cfg, region, cfg_path, cfg_path.parent / "logs")
     return LocalJobs(cfg_path.parent / "logs", child_env(cfg))
-
-
-@contextmanager
-def sigterm_raises():
-    """A process worker cancels with SIGTERM. Under a Prefect runner the engine already turns it into
-    TerminationSignal; elsewhere (a plain `python` call) we do, so `finally` blocks still stop the jobs."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
-        return
-
-    def handler(signum, frame):
-        raise TerminationSignal(signal=signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_tag(run_id: str) -> str:
@@ -117,7 +96,7 @@ def region_run(config: str, region: str) -> dict:
     run = RunSupervisor(cfg, cfg_path, corpus_for(cfg), make_jobs(cfg, cfg_path, region), events_from_start(cfg),
                    Console(quiet=True), [], regions=(region,), syncer=False)
     state, error = "failed", None
-    with sigterm_raises():
+    with sigterm_raises(lambda signum: TerminationSignal(signal=signum)):
         try:
             watch_region(run, t0)
             state = "completed"
@@ -254,7 +233,7 @@ def decoupled_diloco(config: str | None = None, overrides: list[str] | None = No
     register_regions(setup.cfg)
     regions = Regions(setup, eval_every, get_run_logger())
     run = open_run(setup, make_jobs(setup.cfg, setup.cfg_path, None), Console(quiet=True), kills=[], regions=())
-    with sigterm_raises():
+    with sigterm_raises(lambda signum: TerminationSignal(signal=signum)):
         try:
             watch_run(run, regions, setup.t_start)
         finally:

@@ -15,6 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,3 +123,23 @@ class LocalJobs:
                 text = "(no log)"
             out.append(text if len(job.logs) == 1 else f"--- {log.name}\n{text}")
         return "\n".join(out)
+
+
+@contextmanager
+def sigterm_raises(error: Callable[[int], BaseException] = lambda signum: SystemExit(128 + signum)) -> Iterator[None]:
+    """Within the block, SIGTERM raises `error(signum)` instead of ending the process on the spot, so the
+    `finally` that stops a run's jobs still runs (`kill`, a scheduler's stop or a CI timeout would
+    otherwise leave its learners and syncer training on). A no-op off the main thread, or where a
+    handler is installed already (a Prefect worker's engine turns SIGTERM into its own exception)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise error(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

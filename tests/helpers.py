@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Collection
+from pathlib import Path
 
 import numpy as np
 
@@ -164,3 +165,18 @@ class Harness:
         self.producer.flush()
         recs = kafka_io.read_to_end(self.cfg.transport, kafka_io.partitions_of(self.topics.events, 1))
         return [messages.parse_event(r.value) for r in recs]
+
+
+def run_processes(marker: str) -> dict[int, str]:
+    """pid -> command line of every process whose command line mentions `marker` (a run's directory)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if marker in cmd and stat.rsplit(")", 1)[1].split()[0] != "Z":  # zombies hold no resources
+                out[int(d.name)] = cmd
+    return out

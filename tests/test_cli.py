@@ -1,13 +1,21 @@
 """The `diloco` command line: help, config errors, and the local service stack."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from helpers import run_processes
 from typer.testing import CliRunner
 
 from diloco.cli import app
+from diloco.config import dump_config
 from diloco.infra import services
+
+ROOT = Path(__file__).resolve().parents[1]
 
 runner = CliRunner()
 
@@ -51,3 +59,26 @@ def test_infra_up_status_down(tmp_path):
         down = runner.invoke(app, ["infra", "down", *state])
     assert "kafka: stopped" in down.output and "redis: stopped" in down.output
     assert not services.port_open(kport) and not services.port_open(rport)
+
+
+@pytest.mark.integration
+def test_train_stopped_with_sigterm_stops_its_learners_and_syncer_first(tiny_config, tmp_path):
+    """`kill`, a scheduler's stop or a CI timeout sends SIGTERM: the run's processes must not train on."""
+    cfg = tiny_config(inner={"steps": 5000})
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    with open(tmp_path / "train.log", "wb") as log:
+        train = subprocess.Popen([sys.executable, "-m", "diloco", "train", "--config", str(tmp_path / "config.yaml"),
+                                  "--no-progress"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while len([c for c in run_processes(cfg.run.dir).values() if " learner " in c]) < cfg.num_learners:
+            assert train.poll() is None and time.time() < deadline, (tmp_path / "train.log").read_text()[-3000:]
+            time.sleep(0.5)
+        train.send_signal(signal.SIGTERM)
+        assert train.wait(120) == 128 + signal.SIGTERM, (tmp_path / "train.log").read_text()[-3000:]
+        assert not run_processes(cfg.run.dir)  # stopped before it exited, not left to train on
+    finally:
+        if train.poll() is None:
+            train.kill()
+        for pid in run_processes(cfg.run.dir):
+            os.kill(pid, signal.SIGKILL)

@@ -19,7 +19,7 @@ os.environ["DO_NOT_TRACK"] = "1"
 
 import pytest
 import yaml
-from helpers import assert_exact_accounting, run_events
+from helpers import assert_exact_accounting, run_events, run_processes
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.deployments import run_deployment
@@ -111,21 +111,6 @@ def region_workers(prefect_api, tmp_path_factory):
         except subprocess.TimeoutExpired:
             w.kill()
             w.wait()
-
-
-def run_processes(marker: str) -> dict[int, str]:
-    """pid -> command line of every process whose command line mentions `marker` (a run's directory)."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if marker in cmd and stat.rsplit(")", 1)[1].split()[0] != "Z":  # zombies hold no resources
-                out[int(d.name)] = cmd
-    return out
 
 
 def artifacts(key: str) -> list:
