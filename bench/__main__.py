@@ -15,6 +15,7 @@ from rich.console import Console
 from bench import merge_bench, report, setups, sharded_bench
 from diloco import quantize
 from diloco.config import TransformerOptions
+from diloco.infra.jobs import sigterm_raises
 
 
 def _list(text: str, allowed) -> list[str]:
@@ -195,11 +196,12 @@ def main(argv: list[str]) -> Path:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args[:1] == ["merge"]:
-        main_merge(args[1:])
-    elif args[:1] == ["sharded"]:
-        main_sharded(args[1:])
-    elif args[:1] == ["load"]:
-        main_load(args[1:])
-    else:
-        main(args)
+    with sigterm_raises():  # so each run's `finally` stops the processes it started
+        if args[:1] == ["merge"]:
+            main_merge(args[1:])
+        elif args[:1] == ["sharded"]:
+            main_sharded(args[1:])
+        elif args[:1] == ["load"]:
+            main_load(args[1:])
+        else:
+            main(args)

@@ -156,10 +156,12 @@ def run_one(base: Config, *, params: int, learners: int, shards: int, seconds: f
     """One setting: provision, start the syncer shards, publish for `seconds`, drain, measure. Its
     store and logs live in a temporary folder, removed afterwards (they reach gigabytes)."""
     tmp = tempfile.mkdtemp(prefix="diloco-load-")
+    jobs = LocalJobs(logs or Path(tmp) / "logs")
     try:
-        return _run_one(base, tmp, params=params, learners=learners, shards=shards, seconds=seconds, period_s=period_s,
-                        jitter=jitter, fragments=fragments, senders=senders, logs=logs)
+        return _run_one(base, tmp, jobs, params=params, learners=learners, shards=shards, seconds=seconds,
+                        period_s=period_s, jitter=jitter, fragments=fragments, senders=senders)
     finally:
+        jobs.stop_all()  # an error or a SIGTERM mid-run leaves no syncer shard behind
         _clean_up(base, tmp)
 
 
@@ -174,11 +176,10 @@ def _clean_up(base: Config, tmp: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_one(base: Config, tmp: str, *, params: int, learners: int, shards: int, seconds: float, period_s: float,
-             jitter: float, fragments: int, senders: int, logs: Path | None) -> dict:
+def _run_one(base: Config, tmp: str, jobs: LocalJobs, *, params: int, learners: int, shards: int, seconds: float,
+             period_s: float, jitter: float, fragments: int, senders: int) -> dict:
     cfg, run_id, state, topics, encoded, conf = _provisioned(base, tmp, params=params, learners=learners, shards=shards,
                                                              fragments=fragments)
-    jobs = LocalJobs(logs or Path(tmp) / "logs")
     for i in range(shards):
         jobs.start(f"syncer-{i}", ["syncer", "--config", str(conf), "--shard", str(i)])
     time.sleep(2.0 + cfg.syncer.lease_ttl_s)  # shards claim their fragments
@@ -313,6 +314,7 @@ def drain_one(base: Config, *, params: int, learners: int, shards: int, seconds:
     (diloco.sim.capacity, at its per-core rates `intake_mb_s` and `outer_ns_per_param`) says the
     drain costs: the check of `diloco simulate capacity` against the real syncer."""
     tmp = tempfile.mkdtemp(prefix="diloco-load-")
+    jobs = LocalJobs(logs or Path(tmp) / "logs")
     try:
         cfg, run_id, state, topics, encoded, conf = _provisioned(base, tmp, params=params, learners=learners,
                                                                  shards=shards, fragments=fragments)
@@ -344,7 +346,6 @@ def drain_one(base: Config, *, params: int, learners: int, shards: int, seconds:
             th.start()
         for th in threads:
             th.join()
-        jobs = LocalJobs(logs or Path(tmp) / "logs")
         for i in range(shards):
             jobs.start(f"syncer-{i}", ["syncer", "--config", str(conf), "--shard", str(i)])
         pids = [job.popen.pid for job in jobs.jobs.values()]
@@ -380,6 +381,7 @@ def drain_one(base: Config, *, params: int, learners: int, shards: int, seconds:
                 "syncer_cores": cpu / elapsed, "broker_cores": broker_cpu / elapsed, "syncer_peak_rss_mb": peak,
                 "cpu_count": os.cpu_count()}
     finally:
+        jobs.stop_all()
         _clean_up(base, tmp)
 
 
