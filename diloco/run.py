@@ -170,6 +170,9 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
         run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
         try:
             run.watch(progress, setup.t_start)
+        except SystemExit:
+            console.print(f"[red]run stopped by SIGTERM:[/] stopping its learners and syncer; logs in {setup.run_dir / 'logs'}")
+            raise
         finally:
             jobs.stop_all()
             run.events.close()

@@ -77,6 +77,7 @@ def test_train_stopped_with_sigterm_stops_its_learners_and_syncer_first(tiny_con
         train.send_signal(signal.SIGTERM)
         assert train.wait(120) == 128 + signal.SIGTERM, (tmp_path / "train.log").read_text()[-3000:]
         assert not run_processes(cfg.run.dir)  # stopped before it exited, not left to train on
+        assert "run stopped by SIGTERM" in (tmp_path / "train.log").read_text()
     finally:
         if train.poll() is None:
             train.kill()
