@@ -22,7 +22,7 @@ from diloco import chaos, membership
 from diloco.checkpoint import read_global
 from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.jobs import LocalJobs, sigterm_raises
+from diloco.infra.jobs import LocalJobs, Terminated, sigterm_raises
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import Corpus, corpus_for
 from diloco.plan import Plan, flatten, unflatten
@@ -170,7 +170,7 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
         run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
         try:
             run.watch(progress, setup.t_start)
-        except SystemExit:
+        except Terminated:
             console.print(f"[red]run stopped by SIGTERM:[/] stopping its learners and syncer; logs in {setup.run_dir / 'logs'}")
             raise
         finally:

@@ -49,6 +49,11 @@ def make_jobs(cfg: Config, cfg_path: Path, region: str | None):
     return LocalJobs(cfg_path.parent / "logs", child_env(cfg))
 
 
+def prefect_termination(signum: int) -> TerminationSignal:
+    """SIGTERM as Prefect's engine raises it under a runner, for a flow run called as plain Python."""
+    return TerminationSignal(signal=signum)
+
+
 def run_tag(run_id: str) -> str:
     """The tag of a run's region flow runs: the run flow follows every flow run with it (a region restarted
     by hand too)."""
@@ -96,7 +101,7 @@ def region_run(config: str, region: str) -> dict:
     run = RunSupervisor(cfg, cfg_path, corpus_for(cfg), make_jobs(cfg, cfg_path, region), events_from_start(cfg),
                    Console(quiet=True), [], regions=(region,), syncer=False)
     state, error = "failed", None
-    with sigterm_raises(lambda signum: TerminationSignal(signal=signum)):
+    with sigterm_raises(prefect_termination):
         try:
             watch_region(run, t0)
             state = "completed"
@@ -233,7 +238,7 @@ def decoupled_diloco(config: str | None = None, overrides: list[str] | None = No
     register_regions(setup.cfg)
     regions = Regions(setup, eval_every, get_run_logger())
     run = open_run(setup, make_jobs(setup.cfg, setup.cfg_path, None), Console(quiet=True), kills=[], regions=())
-    with sigterm_raises(lambda signum: TerminationSignal(signal=signum)):
+    with sigterm_raises(prefect_termination):
         try:
             watch_run(run, regions, setup.t_start)
         finally:

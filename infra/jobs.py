@@ -125,8 +125,15 @@ class LocalJobs:
         return "\n".join(out)
 
 
+class Terminated(SystemExit):
+    """SIGTERM, raised where the process can still clean up; exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+
+
 @contextmanager
-def sigterm_raises(error: Callable[[int], BaseException] = lambda signum: SystemExit(128 + signum)) -> Iterator[None]:
+def sigterm_raises(error: Callable[[int], BaseException] = Terminated) -> Iterator[None]:
     """Within the block, SIGTERM raises `error(signum)` instead of ending the process on the spot, so the
     `finally` that stops a run's jobs still runs (`kill`, a scheduler's stop or a CI timeout would
     otherwise leave its learners and syncer training on). A no-op off the main thread, or where a
