@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -233,3 +234,99 @@ def group_lag(t: TransportConfig, group: str, tps: list[TopicPartition], timeout
                  "lag": c.highwater(tp) - (committed[tp] or 0)} for tp in tps]
     finally:
         c.close()
+
+
+
+def rdkafka_settings(t: TransportConfig, group_id: str | None) -> dict:
+    """librdkafka's names for what `consumer` sets: the same broker, security and size limits."""
+    big = t.max_message_bytes + 65536
+    kw = {"bootstrap.servers": t.bootstrap_servers, "security.protocol": t.security_protocol.lower(),
+          "group.id": group_id or "diloco-unnamed", "enable.auto.commit": False, "auto.offset.reset": "earliest",
+          "fetch.max.bytes": max(big, 52428800), "max.partition.fetch.bytes": big,
+          "receive.message.max.bytes": max(big, 52428800) + 65536,
+          "reconnect.backoff.ms": 100, "reconnect.backoff.max.ms": 5000}
+    if t.sasl_mechanism:
+        kw |= {"sasl.mechanism": t.sasl_mechanism, "sasl.username": t.sasl_username,
+               "sasl.password": resolve_secret(t.sasl_password_env, "transport.sasl_password_env")}
+    if t.ssl_cafile:
+        kw["ssl.ca.location"] = t.ssl_cafile
+    return kw
+
+
+class _Record(NamedTuple):
+    offset: int
+    value: bytes
+
+
+class RdKafkaConsumer:
+    """The syncer's intake on librdkafka (confluent-kafka), behind the part of kafka-python's
+    `KafkaConsumer` the syncer uses: assign and seek, poll into {partition: records}, position,
+    high watermark, commit. librdkafka fetches and parses in its own C threads, so a record costs the
+    syncer a fraction of kafka-python's parsing (docs/bench.md, the syncer's intake).
+
+    Positions are kept here: the next offset of each assigned partition, moved by `seek` and by what
+    `poll` returns, so that a record the syncer has not seen is never skipped. The high watermark is
+    librdkafka's figure from its last fetch response (the local broker's ListOffsets is wrong, as
+    `read_to_end` explains). Errors come out as kafka-python's `KafkaError`, as the syncer expects."""
+
+    def __init__(self, t: TransportConfig, group_id: str | None = None):
+        import confluent_kafka
+
+        self._ck = confluent_kafka
+        self.config = {"group_id": group_id}
+        try:
+            self._consumer = confluent_kafka.Consumer(rdkafka_settings(t, group_id))
+        except confluent_kafka.KafkaException as err:
+            raise TransportError(f"librdkafka consumer for {t.bootstrap_servers}: {err}") from None
+        self._positions: dict[TopicPartition, int] = {}
+        self._moved = False
+
+    def assign(self, partitions) -> None:
+        self._positions = {tp: self._positions.get(tp, 0) for tp in partitions}
+        self._moved = True
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._positions[tp] = offset
+        self._moved = True
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._positions)
+
+    def position(self, tp: TopicPartition) -> int:
+        return self._positions[tp]
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        _, high = self._consumer.get_watermark_offsets(self._ck.TopicPartition(tp.topic, tp.partition), cached=True)
+        return high if high >= 0 else None
+
+    def poll(self, timeout_ms: int = 0, max_records: int = 500) -> dict[TopicPartition, list[_Record]]:
+        ck = self._ck
+        if self._moved:  # librdkafka starts each partition where `assign` says: the positions kept here
+            self._consumer.assign([ck.TopicPartition(tp.topic, tp.partition, off) for tp, off in self._positions.items()])
+            self._moved = False
+        out: dict[TopicPartition, list[_Record]] = {}
+        for msg in self._consumer.consume(max_records, timeout_ms / 1000):
+            if msg.error() is not None:
+                if msg.error().fatal():
+                    raise KafkaError(f"librdkafka: {msg.error()}")
+                continue  # transient (a broker away, a partition's end): librdkafka retries by itself
+            tp = TopicPartition(msg.topic(), msg.partition())
+            if tp in self._positions and msg.offset() >= self._positions[tp]:
+                out.setdefault(tp, []).append(_Record(msg.offset(), msg.value()))
+                self._positions[tp] = msg.offset() + 1
+        return out
+
+    def commit(self, offsets, timeout_ms: int | None = None) -> None:
+        try:
+            self._consumer.commit(offsets=[self._ck.TopicPartition(tp.topic, tp.partition, meta.offset)
+                                           for tp, meta in offsets.items()], asynchronous=False)
+        except self._ck.KafkaException as err:
+            raise KafkaError(f"librdkafka commit: {err}") from None
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def intake_consumer(t: TransportConfig, client: str, group_id: str | None = None):
+    """The syncer's consumer of contributions and events, on the client `syncer.consumer` names."""
+    return RdKafkaConsumer(t, group_id) if client == "librdkafka" else consumer(t, group_id=group_id)

@@ -29,7 +29,8 @@ def main(cfg: Config, run_id: str, shard: int = 0) -> None:
     """Entry point of one syncer shard's process (`diloco syncer`)."""
     r = state_mod.connect(cfg.state)
     producer = kafka_io.producer(cfg.transport)
-    consumer = kafka_io.consumer(cfg.transport, group_id=kafka_io.Topics.for_run(cfg, run_id).syncer_group)
+    consumer = kafka_io.intake_consumer(cfg.transport, cfg.syncer.consumer,
+                                        group_id=kafka_io.Topics.for_run(cfg, run_id).syncer_group)
     syncer = Syncer(cfg, run_id, state=state_mod.SyncerState(r, cfg.state.key_prefix, run_id),
                     store=FragmentStore(cfg.store.url, run_id), producer=producer, consumer=consumer, shard=shard)
     if port := cfg.syncer_port(shard):

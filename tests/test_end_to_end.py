@@ -117,8 +117,12 @@ def test_a_learner_ahead_sends_one_delta_per_version_and_every_token_is_merged(t
     assert sent["us-0"] < unheld and sent["eu-0"] <= unheld, (sent, unheld)
 
 
-def test_syncer_killed_mid_run_resumes_and_applies_nothing_twice(tiny_config, tmp_path):
-    cfg = tiny_config(inner={"steps": 160}, fragments={"count": 4, "sync_every": 8, "chunk_bytes": 2048})
+@pytest.mark.parametrize("consumer", ["kafka-python", "librdkafka"])
+def test_syncer_killed_mid_run_resumes_and_applies_nothing_twice(tiny_config, tmp_path, consumer):
+    """On either client the syncer reads with (syncer.consumer): the restarted shard seeks to the
+    offsets Redis kept and reads on from there."""
+    cfg = tiny_config(inner={"steps": 160}, fragments={"count": 4, "sync_every": 8, "chunk_bytes": 2048},
+                      syncer={"consumer": consumer})
     run_id = f"kill-{time.time_ns() % 10**8}"
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": run_id})})
     (tmp_path / "config.yaml").write_text(__import__("diloco.config", fromlist=["dump_config"]).dump_config(cfg))
