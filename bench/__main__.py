@@ -125,18 +125,22 @@ def main_load(argv: list[str]) -> list[dict]:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override (e.g. transport.bootstrap_servers=host:9092, state.redis_url=...)")
     a = ap.parse_args(argv)
-    rows = load.sweep(load_config(None, a.set), sizes=[float(x) for x in a.params.split(",")],
+    base = load_config(None, a.set)
+    rows = load.sweep(base, sizes=[float(x) for x in a.params.split(",")],
                       learners=[int(x) for x in a.learners.split(",")], shards=[int(x) for x in a.shards.split(",")],
                       seconds=a.seconds, period_s=a.period, jitter=a.jitter, progress=lambda r: print(r, flush=True),
                       drain=a.drain)
     print(load.drain_table(rows) if a.drain else load.table(rows))
-    ceiling = load.client_ceiling(load_config(None, a.set))
-    print(f"the Kafka client alone, one process, {ceiling['record_bytes'] // 1024} KiB records: produce "
-          f"{ceiling['produce_mb_per_s']:.0f} MB/s, consume {ceiling['consume_mb_per_s']:.0f} MB/s on "
-          f"{ceiling['consume_cores']:.2f} cores ({ceiling['consume_mb_per_core_s']:.0f} MB/s per core)")
-    if a.drain:
-        print("\n".join(load.intake_against_client(rows, ceiling)))
-    rows = [*rows, {"client_ceiling": ceiling}]
+    # the client the shards read with, and kafka-python's too where that is another: the syncer's
+    # intake against each
+    ceilings = [load.client_ceiling(base, client=c) for c in dict.fromkeys([base.syncer.consumer, "kafka-python"])]
+    for ceiling in ceilings:
+        print(f"{ceiling['client']} alone, one process, {ceiling['record_bytes'] // 1024} KiB records: produce "
+              f"{ceiling['produce_mb_per_s']:.0f} MB/s, consume {ceiling['consume_mb_per_s']:.0f} MB/s on "
+              f"{ceiling['consume_cores']:.2f} cores ({ceiling['consume_mb_per_core_s']:.0f} MB/s per core)")
+        if a.drain:
+            print("\n".join(load.intake_against_client(rows, ceiling)))
+    rows = [*rows, *({"client_ceiling": c} for c in ceilings)]
     if a.output:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         a.output.write_text(json.dumps(rows, indent=1))

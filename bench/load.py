@@ -385,11 +385,12 @@ def drain_one(base: Config, *, params: int, learners: int, shards: int, seconds:
         _clean_up(base, tmp)
 
 
-def client_ceiling(base: Config, *, megabytes: float = 300.0, partitions: int = 3) -> dict:
+def client_ceiling(base: Config, *, megabytes: float = 300.0, partitions: int = 3,
+                   client: str = "kafka-python") -> dict:
     """What one process moves through the Kafka client alone, with the learners' producer and the
-    syncer's consumer settings (kafka_io), in records of `fragments.chunk_bytes`: the most any
-    generator or syncer shard can send or take in here, whatever it does with the bytes. Measured
-    with nothing else running, on a throwaway topic."""
+    syncer's consumer settings (kafka_io) on `client`, in records of `fragments.chunk_bytes`: the
+    most any generator or syncer shard can send or take in here, whatever it does with the bytes.
+    Measured with nothing else running, on a throwaway topic."""
     t = base.transport
     topic = f"{base.transport.topic_prefix}.load-ceiling-{time.time_ns() % 10**10}"
     kafka_io.ensure_topics(t, {topic: partitions})
@@ -403,7 +404,7 @@ def client_ceiling(base: Config, *, megabytes: float = 300.0, partitions: int = 
         f.get(timeout=60)
     produce_s = time.perf_counter() - start
     prod.close()
-    c = kafka_io.consumer(t)
+    c = kafka_io.intake_consumer(t, client)
     try:
         kafka_io.assign_from(c, {tp: 0 for tp in kafka_io.partitions_of(topic, partitions)})
         got, start, cpu = 0, time.perf_counter(), time.process_time()  # process time: the client's threads too
@@ -415,7 +416,7 @@ def client_ceiling(base: Config, *, megabytes: float = 300.0, partitions: int = 
     finally:
         c.close()
         kafka_io.delete_topics(t, [topic])
-    return {"record_bytes": len(record), "records": n, "produce_mb_per_s": n * len(record) / produce_s / 1e6,
+    return {"client": client, "record_bytes": len(record), "records": n, "produce_mb_per_s": n * len(record) / produce_s / 1e6,
             "consume_mb_per_s": got / consume_s / 1e6, "consume_cores": consume_cpu_s / consume_s,
             "consume_mb_per_core_s": got / max(consume_cpu_s, 1e-9) / 1e6}
 
@@ -428,8 +429,8 @@ def intake_against_client(rows: list[dict], ceiling: dict) -> list[str]:
     for r in rows:
         per_core = r["taken_in_mb_per_s"] / max(r["syncer_cores"], 1e-9)
         out.append(f"{r['params_per_fragment'] / 1e6:.1f}M x {r['shards']} shard(s): the syncer takes in "
-                   f"{per_core:.0f} MB/s per core it used, {100 * per_core / client:.0f}% of the client's "
-                   f"{client:.0f} MB/s per core")
+                   f"{per_core:.0f} MB/s per core it used, {100 * per_core / client:.0f}% of "
+                   f"{ceiling.get('client', 'kafka-python')} alone's {client:.0f} MB/s per core")
     return out
 
 
