@@ -304,15 +304,17 @@ def _run_one(base: Config, tmp: str, jobs: LocalJobs, *, params: int, learners: 
 
 def drain_one(base: Config, *, params: int, learners: int, shards: int, seconds: float = 20.0, period_s: float = 2.0,
               fragments: int = 3, senders: int = 4, logs: Path | None = None,
-              intake_mb_s: float = capacity.INTAKE_MB_S,
+              intake_mb_s: float | None = None,
               outer_ns_per_param: float = capacity.OUTER_NS_PER_PARAM) -> dict:
     """The syncer's own capacity: `seconds` of the setting's traffic published first, with no syncer
     running, then the shards started and timed from their first acceptance to the last decision.
     With the generator out of the way the syncer shares the machine only with the broker, so this is
     what one shard (or several) takes in when it has a core; the live rows are what it does beside a
     generator on the same cores. `predicted_syncer_core_s` is what the capacity plan's model
-    (diloco.sim.capacity, at its per-core rates `intake_mb_s` and `outer_ns_per_param`) says the
-    drain costs: the check of `diloco simulate capacity` against the real syncer."""
+    (diloco.sim.capacity, at its per-core rates `intake_mb_s`, by default the rate of the client the
+    shards read with, and `outer_ns_per_param`) says the drain costs: the check of `diloco simulate
+    capacity` against the real syncer."""
+    intake_mb_s = capacity.INTAKE_MB_S_BY_CLIENT[base.syncer.consumer] if intake_mb_s is None else intake_mb_s
     tmp = tempfile.mkdtemp(prefix="diloco-load-")
     jobs = LocalJobs(logs or Path(tmp) / "logs")
     try:

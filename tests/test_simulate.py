@@ -132,9 +132,12 @@ def test_the_10b_plan_matches_the_arithmetic_of_its_layout():
     assert p["contributions_per_s"] == pytest.approx(8 * 24 / 48)
     assert p["intake_bytes_per_s"] == pytest.approx(8 * 10e9 * int8 / 48) and 1.6e9 < p["intake_bytes_per_s"] < 1.8e9
     assert p["versions_per_s_per_fragment"] == pytest.approx(8 / (4 * 48))   # K = M // 2 = 4
-    per_fragment = p["intake_bytes_per_s"] / 24 / 200e6 + 8 / (4 * 48) * 10e9 / 24 * 8e-9
+    per_fragment = p["intake_bytes_per_s"] / 24 / (cap.INTAKE_MB_S * 1e6) + 8 / (4 * 48) * 10e9 / 24 * 8e-9
     assert p["core_load_per_fragment"] == pytest.approx(per_fragment) and p["syncer_cores"] == pytest.approx(24 * per_fragment)
-    assert (p["shards"], p["fragments_per_shard"]) == (24, 1) and p["fragment_fits_a_shard"]
+    fit = int(0.7 // per_fragment)                                    # fragments a shard keeps 70% busy
+    assert p["fragment_fits_a_shard"] and p["shards"] == -(-24 // fit) and p["fragments_per_shard"] == -(-24 // p["shards"])
+    on_kafka_python = cap.plan(cap.Layout(10e9, 24, 24, 8, intake_mb_s=cap.INTAKE_MB_S_BY_CLIENT["kafka-python"]))
+    assert on_kafka_python["syncer_cores"] > 1.5 * p["syncer_cores"]
     assert p["kafka"]["partitions_per_topic"] == 24 and p["kafka"]["bytes_per_s_per_topic"] == pytest.approx(
         p["intake_bytes_per_s"] / 2)
     int4 = 0.5 + 4 / 1024
@@ -188,7 +191,12 @@ def test_cli_capacity_prints_the_plan_and_json():
                                    "--learners", "8"])
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
-    assert "1.67 GB/s" in out and "24 x 1 fragments" in out
+    assert "1.67 GB/s" in out and "12 x 2 fragments" in out               # librdkafka's intake rate
+    old = CliRunner().invoke(app, ["capacity", "--params", "10e9", "--fragments", "24", "--sync-every", "24",
+                                   "--learners", "8", "--consumer", "kafka-python"])
+    assert "24 x 1 fragments" in " ".join(old.output.split())            # kafka-python's: one fragment per shard
+    wrong = CliRunner().invoke(app, ["capacity", "--params", "1e9", "--consumer", "sarama"])
+    assert wrong.exit_code == 2 and "librdkafka, kafka-python" in wrong.output
     js = CliRunner().invoke(app, ["capacity", "--params", "1e9", "--json"])
     assert json.loads(js.stdout)["layout"]["quorum"] == 4
     bad = CliRunner().invoke(app, ["capacity", "--params", "1e9", "--quantization", "int9"])

@@ -254,9 +254,9 @@ class SyncerConfig(_Section):
     silent_after_s: float = Field(5.0, gt=0, description="a learner without heartbeat this long is not waited for")
     drop_after_s: float = Field(60.0, gt=0, description="a learner silent this long leaves the registry")
     poll_ms: int = Field(100, ge=1)
-    consumer: Literal["kafka-python", "librdkafka"] = Field(
-        "kafka-python", description="the Kafka client a shard reads contributions with: librdkafka (confluent-kafka) "
-        "parses records in C and takes in about 2.4x more per core (docs/bench.md)")
+    consumer: Literal["librdkafka", "kafka-python"] = Field(
+        "librdkafka", description="the Kafka client a shard reads contributions with: librdkafka (confluent-kafka) "
+        "parses records in C and takes in about 2.3x as much per core as kafka-python (docs/bench.md)")
     shards: int = Field(1, ge=1, description="syncer instances; each owns the fragments it holds Redis leases on")
     lease_ttl_s: float = Field(3.0, gt=0, description="a shard silent this long loses its fragments to the others")
     stuck_after_s: float = Field(300.0, gt=0, description="a shard whose main loop shows no progress this long stops "

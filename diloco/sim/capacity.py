@@ -52,10 +52,12 @@ def bytes_per_param(scheme: str, packing_ratio: float = 1.0) -> float:
 
 
 # Per-core rates of the syncer measured on this machine (docs/simulate.md): contribution bytes taken
-# in per second (fitted to `python -m bench load --drain` rows, whose rounds merge many contributions
-# each) and core time per parameter of each version merged (a 50M-parameter merge with its outer
-# step, update encoding, write and share of the snapshot: about 0.4 s, docs/bench.md).
-INTAKE_MB_S = 200.0
+# in per second, by the Kafka client a shard reads with (`syncer.consumer`; fitted to `python -m
+# bench load --drain` rows, whose rounds merge many contributions each), and core time per parameter
+# of each version merged (a 50M-parameter merge with its outer step, update encoding, write and
+# share of the snapshot: about 0.4 s, docs/bench.md).
+INTAKE_MB_S_BY_CLIENT = {"librdkafka": 450.0, "kafka-python": 200.0}
+INTAKE_MB_S = INTAKE_MB_S_BY_CLIENT["librdkafka"]  # the default client's
 OUTER_NS_PER_PARAM = 8.0
 
 

@@ -327,7 +327,10 @@ def capacity(
     quantization: Annotated[str, typer.Option(help="codec of the deltas learners send")] = "int8",
     broadcast: Annotated[str, typer.Option(help="codec of the updates learners fetch")] = "int4",
     packing_ratio: Annotated[float, typer.Option(help="share of the codes a lossless stage keeps (zstd: ~0.8-0.95)")] = 1.0,
-    intake_mb_s: Annotated[float, typer.Option(help="contribution MB/s one syncer core takes in (measured here: 200)")] = 200.0,
+    consumer: Annotated[str, typer.Option(help="the Kafka client the syncer reads with (syncer.consumer): "
+                                          "librdkafka or kafka-python; sets the default --intake-mb-s")] = "librdkafka",
+    intake_mb_s: Annotated[Optional[float], typer.Option(help="contribution MB/s one syncer core takes in (measured "
+                                                         "here: 450 on librdkafka, 200 on kafka-python)")] = None,
     outer_ns_per_param: Annotated[float, typer.Option(help="core ns per parameter of each version merged (measured here: 8)")] = 8.0,
     snapshot_every: Annotated[int, typer.Option(min=1, help="store.snapshot_every")] = 8,
     replicas: Annotated[int, typer.Option(min=1, help="broker replication factor")] = 3,
@@ -339,10 +342,15 @@ def capacity(
 
     Each figure is arithmetic on the layout and two rates measured on this machine by
     `python -m bench load --drain` (docs/simulate.md says how each is derived and how the rates were
-    fitted); give your own with --intake-mb-s and --outer-ns-per-param.
+    fitted, for each Kafka client the syncer may read with); give your own with --intake-mb-s and
+    --outer-ns-per-param.
     """
     from diloco.sim import capacity as cap
 
+    if consumer not in cap.INTAKE_MB_S_BY_CLIENT:
+        Console(stderr=True).print(f"[red]error:[/] --consumer {consumer!r}: one of {', '.join(cap.INTAKE_MB_S_BY_CLIENT)}")
+        raise typer.Exit(2)
+    intake_mb_s = cap.INTAKE_MB_S_BY_CLIENT[consumer] if intake_mb_s is None else intake_mb_s
     try:
         layout = cap.Layout(params, fragments, sync_every, learners, quorum=quorum, regions=regions,
                             step_time_s=step_time, quantization=quantization, broadcast=broadcast,
