@@ -236,7 +236,6 @@ def group_lag(t: TransportConfig, group: str, tps: list[TopicPartition], timeout
         c.close()
 
 
-
 def rdkafka_settings(t: TransportConfig, group_id: str | None) -> dict:
     """librdkafka's names for what `consumer` sets: the same broker, security and size limits."""
     big = t.max_message_bytes + 65536

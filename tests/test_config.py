@@ -105,20 +105,3 @@ def test_updates_come_from_the_snapshot_unless_the_broadcast_code_is_below_4_bit
     for code in ("int2", "topk"):   # a code that coarse of everything since the snapshot would stay that coarse
         assert build_config({"syncer": {"broadcast": code}}).syncer.updates_from == "previous"
     assert build_config({"syncer": {"broadcast": "topk", "update_base": "snapshot"}}).syncer.updates_from == "snapshot"
-
-
-def test_the_librdkafka_intake_gets_the_same_broker_security_and_limits_as_kafka_python(monkeypatch):
-    from diloco.infra import kafka as kafka_io
-
-    monkeypatch.setenv("KAFKA_PW", "s3cret")
-    cfg = build_config({"transport": {"bootstrap_servers": "a:9093,b:9093", "security_protocol": "SASL_SSL",
-                                      "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "syncer",
-                                      "sasl_password_env": "KAFKA_PW", "ssl_cafile": "/etc/ca.pem",
-                                      "max_message_bytes": 4 << 20}, "syncer": {"consumer": "librdkafka"}})
-    s = kafka_io.rdkafka_settings(cfg.transport, group_id=None)
-    assert s["bootstrap.servers"] == "a:9093,b:9093" and s["security.protocol"] == "sasl_ssl"
-    assert (s["sasl.mechanism"], s["sasl.username"], s["sasl.password"]) == ("SCRAM-SHA-512", "syncer", "s3cret")
-    assert s["ssl.ca.location"] == "/etc/ca.pem"
-    assert s["max.partition.fetch.bytes"] == (4 << 20) + 65536 and s["enable.auto.commit"] is False
-    with pytest.raises(ConfigError, match="syncer.consumer"):
-        build_config({"syncer": {"consumer": "sarama"}})

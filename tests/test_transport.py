@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType
 
 from diloco.config import ConfigError, build_config
@@ -58,6 +58,60 @@ def test_sasl_clients_get_mechanism_user_and_the_password_from_the_env_var(monke
     with pytest.raises(ConfigError, match=r"transport.sasl_password_env names \$DILOCO_TEST_KAFKA_PW, which is not set"):
         kafka_io._common(t)
     assert "sasl_mechanism" not in kafka_io._common(_transport())
+
+
+def test_the_librdkafka_intake_gets_the_same_broker_security_and_limits_as_kafka_python(monkeypatch):
+    monkeypatch.setenv("KAFKA_PW", "s3cret")
+    cfg = build_config({"transport": {"bootstrap_servers": "a:9093,b:9093", "security_protocol": "SASL_SSL",
+                                      "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "syncer",
+                                      "sasl_password_env": "KAFKA_PW", "ssl_cafile": "/etc/ca.pem",
+                                      "max_message_bytes": 4 << 20}, "syncer": {"consumer": "librdkafka"}})
+    s = kafka_io.rdkafka_settings(cfg.transport, group_id=None)
+    assert s["bootstrap.servers"] == "a:9093,b:9093" and s["security.protocol"] == "sasl_ssl"
+    assert (s["sasl.mechanism"], s["sasl.username"], s["sasl.password"]) == ("SCRAM-SHA-512", "syncer", "s3cret")
+    assert s["ssl.ca.location"] == "/etc/ca.pem"
+    assert s["max.partition.fetch.bytes"] == (4 << 20) + 65536 and s["enable.auto.commit"] is False
+    with pytest.raises(ConfigError, match="syncer.consumer"):
+        build_config({"syncer": {"consumer": "sarama"}})
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("client", ["kafka-python", "librdkafka"])
+def test_the_syncers_consumer_reads_on_from_where_it_is_sought_on_either_client(kafka_bootstrap, client):
+    """What the syncer relies on after a restart, a takeover or a lost payload: a seek back reads every
+    record again in order, even those the client already fetched ahead; a seek forward skips to
+    there; position and high watermark say where it is."""
+    t = _transport(bootstrap_servers=kafka_bootstrap)
+    topic = f"seek-{client}-{time.time_ns()}"
+    kafka_io.ensure_topics(t, {topic: 1})
+    p = kafka_io.producer(t)
+    for i in range(200):
+        p.send(topic, str(i).encode(), partition=0)
+    p.flush()
+    p.close()
+    c = kafka_io.intake_consumer(t, client)
+    tp = TopicPartition(topic, 0)
+
+    def read(n: int, batch: int = 500) -> list[tuple[int, bytes]]:
+        out: list = []
+        deadline = time.time() + 30
+        while len(out) < n and time.time() < deadline:
+            for records in c.poll(timeout_ms=200, max_records=min(batch, n - len(out))).values():
+                out += [(r.offset, r.value) for r in records]
+        return out
+
+    try:
+        kafka_io.assign_from(c, {tp: 0})
+        assert read(60, batch=7) == [(i, str(i).encode()) for i in range(60)]
+        time.sleep(0.5)                                   # the client fetches ahead meanwhile
+        c.seek(tp, 10)
+        assert [o for o, _ in read(190)] == list(range(10, 200))
+        assert c.position(tp) == c.highwater(tp) == 200 and c.assignment() == {tp}
+        c.seek(tp, 150)
+        assert [o for o, _ in read(50)] == list(range(150, 200))
+    finally:
+        c.close()
+        kafka_io.delete_topics(t, [topic])
 
 
 @pytest.mark.integration
