@@ -278,7 +278,7 @@ class RdKafkaConsumer:
         except confluent_kafka.KafkaException as err:
             raise TransportError(f"librdkafka consumer for {t.bootstrap_servers}: {err}") from None
         self._positions: dict[TopicPartition, int] = {}
-        self._moved = False
+        self._moved = self._closed = False
 
     def assign(self, partitions) -> None:
         self._positions = {tp: self._positions.get(tp, 0) for tp in partitions}
@@ -323,7 +323,10 @@ class RdKafkaConsumer:
             raise KafkaError(f"librdkafka commit: {err}") from None
 
     def close(self) -> None:
-        self._consumer.close()
+        """Leave the broker; again is a no-op, as on kafka-python."""
+        if not self._closed:
+            self._closed = True
+            self._consumer.close()
 
 
 def intake_consumer(t: TransportConfig, client: str, group_id: str | None = None):

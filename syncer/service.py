@@ -31,12 +31,15 @@ def main(cfg: Config, run_id: str, shard: int = 0) -> None:
     producer = kafka_io.producer(cfg.transport)
     consumer = kafka_io.intake_consumer(cfg.transport, cfg.syncer.consumer,
                                         group_id=kafka_io.Topics.for_run(cfg, run_id).syncer_group)
-    syncer = Syncer(cfg, run_id, state=state_mod.SyncerState(r, cfg.state.key_prefix, run_id),
-                    store=FragmentStore(cfg.store.url, run_id), producer=producer, consumer=consumer, shard=shard)
-    if port := cfg.syncer_port(shard):
-        serve(syncer, cfg.monitoring.host, port)
-    run(syncer)
-    producer.close()
+    try:  # whatever stops it, at start too (the state lost, say): no client of it may linger, reconnecting
+        syncer = Syncer(cfg, run_id, state=state_mod.SyncerState(r, cfg.state.key_prefix, run_id),
+                        store=FragmentStore(cfg.store.url, run_id), producer=producer, consumer=consumer, shard=shard)
+        if port := cfg.syncer_port(shard):
+            serve(syncer, cfg.monitoring.host, port)
+        run(syncer)
+    finally:
+        consumer.close()
+        producer.close(timeout=10)  # a broker gone must not hold the exit forever
 
 
 def run(syncer: Syncer) -> None:
