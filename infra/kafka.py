@@ -146,13 +146,20 @@ def producer(t: TransportConfig) -> KafkaProducer:
     ), t)
 
 
+def _fetch_limits(t: TransportConfig) -> tuple[int, int]:
+    """(bytes one partition may return per fetch, bytes one fetch may return), the same for either
+    client: room for the largest message the run allows, plus its framing."""
+    record = t.max_message_bytes + 65536
+    return record, max(record, 52428800)
+
+
 def consumer(t: TransportConfig, group_id: str | None = None, **kw) -> KafkaConsumer:
     """A consumer with no auto-commit: callers assign partitions and keep offsets. A `group_id` only
     names where `commit()` puts offsets for monitoring; the group never subscribes or rebalances."""
-    big = t.max_message_bytes + 65536
+    record, fetch = _fetch_limits(t)
     return _retry(lambda: KafkaConsumer(
         **_common(t), enable_auto_commit=False, auto_offset_reset="earliest", group_id=group_id,
-        fetch_max_bytes=max(big, 52428800), max_partition_fetch_bytes=big, receive_message_max_bytes=big + 65536,
+        fetch_max_bytes=fetch, max_partition_fetch_bytes=record, receive_message_max_bytes=record + 65536,
         **kw,
     ), t)
 
@@ -238,11 +245,11 @@ def group_lag(t: TransportConfig, group: str, tps: list[TopicPartition], timeout
 
 def rdkafka_settings(t: TransportConfig, group_id: str | None) -> dict:
     """librdkafka's names for what `consumer` sets: the same broker, security and size limits."""
-    big = t.max_message_bytes + 65536
+    record, fetch = _fetch_limits(t)
     kw = {"bootstrap.servers": t.bootstrap_servers, "security.protocol": t.security_protocol.lower(),
           "group.id": group_id or "diloco-unnamed", "enable.auto.commit": False, "auto.offset.reset": "earliest",
-          "fetch.max.bytes": max(big, 52428800), "max.partition.fetch.bytes": big,
-          "receive.message.max.bytes": max(big, 52428800) + 65536,
+          "fetch.max.bytes": fetch, "max.partition.fetch.bytes": record,
+          "receive.message.max.bytes": fetch + 65536,
           "reconnect.backoff.ms": 100, "reconnect.backoff.max.ms": 5000}
     if t.sasl_mechanism:
         kw |= {"sasl.mechanism": t.sasl_mechanism, "sasl.username": t.sasl_username,
@@ -278,7 +285,7 @@ class RdKafkaConsumer:
         except confluent_kafka.KafkaException as err:
             raise TransportError(f"librdkafka consumer for {t.bootstrap_servers}: {err}") from None
         self._positions: dict[TopicPartition, int] = {}
-        self._moved = self._closed = False
+        self._moved = False
 
     def assign(self, partitions) -> None:
         self._positions = {tp: self._positions.get(tp, 0) for tp in partitions}
@@ -323,10 +330,7 @@ class RdKafkaConsumer:
             raise KafkaError(f"librdkafka commit: {err}") from None
 
     def close(self) -> None:
-        """Leave the broker; again is a no-op, as on kafka-python."""
-        if not self._closed:
-            self._closed = True
-            self._consumer.close()
+        self._consumer.close()
 
 
 def intake_consumer(t: TransportConfig, client: str, group_id: str | None = None):

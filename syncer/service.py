@@ -72,7 +72,6 @@ def run(syncer: Syncer) -> None:
     finally:
         syncer.ownership.keeper.halt()
         syncer.producer.flush()
-        syncer.consumer.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

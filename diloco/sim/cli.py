@@ -329,8 +329,8 @@ def capacity(
     packing_ratio: Annotated[float, typer.Option(help="share of the codes a lossless stage keeps (zstd: ~0.8-0.95)")] = 1.0,
     consumer: Annotated[str, typer.Option(help="the Kafka client the syncer reads with (syncer.consumer): "
                                           "librdkafka or kafka-python; sets the default --intake-mb-s")] = "librdkafka",
-    intake_mb_s: Annotated[Optional[float], typer.Option(help="contribution MB/s one syncer core takes in (measured "
-                                                         "here: 450 on librdkafka, 200 on kafka-python)")] = None,
+    intake_mb_s: Annotated[Optional[float], typer.Option(help="contribution MB/s one syncer core takes in; default: "
+                                                         "the rate measured here for --consumer")] = None,
     outer_ns_per_param: Annotated[float, typer.Option(help="core ns per parameter of each version merged (measured here: 8)")] = 8.0,
     snapshot_every: Annotated[int, typer.Option(min=1, help="store.snapshot_every")] = 8,
     replicas: Annotated[int, typer.Option(min=1, help="broker replication factor")] = 3,
