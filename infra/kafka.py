@@ -106,7 +106,7 @@ def _answers(t: TransportConfig) -> bool:
 def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float = 30.0) -> None:
     """Create topics with their final partition counts (the local broker cannot add partitions), replicated as
     transport.replication_factor / min_insync_replicas say; topics that exist are left as they are."""
-    admin = _retry(lambda: KafkaAdminClient(**_common(t), request_timeout_ms=10_000), t, timeout_s)
+    admin = _connect(KafkaAdminClient, t, timeout_s, request_timeout_ms=10_000)
     try:
         existing = set(admin.list_topics())
         configs = {} if t.min_insync_replicas is None else {"min.insync.replicas": str(t.min_insync_replicas)}
@@ -128,7 +128,7 @@ def ensure_topics(t: TransportConfig, topics: dict[str, int], timeout_s: float =
 
 def delete_topics(t: TransportConfig, names: list[str]) -> None:
     """Delete topics (those that do not exist are skipped): throwaway runs give their broker space back."""
-    admin = _retry(lambda: KafkaAdminClient(**_common(t), request_timeout_ms=30_000), t)
+    admin = _connect(KafkaAdminClient, t, request_timeout_ms=30_000)
     try:
         gone = [n for n in names if n in set(admin.list_topics())]
         if gone:
@@ -139,11 +139,10 @@ def delete_topics(t: TransportConfig, names: list[str]) -> None:
 
 def producer(t: TransportConfig) -> KafkaProducer:
     # Idempotence off: the local broker loses producer ids on restart; the syncer drops replays by id.
-    return _retry(lambda: KafkaProducer(
-        **_common(t), acks=t.acks, linger_ms=5, enable_idempotence=False, retries=5, max_block_ms=10_000,
+    return _connect(
+        KafkaProducer, t, acks=t.acks, linger_ms=5, enable_idempotence=False, retries=5, max_block_ms=10_000,
         max_request_size=t.max_message_bytes + 65536,
-        compression_type=None if t.compression == "none" else t.compression,
-    ), t)
+        compression_type=None if t.compression == "none" else t.compression)
 
 
 def _fetch_limits(t: TransportConfig) -> tuple[int, int]:
@@ -157,11 +156,9 @@ def consumer(t: TransportConfig, group_id: str | None = None, **kw) -> KafkaCons
     """A consumer with no auto-commit: callers assign partitions and keep offsets. A `group_id` only
     names where `commit()` puts offsets for monitoring; the group never subscribes or rebalances."""
     record, fetch = _fetch_limits(t)
-    return _retry(lambda: KafkaConsumer(
-        **_common(t), enable_auto_commit=False, auto_offset_reset="earliest", group_id=group_id,
-        fetch_max_bytes=fetch, max_partition_fetch_bytes=record, receive_message_max_bytes=record + 65536,
-        **kw,
-    ), t)
+    return _connect(
+        KafkaConsumer, t, enable_auto_commit=False, auto_offset_reset="earliest", group_id=group_id,
+        fetch_max_bytes=fetch, max_partition_fetch_bytes=record, receive_message_max_bytes=record + 65536, **kw)
 
 
 def assign_from(c: KafkaConsumer, positions: dict[TopicPartition, int]) -> None:
@@ -175,12 +172,16 @@ def partitions_of(topic: str, n: int) -> list[TopicPartition]:
     return [TopicPartition(topic, p) for p in range(n)]
 
 
-def _retry(make, t: TransportConfig, timeout_s: float = 20.0):
+def _connect(client: type, t: TransportConfig, timeout_s: float = 20.0, **kw):
+    """A kafka-python client, retried with backoff until `timeout_s`. Each try's bootstrap is bounded by
+    what is left of it (at most 10 s): the client's own bound is 30 s, so a missing broker would
+    otherwise hold the caller for 30 s whatever it asked for."""
     deadline = time.time() + timeout_s
     delay = 0.2
     while True:
         try:
-            return make()
+            bootstrap_s = min(max(deadline - time.time(), 0.5), 10.0)
+            return client(**_common(t), bootstrap_timeout_ms=int(bootstrap_s * 1000), **kw)
         except KafkaError as err:
             if time.time() > deadline:
                 if t.security_protocol != "PLAINTEXT" and _answers(t):  # e.g. SASL refused: kafka-python says timeout

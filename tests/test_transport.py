@@ -45,6 +45,15 @@ def test_topics_are_created_replicated_as_configured(kafka_bootstrap):
         p.close()
 
 
+def test_a_missing_broker_is_reported_within_the_callers_timeout():
+    """kafka-python's clients wait 30 s for a first broker by default; `diloco infra status` asks for 3."""
+    t = _transport(bootstrap_servers=f"127.0.0.1:{services.free_port()}")  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="not reachable"):
+        kafka_io.ensure_topics(t, {}, timeout_s=1)
+    assert time.monotonic() - started < 10
+
+
 def test_sasl_clients_get_mechanism_user_and_the_password_from_the_env_var(monkeypatch):
     t = _transport(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512", sasl_username="diloco",
                    sasl_password_env="DILOCO_TEST_KAFKA_PW", ssl_cafile="/etc/ssl/kafka-ca.pem")
