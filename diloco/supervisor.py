@@ -403,8 +403,10 @@ class RunSupervisor:
         Each pass of the loop: read events, show them, apply due chaos kills, serve membership
         requests and follow the token budget (until the stop), reap exited processes (finished,
         or down and due a restart), restart those due, then stop the syncer once the learners are done."""
-        self._start_syncers(t0)
+        for name in self.syncers:
+            self.start(name)
         self._start_learners(t0)
+        self._await_syncers(t0)
         deadline = t0 + self.cfg.run.timeout_s
         stop_sent = False
         live = Live(progress_table(self.cfg, self.prog, self.cfg.run.id, 0), console=self.console,
@@ -436,10 +438,8 @@ class RunSupervisor:
                 live.update(progress_table(self.cfg, self.prog, self.cfg.run.id, time.time() - t0))
                 live.stop()
 
-    def _start_syncers(self, t0: float) -> None:
-        """Start every syncer shard and wait until each said syncer_started."""
-        for name in self.syncers:
-            self.start(name)
+    def _await_syncers(self, t0: float) -> None:
+        """Until every syncer shard said syncer_started; a shard that exits first fails the run with its log."""
         shards = f" ({len(self.syncers)} shards)" if len(self.syncers) > 1 else ""
         with self.console.status("starting the syncer" + shards):
             while self.syncers_up != set(self.syncers):
@@ -451,8 +451,9 @@ class RunSupervisor:
                 self._pump(200)
 
     def _start_learners(self, t0: float) -> None:
-        """Once the syncer consumes (deltas would only pile up before): this runner's learners, where a
-        resumed run left them, and its warm spares."""
+        """This runner's learners, where a resumed run left them, and its warm spares. They start with
+        the syncer, not after it: both take seconds to import and set up, and a delta or a heartbeat
+        sent before the syncer reads waits in Kafka for it (intake takes the two topics in any order)."""
         if self.members:
             self._catch_up(t0)
             self.resume_membership()
