@@ -64,7 +64,7 @@ def test_infra_up_status_down(tmp_path):
 @pytest.mark.integration
 def test_train_stopped_with_sigterm_stops_its_learners_and_syncer_first(tiny_config, tmp_path):
     """`kill`, a scheduler's stop or a CI timeout sends SIGTERM: the run's processes must not train on."""
-    cfg = tiny_config(inner={"steps": 5000})
+    cfg = tiny_config(inner={"steps": 5000}, regions=[{"name": "us", "speed": 0.1}, {"name": "eu", "speed": 0.1}])
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     with open(tmp_path / "train.log", "wb") as log:
         train = subprocess.Popen([sys.executable, "-m", "diloco", "train", "--config", str(tmp_path / "config.yaml"),
