@@ -165,7 +165,7 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     """Run to the end and return the summary; with_chaos kills processes on the seeded schedule."""
     console = console or Console(stderr=True)
     setup = prepare(cfg, console)
-    jobs = LocalJobs(setup.run_dir / "logs", child_env(setup.cfg))
+    jobs = LocalJobs(setup.run_dir / "logs", child_env(setup.cfg), warm=setup.cfg.run.warm_starts)
     with sigterm_raises():  # a SIGTERM (exit status 143) stops the jobs first
         run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
         try:

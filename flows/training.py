@@ -46,7 +46,7 @@ def make_jobs(cfg: Config, cfg_path: Path, region: str | None):
     or that region's cluster or TPU VMs (flows/tpu.py), so a region's runner only ever stops its own."""
     if cfg.backend.kind != "local":
         return jobs_for(cfg, region, cfg_path, cfg_path.parent / "logs")
-    return LocalJobs(cfg_path.parent / "logs", child_env(cfg))
+    return LocalJobs(cfg_path.parent / "logs", child_env(cfg), warm=cfg.run.warm_starts)
 
 
 def prefect_termination(signum: int) -> TerminationSignal:

@@ -90,6 +90,9 @@ class RunConfig(_Section):
     eval_batch_size: int = Field(16, ge=1)
     timeout_s: float = Field(1800.0, gt=0)
     threads_per_process: int = Field(1, ge=1)
+    warm_starts: bool = Field(True, description="the local runner forks each learner and syncer shard from a process "
+                              "that imported their code once (infra/forkserver.py): a start or restart takes "
+                              "milliseconds, not 1-2 CPU-seconds of imports; false = every process starts from scratch")
     max_restarts: int = Field(3, ge=0, description="restarts of a failed learner or syncer before the run fails")
     restart_backoff_s: float = Field(1.0, ge=0, description="first restart delay; doubles per restart of a process")
     spares: int = Field(0, ge=0, description="warm spare learner processes the local runner keeps (interpreter, JAX, "

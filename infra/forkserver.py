@@ -1,0 +1,242 @@
+"""Warm starts: a process that imports the learner's and the syncer's code once, then forks each job.
+
+`python -m diloco` spends 1.3-1.7 CPU-seconds importing JAX, TensorStore, numba and the rest before it
+does anything, and a run starts one such process per learner and shard, and again at every restart.
+A fork server pays that once per run: `LocalJobs` starts one with the run's environment, and a job
+whose environment is exactly that is forked from it, ready in milliseconds, and then runs
+`python -m diloco ARGV...` as a fresh process would (same `sys.argv`, environment, working directory,
+signal dispositions, output file; atexit handlers run at its exit).
+
+Only the environment read at import must match, so the server is started with the run's environment
+and a job that asks for another one (a learner over several CPU devices or hosts) is started the
+usual way. Nothing is initialised before the fork that is not safe across it: the JAX backends, the
+TensorStore contexts and every client are made in the child.
+
+The protocol, over a Unix socket, one connection per job:
+  runner -> server: JSON {"module": "diloco", "argv": [...], "cwd": "..."}, with the child's stdin and output descriptors
+  server -> runner: "<pid>\\n" once forked, "<exit code>\\n" when it ends (negative: killed by that signal)
+The server stops when its standard input closes (the runner closed it, or the runner died).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import runpy
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import setproctitle
+
+PRELOAD = ("diloco.cli", "diloco.learners.learner", "diloco.syncer.service")
+READY = b"ready\n"
+
+
+class ForkedProcess:
+    """A job forked by the server, with the part of `subprocess.Popen` the job backend uses."""
+
+    def __init__(self, args: list[str], conn: socket.socket, pid: int, stdin=None):
+        self.args, self.pid, self.stdin, self.returncode = args, pid, stdin, None
+        self._conn, self._pending = conn, b""
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._read()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        while self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._read()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # exited, its code not read yet
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def _read(self) -> None:
+        data = self._conn.recv(64)
+        self._pending += data
+        if data and not self._pending.endswith(b"\n"):
+            return
+        if data:
+            self.returncode = int(self._pending)
+        else:  # the server died before the child ended: nobody can read its exit code, so end it
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.returncode = -signal.SIGKILL
+        self._conn.close()
+        if self.stdin is not None:
+            self.stdin.close()
+
+
+class ForkServer:
+    """The runner's side: start the server with `env`, then `spawn` jobs from it."""
+
+    def __init__(self, env: dict[str, str], log: Path, ready_timeout_s: float = 60.0):
+        self.env, self.ready_timeout_s = env, ready_timeout_s
+        self.dir = tempfile.mkdtemp(prefix="diloco-fork-")  # short: a socket path has 107 bytes at most
+        self.path = os.path.join(self.dir, "socket")
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "diloco.infra.forkserver", self.path], env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out)
+        self._ready: bool | None = None
+
+    def ready(self) -> bool:
+        """Whether the server has loaded and listens (waits for it the first time); False if it failed."""
+        if self._ready is None:
+            got = select.select([self.proc.stdout], [], [], self.ready_timeout_s)[0]
+            self._ready = bool(got) and self.proc.stdout.readline() == READY
+            if not self._ready:
+                self.close()
+        return self._ready
+
+    def spawn(self, argv: list[str], stdin: int, out: int, module: str = "diloco") -> ForkedProcess:
+        """Fork `python -m MODULE ARGV...` reading `stdin` and writing to `out` (descriptors, kept open)."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            socket.send_fds(conn, [json.dumps({"module": module, "argv": argv, "cwd": os.getcwd()}).encode()], [stdin, out])
+            reply = b""
+            while not reply.endswith(b"\n"):
+                data = conn.recv(64)
+                if not data:
+                    raise OSError("the fork server closed the connection before forking")
+                reply += data
+        except BaseException:
+            conn.close()
+            raise
+        return ForkedProcess([sys.executable, "-m", module, *argv], conn, int(reply))
+
+    def close(self) -> None:
+        """Stop the server (the jobs it forked run on); idempotent."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
+# The server's side.
+
+def serve(path: str) -> dict:
+    """Load, listen and fork until standard input closes. Returns only in a forked child: its request."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the runner, which stops the jobs
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:  # an optional part: the children import it (and fail) if they need it
+            print(f"fork server: not preloaded: {err}", file=sys.stderr, flush=True)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    gc.collect()
+    gc.freeze()  # what is loaded now is shared with every child: collections in it would copy its pages
+    sys.stdout.buffer.write(READY)
+    sys.stdout.flush()
+    children: dict[int, socket.socket] = {}
+    while True:
+        readable = select.select([sys.stdin, listener, wake_r], [], [])[0]
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
+            raise SystemExit(0)
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+            _reap(children)
+        if listener in readable:
+            conn = listener.accept()[0]
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+                request = json.loads(message)
+                pid = os.fork()
+            except Exception as err:  # a request it cannot serve fails that job, not the server
+                print(f"fork server: could not fork a job: {err!r}", file=sys.stderr, flush=True)
+                conn.close()
+                continue
+            if pid == 0:
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                for other in (listener, conn, *children.values()):  # the runner must see EOF if the server dies
+                    other.close()
+                signal.set_wakeup_fd(-1)
+                request["fds"] = fds
+                return request
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            children[pid] = conn
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:  # the runner went away
+                pass
+            conn.close()
+
+
+def become(request: dict) -> None:
+    """In the child: the descriptors, signals, directory and arguments of `python -m MODULE ARGV...`."""
+    stdin, out = request["fds"]
+    os.dup2(stdin, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(stdin)
+    os.close(out)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(request["cwd"])
+    sys.argv = [request["module"], *request["argv"]]
+    # ps, top and kill scripts (and the runner's tests) tell a run's processes apart by their command lines
+    setproctitle.setproctitle(shlex.join([sys.executable, "-m", request["module"], *request["argv"]]))
+    if "numpy" in sys.modules:  # random reseeds itself at a fork; NumPy's global generator does not
+        sys.modules["numpy"].random.seed()
+
+
+if __name__ == "__main__":
+    request = serve(sys.argv[1])
+    become(request)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

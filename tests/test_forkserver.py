@@ -1,0 +1,131 @@
+"""Warm starts (infra/forkserver.py): a forked job behaves as `python -m MODULE ARGV...` would."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco.infra.forkserver import ForkServer
+from diloco.infra.jobs import LocalJobs
+
+HERE = Path(__file__).parent
+
+
+def _env(**extra):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONUNBUFFERED": "1", **extra}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    forks = ForkServer(_env(FORKED_MARKER="from-the-server"), tmp_path_factory.mktemp("fork") / "forkserver.log")
+    assert forks.ready(), (tmp_path_factory.getbasetemp() / "forkserver.log")
+    yield forks
+    forks.close()
+
+
+def _spawn(server, tmp_path, *argv, stdin_text=None):
+    log = tmp_path / "child.log"
+    read, write = os.pipe()
+    with open(log, "ab") as out:
+        child = server.spawn(list(argv), read, out.fileno(), module="forked_child")
+    os.close(read)
+    if stdin_text is not None:
+        os.write(write, stdin_text.encode())
+    os.close(write)
+    return child, log
+
+
+def test_a_forked_job_sees_its_arguments_directory_input_and_the_servers_environment(server, tmp_path):
+    child, log = _spawn(server, tmp_path, "report", "x", stdin_text="hello\n")
+    assert child.wait(30) == 0
+    seen = json.loads(log.read_text())
+    assert seen["argv"] == ["report", "x"] and seen["cwd"] == os.getcwd() and seen["stdin"] == "hello"
+    assert seen["marker"] == "from-the-server"
+    assert seen["pid"] == child.pid != os.getpid()
+    assert seen["sigterm_default"] and seen["sigint_raises"]  # not the server's dispositions
+    assert seen["jax_loaded"]  # preloaded: the child did not import it
+
+
+def test_a_forked_job_shows_its_own_command_line_to_ps(server, tmp_path):
+    child, log = _spawn(server, tmp_path, "cmdline", "--learner", "us-0")
+    assert child.wait(30) == 0
+    assert log.read_text().strip() == f"{sys.executable} -m forked_child cmdline --learner us-0"
+
+
+def test_exit_codes_and_signals_come_back_as_popen_reports_them(server, tmp_path):
+    child, log = _spawn(server, tmp_path, "exit", "3")
+    assert child.wait(30) == 3 and child.poll() == 3
+    assert log.read_text() == "exiting\n"
+
+    child, log = _spawn(server, tmp_path, "sleep")
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.2)
+    assert child.poll() is None
+    while "sleeping" not in log.read_text():
+        pass
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(30) == -signal.SIGTERM
+
+    child, _ = _spawn(server, tmp_path, "sleep")
+    child.kill()
+    assert child.wait(30) == -signal.SIGKILL
+    child.kill()  # a second kill of an ended job is a no-op, as with Popen
+
+
+def test_a_forked_job_exits_as_a_process_does_running_its_atexit_handlers(server, tmp_path):
+    child, log = _spawn(server, tmp_path, "atexit")
+    assert child.wait(30) == 0
+    assert log.read_text() == "atexit ran\n"
+
+
+def test_jobs_outlive_nothing_when_the_server_dies(tmp_path):
+    forks = ForkServer(_env(), tmp_path / "forkserver.log")
+    assert forks.ready()
+    child, _ = _spawn(forks, tmp_path, "sleep")
+    forks.proc.kill()
+    assert child.wait(30) == -signal.SIGKILL  # its exit code is lost with the server, so it is ended
+    forks.close()
+    deadline = time.monotonic() + 10
+    while _alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child.pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_local_jobs_fork_jobs_in_the_runs_environment_and_start_the_others_from_scratch(tmp_path):
+    jobs = LocalJobs(tmp_path / "logs", _env())
+    try:
+        warm = jobs.start("warm", ["--help"])
+        cold = jobs.start("cold", ["--help"], env={"FORKED_MARKER": "own"})  # its own environment
+        assert jobs.wait("warm", 60) == 0 and jobs.wait("cold", 60) == 0
+        assert not isinstance(warm.popen, subprocess.Popen) and isinstance(cold.popen, subprocess.Popen)
+        assert "Usage" in (tmp_path / "logs" / "warm.log").read_text()
+        assert (tmp_path / "logs" / "warm.log").read_text() == (tmp_path / "logs" / "cold.log").read_text()
+    finally:
+        jobs.stop_all()
+    assert jobs.forks is None
+
+
+def test_jobs_start_from_scratch_once_the_server_is_gone(tmp_path, caplog):
+    jobs = LocalJobs(tmp_path / "logs", _env())
+    try:
+        assert jobs.wait(jobs.start("first", ["--help"]).name, 60) == 0
+        jobs.forks.proc.kill()
+        jobs.forks.proc.wait()
+        later = jobs.start("later", ["--help"])
+        assert isinstance(later.popen, subprocess.Popen) and jobs.wait("later", 60) == 0
+        assert "fork server failed" in caplog.text
+    finally:
+        jobs.stop_all()
