@@ -41,8 +41,11 @@ def _run(tiny_config, monkeypatch, entry: str, **sections):
 
 
 def _imported(summary, process: str, module: str) -> bool:
-    """Whether the process's log (with -X importtime lines) shows `module` imported."""
-    text = (Path(summary["run_dir"]) / "logs" / f"{process}.log").read_text(errors="replace")
+    """Whether the process imported `module`: its log (with -X importtime lines) shows it, or that of the
+    fork server it was forked from (infra/forkserver.py), whose imports it inherited."""
+    logs = Path(summary["run_dir"]) / "logs"
+    text = "".join(log.read_text(errors="replace") for log in (logs / f"{process}.log", logs / "forkserver.log")
+                   if log.exists())
     return re.search(rf"^import time:.*\|\s+{re.escape(module)}\s*$", text, re.M) is not None
 
 
