@@ -213,7 +213,8 @@ def test_regions_run_on_their_pools_and_the_run_outlives_a_region_that_failed(ti
 
     killer = threading.Thread(target=kill_eu_once_it_contributed, daemon=True)
     killer.start()
-    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=1)
+    # an eval every second version of each fragment: 4-5 evals, each a flow run of its own on the evals pool
+    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=2)
     killer.join()
     assert sorted(killed) == ["eu-0", "eu-1"]
     assert summary["regions"] == {"us": "Completed", "eu": "Failed"}
@@ -282,7 +283,8 @@ def test_a_failed_region_run_again_by_hand_is_followed_and_resumes_its_learners(
     killer = threading.Thread(target=contextvars.copy_context().run, args=(kill_eu_once_it_contributed_then_run_it_again,),
                               daemon=True)
     killer.start()
-    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=1)
+    # an eval every second version of each fragment: 4-5 evals, each a flow run of its own on the evals pool
+    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=2)
     killer.join()
     assert sorted(killed) == ["eu-0", "eu-1"] and len(rerun) == 1
     assert summary["regions"] == {"us": "Completed", "eu": "Completed"}
