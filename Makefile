@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh Debian machine with Python 3.11:
 #   make demo   - install, start the local broker and Redis, run the 2 regions x 2 learners demo
-#   make test   - install, run the test suite (the tests start their own services)
+#   make test   - install, run the test suite (the tests start their own services), over every core
 #   make test-fast - the unit and property tests alone, no services, over every core (about 2.5 minutes on 2)
 #   make bench  - benchmarks against data-parallel and sync DiLoCo (BENCH_ARGS, docs/bench.md)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -62,11 +62,13 @@ prefect-demo: up
 	$(BIN)/prefect deployment run 'decoupled-diloco/local' --watch; \
 	$(BIN)/python -m diloco.flows.show
 
-# everything: the unit and property tier over the cores first, then the integration tier in one process
-# (its tests start services and whole runs, and time-sensitive ones want the cores to themselves)
+# everything: the unit and integration tiers together over the cores (each worker starts its own
+# services; a test file stays on one worker, so a module's Prefect server starts once), then the
+# tests that assert a time or a rate (marked exclusive) one at a time with the cores to themselves
 test: install
-	$(BIN)/pytest -q -m "not integration" -n auto
-	$(BIN)/pytest -q -m integration
+	@$(BIN)/pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not exclusive"; shared=$$?; \
+	$(BIN)/pytest -q -m exclusive; alone=$$?; \
+	exit $$(( shared ? shared : alone ))
 
 # the unit and property tier: no broker, Redis, store server or Prefect (tests marked integration are left
 # out), spread over the cores by pytest-xdist: these tests share nothing but the read-only repository

@@ -88,6 +88,7 @@ def _records(log: Path, msg: str) -> list[dict]:
 
 
 @pytest.mark.integration
+@pytest.mark.exclusive  # the handover is timed
 def test_a_warm_spare_takes_a_killed_learners_place_within_seconds(tiny_config):
     cfg = tiny_config(inner={"steps": 200}, run={"spares": 1, "heartbeat_s": 0.25},
                       regions=[{"name": "us", "learners": 1, "speed": 0.25}, {"name": "eu", "learners": 1, "speed": 0.25}],
