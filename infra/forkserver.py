@@ -178,21 +178,23 @@ def serve(path: str) -> dict:
             os.read(wake_r, 4096)
             _reap(children)
         if listener in readable:
-            conn = listener.accept()[0]
+            conn, fds = listener.accept()[0], []
             try:
                 message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
                 request = json.loads(message)
                 pid = os.fork()
             except Exception as err:  # a request it cannot serve fails that job, not the server
                 print(f"fork server: could not fork a job: {err!r}", file=sys.stderr, flush=True)
+                for fd in fds:
+                    os.close(fd)
                 conn.close()
                 continue
             if pid == 0:
+                signal.set_wakeup_fd(-1)
                 for fd in (wake_r, wake_w):
                     os.close(fd)
                 for other in (listener, conn, *children.values()):  # the runner must see EOF if the server dies
                     other.close()
-                signal.set_wakeup_fd(-1)
                 request["fds"] = fds
                 return request
             for fd in fds:
