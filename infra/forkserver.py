@@ -43,8 +43,9 @@ READY = b"ready\n"
 class ForkedProcess:
     """A job forked by the server, with the part of `subprocess.Popen` the job backend uses."""
 
-    def __init__(self, args: list[str], conn: socket.socket, pid: int, stdin=None):
-        self.args, self.pid, self.stdin, self.returncode = args, pid, stdin, None
+    def __init__(self, args: list[str], conn: socket.socket, pid: int):
+        self.args, self.pid, self.returncode = args, pid, None
+        self.stdin = None  # the writing end of a spare's stdin pipe, set by the job backend
         self._conn, self._pending = conn, b""
 
     def poll(self) -> int | None:
@@ -69,9 +70,6 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def _read(self) -> None:
         data = self._conn.recv(64)
         self._pending += data
@@ -94,7 +92,7 @@ class ForkServer:
     """The runner's side: start the server with `env`, then `spawn` jobs from it."""
 
     def __init__(self, env: dict[str, str], log: Path, ready_timeout_s: float = 60.0):
-        self.env, self.ready_timeout_s = env, ready_timeout_s
+        self.ready_timeout_s = ready_timeout_s
         self.dir = tempfile.mkdtemp(prefix="diloco-fork-")  # short: a socket path has 107 bytes at most
         self.path = os.path.join(self.dir, "socket")
         with open(log, "ab") as out:

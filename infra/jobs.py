@@ -86,25 +86,26 @@ class LocalJobs:
         if self.forks is None:
             return None
         if not self.forks.ready():
-            log.warning("the fork server did not start: jobs start from scratch; its log: %s", self.logs / "forkserver.log")
-            self.forks, self.warm = None, False
-            return None
+            return self._cold("the fork server did not start")
         read, write = os.pipe() if stdin_pipe else (os.open(os.devnull, os.O_RDONLY), None)
         try:
             with open(log_path, "ab") as out:
                 forked = self.forks.spawn(argv, read, out.fileno())
         except OSError as err:
-            log.warning("fork server failed (%s): starting jobs from scratch; its log: %s", err, self.logs / "forkserver.log")
-            self.forks.close()
-            self.forks, self.warm = None, False
             if write is not None:
                 os.close(write)
-            return None
+            return self._cold(f"fork server failed ({err})")
         finally:
             os.close(read)
         if write is not None:
             forked.stdin = open(write, "wb")
         return forked
+
+    def _cold(self, why: str) -> None:
+        """From now on every job starts from scratch."""
+        log.warning("%s: starting jobs from scratch; its log: %s", why, self.logs / "forkserver.log")
+        self.forks.close()
+        self.forks, self.warm = None, False
 
     def tell(self, name: str, line: str) -> None:
         """One line to process 0 of a job started with stdin_pipe."""
