@@ -1,6 +1,7 @@
 """`python -m bench [--methods ...] [--scenarios ...] [--quick | --size S] [--seeds N] [--output DIR]`
 runs the side-by-side benchmark; `python -m bench merge` runs the merge-path micro-benchmark; `python -m bench sharded`
-compares a learner's parameters replicated and sharded (FSDP) over CPU devices."""
+compares a learner's parameters replicated and sharded (FSDP) over CPU devices; `python -m bench learner` measures
+what the library costs a learner's training thread and memory against a plain optax loop."""
 
 from __future__ import annotations
 
@@ -107,6 +108,43 @@ def main_sharded(argv: list[str]) -> dict:
     return out
 
 
+def main_learner(argv: list[str]) -> list[dict]:
+    from bench import learner_bench
+
+    ap = argparse.ArgumentParser(prog="python -m bench learner", description=learner_bench.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                    help="the JAX platform; gpu defaults to larger sizes (one H100: about 8 minutes)")
+    ap.add_argument("--sizes", type=lambda s: _list(s, learner_bench.SIZES), default=None,
+                    help=f"comma-separated, of {', '.join(learner_bench.SIZES)} (default: "
+                         f"{','.join(learner_bench.CPU_SIZES)} on cpu, {','.join(learner_bench.GPU_SIZES)} on gpu)")
+    ap.add_argument("--layouts", type=lambda s: _list(s, learner_bench.LAYOUTS), default=list(learner_bench.LAYOUTS),
+                    help="demo (4 fragments, H = 50), paper (24 fragments, H = 24)")
+    ap.add_argument("--steps", type=int, default=24, help="steps per block")
+    ap.add_argument("--blocks", type=int, default=3, help="alternating pairs of blocks (plain loop, Session)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="do not pin the learner to one core and the syncer to the others")
+    ap.add_argument("--output", type=Path, default=None, help="write results.json and library_time.png here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override (e.g. fragments.anchor=device, transport.bootstrap_servers=host:9092)")
+    a = ap.parse_args(argv)
+    sizes = a.sizes or (learner_bench.GPU_SIZES if a.device == "gpu" else learner_bench.CPU_SIZES)
+    print(learner_bench.table([]), flush=True)
+    rows = learner_bench.run(sizes=sizes, layouts=a.layouts, steps=a.steps, blocks=a.blocks, batch_size=a.batch_size,
+                             seq_len=a.seq_len, pin=a.pin, overrides=a.set, device=a.device,
+                             progress=lambda line: print(line, flush=True))
+    for layout, ratio in learner_bench.growth(rows).items():
+        print(f"{layout}: library time per step at the largest size is {ratio:.2f}x the smallest's")
+    if a.output:
+        a.output.mkdir(parents=True, exist_ok=True)
+        (a.output / "results.json").write_text(json.dumps(rows, indent=1))
+        learner_bench.plot(rows, a.output / "library_time.png")
+        print(f"wrote {a.output / 'results.json'} and {a.output / 'library_time.png'}")
+    return rows
+
+
 def main_load(argv: list[str]) -> list[dict]:
     from bench import load
     from diloco.config import load_config
@@ -207,5 +245,7 @@ if __name__ == "__main__":
             main_sharded(args[1:])
         elif args[:1] == ["load"]:
             main_load(args[1:])
+        elif args[:1] == ["learner"]:
+            main_learner(args[1:])
         else:
             main(args)

@@ -4,9 +4,10 @@ step time, device memory and peak host memory, side by side in one run.
 Each layout runs in its own process (`XLA_FLAGS=--xla_force_host_platform_device_count=N`), so its
 peak RSS is its own. On CPU devices, device memory is host memory: a replicated learner holds N
 copies of the parameters, the optimizer state and the gradients, a sharded one about one. The
-publish path is measured too: the outer deltas of the largest fragment computed exactly as a
-learner's sync does (`learners.session.outer_deltas`, one tensor at a time off the devices), its
-host allocations traced with tracemalloc; that peak is bounded by the fragment, not the model.
+publish path is measured too: the codes of the largest fragment's outer deltas made exactly as a
+learner's sync does (`learners.outer.outer_deltas`, quantized on the devices) and read by the host
+as the publisher reads them, its host allocations traced with tracemalloc; that peak is bounded by
+the fragment's codes, not the model.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def worker(args: dict) -> dict:
     from diloco.config import build_config
     from diloco.learners.learner import compile_step
     from diloco.learners.parallel import learner_mesh
-    from diloco.learners.session import outer_deltas
+    from diloco.learners.outer import outer_deltas
     from diloco.models.transformer import spec as transformer
     from diloco.spec import initial_plan
 
@@ -60,11 +61,13 @@ def worker(args: dict) -> dict:
     names = plan.fragment_names[largest]
     leaves = dict(params)
     base = {n: leaves[n].astype(np.float32) + 1e-3 for n in names}  # a global value a little off
+    outer_deltas({n: a + 0 for n, a in base.items()}, leaves, names, {n: "int8" for n in names})  # compiles it
     tracemalloc.start()
     deltas = outer_deltas(base, leaves, names, {n: "int8" for n in names})
+    codes = {n: d.coded() for n, d in deltas.items()}  # as the publisher reads them
     _, sync_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert set(deltas) == set(names)
+    assert set(codes) == set(names)
     return {"layout": args["layout"], "devices": devices, "fsdp": fsdp, "params": plan.num_params,
             "step_ms": 1000 * float(np.median(times)),
             "param_mb_per_device": mesh.bytes_per_device(params) / 1e6,

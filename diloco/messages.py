@@ -201,15 +201,19 @@ def encode_contribution(
     step_time: float, deltas: Mapping[str, np.ndarray], scheme: str | Mapping[str, str], chunk_bytes: int,
     packing: str = "none", cursor: tuple[int, int] | None = None,
 ) -> tuple[Manifest, list[bytes]]:
-    """Quantize a fragment's deltas (one scheme, or one per tensor), pack the codes (`packing`) and
-    cut them into a manifest frame plus chunk frames."""
+    """Quantize a fragment's deltas (one scheme, or one per tensor; a `quantize.Coded` value is
+    taken as it is, encoded once where it was made), pack the codes (`packing`) and cut them into a
+    manifest frame plus chunk frames."""
     blobs, specs = [], []
     for name in sorted(deltas):
-        x = np.asarray(deltas[name], dtype=np.float32)
         codec = scheme if isinstance(scheme, str) else scheme[name]
-        blob = quantize.encode(x, codec)
-        blobs.append(blob)
-        specs.append(TensorSpec(name, tuple(x.shape), codec, len(blob)))
+        code = deltas[name]
+        if not isinstance(code, quantize.Coded):
+            code = quantize.coded(np.asarray(code, dtype=np.float32), codec)
+        elif code.scheme != codec:
+            raise ValueError(f"tensor {name}: coded as {code.scheme}, the contribution says {codec}")
+        blobs.append(code.data)
+        specs.append(TensorSpec(name, tuple(code.shape), codec, len(code.data)))
     packing, payload = packing_mod.pack_smaller(b"".join(blobs), packing)
     n_chunks = max(1, math.ceil(len(payload) / chunk_bytes))
     manifest = Manifest(

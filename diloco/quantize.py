@@ -18,6 +18,7 @@ the syncer with its carried residual):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -33,6 +34,35 @@ BELOW_4_BITS = ("int2", "topk")
 
 class CodecError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Coded:
+    """One tensor's code, already encoded: the bytes `encode` gives for a value of `shape`. A
+    sender that quantized elsewhere (a learner's devices: diloco.device_codec) hands this to the
+    framing, so that every delta is encoded once."""
+
+    shape: tuple[int, ...]
+    scheme: str
+    data: bytes
+
+    def __post_init__(self) -> None:
+        want = encoded_nbytes(tuple(self.shape), self.scheme)
+        if len(self.data) != want:
+            raise CodecError(f"{self.scheme} code of shape {tuple(self.shape)} needs {want} bytes, got {len(self.data)}")
+
+    def decoded(self) -> np.ndarray:
+        """The float32 values a receiver decodes from it."""
+        return decode(self.data, self.shape, self.scheme)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+def coded(x: np.ndarray, scheme: str) -> Coded:
+    """`x` encoded, with its shape and scheme."""
+    return Coded(tuple(np.shape(x)), scheme, encode(x, scheme))
 
 
 def _rows(shape: tuple[int, ...]) -> tuple[int, int]:

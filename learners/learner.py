@@ -97,16 +97,18 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
         log.info("parameters placed", extra={"mesh": dict(mesh.mesh.shape), "hosts": jax.process_count(),
                                              "param_bytes_per_device": mesh.bytes_per_device(params),
                                              "opt_bytes_per_device": mesh.bytes_per_device(opt_state)})
-        compute_s = 0.0
+        compute_s, queued = 0.0, None
         for _ in range(start_step + 1, total_steps + 1):
             # both agreed by every host of the learner at its last step, so that all stop together
             if session.stopping or (cfg.inner.max_seconds and session.compute_s >= cfg.inner.max_seconds):
                 break
             t0 = time.perf_counter()
-            params, opt_state, loss = train_step(params, opt_state, batch)
+            params, opt_state, loss = train_step(params, opt_state, batch)   # dispatched, not waited for
             trained = tokens
             tokens, batch = next(feed)
-            loss = float(loss)
+            if queued is not None:  # one step runs while the next is queued: the loop never runs further ahead
+                queued.block_until_ready()
+            queued = loss
             dt = time.perf_counter() - t0
             if speed < 1:  # stands for slower hardware in this region
                 time.sleep(dt * (1 / speed - 1))

@@ -13,6 +13,7 @@ from kafka.errors import KafkaError
 
 from diloco import messages
 from diloco.config import Config
+from diloco.device_codec import DeviceCode
 from diloco.infra import kafka as kafka_io
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ PUBLISH_QUEUE = 2  # contributions waiting to be sent; one more means the link i
 
 class Publisher(threading.Thread):
     """Sends contributions from a bounded queue so that inner steps do not wait on the broker (unless
-    it falls PUBLISH_QUEUE contributions behind: then the loop waits rather than host memory growing)."""
+    it falls PUBLISH_QUEUE contributions behind: then the loop waits rather than host memory growing).
+    A queued contribution holds its codes (learners/outer.py), not decoded values."""
 
     def __init__(self, cfg: Config, run_id: str, learner: str, region: str, producer, topics: kafka_io.Topics,
                  counters: Counters):
@@ -59,6 +61,8 @@ class Publisher(threading.Thread):
 
     def _send(self, fragment: int, base_version: int, tokens: int, steps: int, step_time: float, deltas,
               schemes: dict[str, str] | None = None, cursor: tuple[int, int] | None = None) -> None:
+        # codes made on the devices: their copies to the host were started at dispatch; read them here
+        deltas = {n: d.coded() if isinstance(d, DeviceCode) else d for n, d in deltas.items()}
         manifest, frames = messages.encode_contribution(
             run=self.run_id, learner=self.learner, region=self.region, fragment=fragment, base_version=base_version,
             tokens=tokens, steps=steps, step_time=step_time, deltas=deltas,

@@ -6,23 +6,29 @@
             params, opt_state, loss = train_step(params, opt_state, batch)   # your jitted step
             params = session.step(params, tokens=n_tokens, loss=loss)       # sync and apply
 
-The training loop never waits for the network. At a fragment's sync point `step` hands the outer
-delta (global - local, as host arrays) to a publisher thread, which quantizes, chunks and sends it;
-a fetcher thread follows the outer topic and brings a fragment's newest version from TensorStore as
-one update, when it is announced or only a few steps before the fragment's next sync
+The training loop never waits for the network, nor for its devices. At a fragment's sync point
+`step` dispatches one jitted function that forms the fragment's outer delta (anchor - local),
+quantizes it on the devices and moves the anchor (learners/outer.py); only the codes cross to the
+host, copied asynchronously and read by a publisher thread, which frames and sends them. A fetcher
+thread follows the outer topic and brings a fragment's newest version from TensorStore as one
+update, when it is announced or only a few steps before the fragment's next sync
 (`fragments.fetch`), and `step` applies it at the next call (`fragments.apply`: rebase, overwrite
-or mix). Only synchronous DiLoCo (`fragments.wait_for_merge`, the benchmark's baseline) stops,
-overlap_steps after a send, until that fragment's merge arrives. Leaves outside the plan (RNG keys, counters, local statistics)
-are never touched. Values keep their leaf's dtype and device placement (sharding).
+or mix; one jitted function per fragment). The loss is read when a heartbeat reports it, so the
+next step queues while this one runs. Only synchronous DiLoCo (`fragments.wait_for_merge`, the
+benchmark's baseline) stops, overlap_steps after a send, until that fragment's merge arrives.
+Leaves outside the plan (RNG keys, counters, local statistics) are never touched. Values keep
+their leaf's dtype and device placement (sharding). The anchors live in host memory by default
+(`fragments.anchor`): the devices hold the user's state and one fragment's transients.
 
 A learner may span many devices and hosts (learners/parallel.py). Then no host ever holds the
-model: the delta reference stays on the devices beside the parameters, a sync moves one tensor of
-one fragment at a time to the host, and each host's fetcher reads only its own blocks of a new
+model: each host keeps its own shards of the anchors, a sync gathers one fragment's codes (not its
+values), and each host's fetcher reads only its own blocks of a new
 version from TensorStore. The hosts of one learner act alike at every step: `step` agrees with the
 others (one small all-gather) on which fetched versions to apply, whether to stop, and the compute
-time, so they never diverge and all stop at the same step. Peak host memory per host is bounded by
-the fragments in flight (PUBLISH_QUEUE fragments waiting to be sent, one being sent) plus
-Fetcher.keep fetched versions of each fragment's share, never by the model.
+time, so they never diverge and all stop at the same step. Host memory per host is its share of
+the anchors (with fragments.anchor=host) plus what is in flight: the codes of PUBLISH_QUEUE
+contributions waiting to be sent and one being sent, and Fetcher.keep fetched versions of each
+fragment's share.
 """
 
 from __future__ import annotations
@@ -42,14 +48,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco import messages, metrics, quantize
+from diloco import messages, metrics
 from diloco.config import Config, ConfigError, load_config
 from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError, array_digest
 from diloco.learners.fetcher import Fetcher
+from diloco.learners.outer import Anchors, outer_deltas, place_all, rebase
 from diloco.learners.publisher import PUBLISH_QUEUE, Counters, Heartbeat, Publisher
-from diloco.plan import Plan, Region, check_tree, flatten, gather, is_whole, place, place_blocks, regions, with_leaves
+from diloco.plan import Plan, Region, check_tree, flatten, is_whole, place_blocks, regions, with_leaves
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +95,10 @@ class Session:
         self.metrics = metrics.LearnerMetrics(learner, self._metric_values)
         self._endpoint = None
         self.stopping = False
-        self.tokens, self.loss, self.step_time, self.compute_s = 0, None, 0.0, 0.0
+        self.tokens, self.step_time, self.compute_s = 0, 0.0, 0.0
+        self._loss: float | None = None
+        self._pending_loss: tuple[int, Any] | None = None  # (step, loss as given): read when reported
+        self._loss_lock = threading.Lock()
         self._host_compute_s = 0.0  # this host's own compute_s (compute_s is the largest over the hosts)
         self._names = self.plan.fragment_names
         P = self.plan.fragments
@@ -96,7 +106,8 @@ class Session:
         self._waits: dict[int, tuple[int, int]] = {}  # fragment -> (step at which to wait, version to wait for)
         self._sent_from: dict[int, int] = {}  # fragment -> the version its last delta was trained from
         self._held: set[int] = set()  # fragments due but held until a new version (one_delta_per_version)
-        self._base: dict[str, Any] = {}  # float32 reference each next delta starts from, placed like its leaf
+        # the reference each next delta starts from (learners/outer.py), on the host or the devices
+        self._base = Anchors(cfg.fragments.anchor, cfg.fragments.anchor_dtype)
         self._error: dict[str, np.ndarray] = {}  # what an int2 / topk delta left out, added to the next one
         self._version: dict[int, int] = {}
         self._last_t: float | None = None
@@ -177,13 +188,14 @@ class Session:
                 raise TimeoutError(f"no global version announced for fragments "
                                    f"{sorted(set(range(self.plan.fragments)) - set(chosen))} on {self.topics.outer}")
             time.sleep(0.05)
-        values = {}
+        values, f32 = {}, self.cfg.fragments.anchor_dtype == "float32"
         for p, (v, blocks) in chosen.items():
             self.fetcher.release(p, v)
             self._version[p] = v
             for n in self._names[p]:
                 values[n] = place_blocks(blocks[n], leaves[n])
-                self._base[n] = place_blocks(blocks[n], leaves[n], np.float32)
+                # an array of its own: a sync donates the anchor's buffer to the next one
+                self._base[n] = place_blocks(blocks[n], leaves[n], np.float32 if f32 else None)
         self._params = with_leaves(params, self.plan, values)
         log.info("joined", extra={"learner": self.id, "start_step": self.start_step, "versions": dict(self._version),
                                   "shard": self.index, "incarnation": self.incarnation,
@@ -205,7 +217,8 @@ class Session:
                 leaf, t = leaves[n], self.plan.by_name[n]
                 if not is_whole(list(regions(leaf)), t.shape):
                     break
-                a = np.asarray(leaf).astype(t.np_dtype, copy=False)
+                # a copy: on a CPU backend a view would keep the template's device buffers alive
+                a = np.array(leaf, dtype=t.np_dtype)
                 if array_digest(a) != digests.get(n):
                     break
                 arrays[n] = a
@@ -236,13 +249,11 @@ class Session:
         # this step's compute, the one figure both sides of goodput count: a delta's time (merged
         # work) and the learner's compute_s (all work); wall time would add waits to the merged side
         step_compute, self._host_compute_s = compute_s - self._host_compute_s, compute_s
-        if loss is not None:
-            value = float(loss)
-            if not math.isfinite(value) and (self.loss is None or math.isfinite(self.loss)):
-                log.warning("loss is not finite", extra={"step": self.steps, "loss": str(value)})
-            # a heartbeat carries finite numbers only (the syncer refuses others, and would take the
-            # learner for silent): a non-finite loss travels as none
-            self.loss = value if math.isfinite(value) else None
+        if loss is not None:  # a device array is read when it is reported, not now: the next step queues
+            with self._loss_lock:
+                self._pending_loss = (self.steps, loss)
+            if not isinstance(loss, jax.Array):  # a number: read at once
+                self._read_loss()
         for s in self._since.values():
             s["tokens"] += int(tokens)
             s["steps"] += 1
@@ -259,7 +270,7 @@ class Session:
             self._sync(p, params)
             if self.cfg.fragments.wait_for_merge:  # round n of p is merged once p reaches version n
                 self._waits[p] = (self.steps + self.cfg.syncer.overlap_steps, syncs_through(self.steps, p, P, H))
-        self.heartbeat.status = {"step": self.steps, "tokens": self.tokens, "loss": self.loss,
+        self.heartbeat.status = {"step": self.steps, "tokens": self.tokens, "loss": self._loss,
                                  "step_time": self.step_time, "compute_s": self.compute_s, "at": time.time(),
                                  "state": "running", "versions": dict(self._version)}
         if self.steps == self.start_step + 1:  # this incarnation trains: say so now
@@ -271,6 +282,25 @@ class Session:
             params = self._wait_for_merge(p, self._waits.pop(p)[1], params)
         self._params = params
         return params
+
+    @property
+    def loss(self) -> float | None:
+        """The latest loss given to `step` (None before one, or when it is not finite), read from the
+        devices when asked: the heartbeat thread asks, the training loop never waits for it."""
+        return self._read_loss()
+
+    def _read_loss(self) -> float | None:
+        with self._loss_lock:
+            if self._pending_loss is not None:
+                step, given = self._pending_loss
+                self._pending_loss = None
+                value = float(given)
+                if not math.isfinite(value) and (self._loss is None or math.isfinite(self._loss)):
+                    log.warning("loss is not finite", extra={"step": step, "loss": str(value)})
+                # a heartbeat carries finite numbers only (the syncer refuses others, and would take
+                # the learner for silent): a non-finite loss travels as none
+                self._loss = value if math.isfinite(value) else None
+            return self._loss
 
     @property
     def versions(self) -> dict[int, int]:
@@ -328,6 +358,8 @@ class Session:
                 "behind": {p: max(announced.get(p, v) - v, 0) for p, v in versions.items()}}
 
     def _beat(self, **fields) -> None:
+        if "loss" in fields:  # the newest, read here on the heartbeat's thread
+            fields["loss"] = self.loss
         with self.counters.lock:
             c = {k: getattr(self.counters, k) for k in ("published", "bytes_sent", "bytes_fetched", "versions_applied",
                                                          "handed_in_to", "handed_in_tokens")}
@@ -376,7 +408,7 @@ class Session:
 
     def _sync(self, p: int, params) -> None:
         names = self._names[p]
-        deltas = outer_deltas(self._base, flatten(params, self.plan), names, self._schemes, self._error)
+        deltas = outer_deltas(self._base, flatten(params, self.plan), names, self._schemes, self._error)  # codes
         s = self._since[p]
         if self.leader:
             job = {"fragment": p, "base_version": self._version[p], "tokens": s["tokens"], "steps": s["steps"],
@@ -427,17 +459,9 @@ class Session:
         values = {}
         for p, (v, blocks) in chosen.items():
             self.fetcher.release(p, v)
-            for n in self._names[p]:
-                leaf = leaves[n]
-                new = place_blocks(self._blocks_for(p, v, n, leaf, blocks), leaf, np.float32)
-                if mode == "rebase":  # keep the steps taken since the last send: they are in no delta yet
-                    value = new + (_float32(leaf) - self._base[n])
-                elif mode == "mix":
-                    value = alpha * new + (1 - alpha) * _float32(leaf)
-                else:
-                    value = new
-                values[n] = value.astype(leaf.dtype)
-                self._base[n] = new
+            names = self._names[p]
+            new = place_all({n: self._blocks_for(p, v, n, leaves[n], blocks) for n in names}, leaves)
+            values.update(rebase(self._base, leaves, names, new, mode, alpha))
             self._version[p] = v
             with self.counters.lock:
                 self.counters.versions_applied += 1
@@ -456,39 +480,6 @@ class Session:
         log.warning("tensor %s is placed differently than at the join; reading its new blocks", n)
         self.fetcher.want({**self.fetcher.blocks, n: need})
         return self.store.read_blocks(p, v, {n: need})[n]
-
-
-def outer_deltas(base: dict[str, Any], leaves: dict[str, Any], names: list[str], schemes: dict[str, str],
-                 error: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The outer deltas (global - local) of tensors `names`, as the syncer will decode them, on this
-    host. One tensor at a time leaves the devices, so the host never holds more than the fragment;
-    on a learner sharded across hosts every host must call it (each tensor is an all-gather).
-
-    Each `base[n]` (float32, placed like its leaf) moves to what was just sent, so that if the merged
-    global value is slow to arrive, two contributions never carry the same progress twice; what
-    quantization left out stays in the difference and travels with the next delta (error feedback).
-
-    For the codes below 4 bits (quantize.BELOW_4_BITS), which leave out a third or more of a delta,
-    what was left out waits in `error` (host arrays) instead, and `base[n]` moves to the local value:
-    the learner then trains on from the merged global plus its own steps since the send, not from a
-    point its residual keeps apart from the other learners'."""
-    deltas = {}
-    for n in names:
-        delta = gather(base[n] - _float32(leaves[n]))
-        if error is not None and schemes[n] in quantize.BELOW_4_BITS:
-            delta = delta + error[n] if n in error else delta
-            deltas[n] = quantize.roundtrip(delta, schemes[n])
-            error[n] = (delta - deltas[n]).astype(np.float32)
-            base[n] = _float32(leaves[n])
-        else:
-            deltas[n] = quantize.roundtrip(delta, schemes[n])
-            base[n] = base[n] - place(deltas[n], base[n])
-        del delta
-    return deltas
-
-
-def _float32(leaf):
-    return leaf.astype(jnp.float32) if isinstance(leaf, jax.Array) else np.asarray(leaf, np.float32)
 
 
 def blocks_digest(params, plan: Plan) -> str:

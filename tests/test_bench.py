@@ -477,3 +477,25 @@ def test_the_bytes_quality_table_pairs_gaps_by_seed_and_ratios_count_both_ways(t
     assert "| decoupled-topk | topk | topk | 2 |" in md and "+1.50% ± 0.50%" in md
     assert report.plot_bytes_quality(list(table.values()), tmp_path) == ["bytes_vs_loss.png"]
     assert (tmp_path / "bytes_vs_loss.png").stat().st_size > 0
+
+
+@pytest.mark.integration
+def test_the_learner_bench_puts_a_session_beside_the_plain_loop_and_counts_what_the_library_holds(tiny_config):
+    """`python -m bench learner` at a tiny size: both loops timed, the library's time split by kind of
+    step (a sync every step in the paper's layout, and the syncer's versions applied), its device
+    bytes within a fragment's transients (the anchors live on the host), its host bytes counted."""
+    from bench import learner_bench
+
+    cfg = tiny_config()
+    rows = learner_bench.run(sizes=["tiny"], layouts=["paper"], steps=24, blocks=1, batch_size=2, seq_len=16, pin=False,
+                             overrides=[f"transport.bootstrap_servers={cfg.transport.bootstrap_servers}",
+                                        f"state.redis_url={cfg.state.redis_url}"],
+                             sizes_table={"tiny": (64, 4)}, progress=lambda line: None)
+    (row,) = rows
+    assert row["layout"] == "paper" and row["fragments"] == row["H"] == 24 and row["anchor"] == "host"
+    assert row["step_ms_plain"] > 0 and row["step_ms_session"] > 0
+    assert row["library_steps"]["sync"] > 0 and row["library_steps"]["apply"] > 0     # the syncer merged and sent back
+    assert row["library_ms_per_step"]["sync"] > 0 and row["library_ms_per_step"]["apply"] > 0
+    assert row["device_bytes_library"] <= row["largest_fragment_bytes"]   # codes in flight, no copy of the model
+    assert row["param_bytes"] <= row["host_bytes_library"]               # the anchors (float32) are on the host
+    assert learner_bench.table(rows).count("| paper |") == 1

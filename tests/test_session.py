@@ -85,7 +85,7 @@ def test_what_a_delta_left_out_goes_with_the_next_one_and_the_learner_keeps_trai
     the steps since the send. Either way the deltas sent plus what is left add up to all progress."""
     import jax.numpy as jnp
 
-    from diloco.learners.session import outer_deltas
+    from diloco.learners.outer import outer_deltas
 
     rng = np.random.default_rng(0)
     start = rng.normal(size=(8, 300)).astype(np.float32)
@@ -93,7 +93,7 @@ def test_what_a_delta_left_out_goes_with_the_next_one_and_the_learner_keeps_trai
     sent = np.zeros_like(start)
     for _ in range(5):
         local = local - jnp.asarray(rng.normal(size=start.shape).astype(np.float32) * 0.01)  # inner steps
-        sent += outer_deltas(base, {"w": local}, ["w"], {"w": scheme}, error)["w"]
+        sent += outer_deltas(base, {"w": local}, ["w"], {"w": scheme}, error)["w"].decoded()
         left = np.asarray(base["w"]) - np.asarray(local) + error.get("w", 0.0)       # what is still to send
         np.testing.assert_allclose(sent + left, start - np.asarray(local), atol=1e-4)
     if scheme == "int8":

@@ -168,6 +168,16 @@ class FragmentsConfig(_Section):
         "rebase", description="a new global fragment: rebase = it plus the local steps not sent yet; "
                               "overwrite = it alone; mix = mix_alpha * it + (1 - mix_alpha) * local")
     mix_alpha: float = Field(0.5, ge=0, le=1, description="weight of the global value when apply=mix")
+    anchor: Literal["host", "device"] = Field(
+        "host", description="where a learner keeps each synced tensor's anchor (the global it trains from, less "
+                            "what it sent since: every delta is taken against it): host = the host memory of the "
+                            "leaf's devices (pinned where the backend has it; each host its own shards), brought "
+                            "to the devices one fragment at a time when it syncs or applies; device = beside the "
+                            "parameters, a whole extra copy of the model on the accelerators (docs/operations.md, "
+                            "'What a learner costs')")
+    anchor_dtype: Literal["float32", "param"] = Field(
+        "float32", description="the anchor's dtype: float32, or the parameter's own (half the bytes for bf16 "
+                               "parameters; the anchor then rounds to that dtype after each sync)")
     wait_for_merge: bool = Field(False, description="synchronous DiLoCo: syncer.overlap_steps after sending a "
                                                     "fragment, stop until its next global version arrives")
     wait_timeout_s: float = Field(60.0, gt=0, description="give up waiting for a merge after this long "

@@ -1,0 +1,248 @@
+"""A learner's side of the outer step, on its devices: each synced tensor's anchor, the outer delta
+taken against it and quantized, and a new global version rebased onto the local steps.
+
+    codes = outer_deltas(anchors, leaves, names, schemes, error)   # at a fragment's sync point
+    values = rebase(anchors, leaves, names, new, mode, alpha)       # when a new version arrives
+
+For the codecs of 4 bits and more (device_codec.ON_DEVICE) one jitted function per fragment forms
+the deltas (anchor - local, in float32), quantizes them, and moves the anchors by what a receiver
+will decode; only the codes and row scales leave the devices, copied to the host asynchronously
+(device_codec.DeviceCode) and read by the publisher thread. The training thread dispatches and
+returns. A learner spanning hosts gathers the codes, not the values (int4: an eighth of float32).
+The codes below 4 bits (int2, topk) keep their error buffers on the host and are made there.
+
+The anchor (`fragments.anchor`, `fragments.anchor_dtype`): the global version a tensor was last
+on, less every delta sent since (what quantization left out stays in the difference and goes with
+the next delta). Kept on the host (the default: in the leaf's host memory kind, pinned where the
+backend has one, each host its own shards), a fragment's anchors come to the devices only while it
+syncs or applies; kept on the devices, they cost a whole copy of the model there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco import device_codec, quantize
+from diloco.plan import gather, place_blocks, whole
+
+
+def _host_kind(sharding) -> str | None:
+    """The memory kind a host copy of an array placed by `sharding` takes: pinned where the
+    backend offers it (a DMA away from the devices), else plain host memory; None if neither."""
+    try:
+        kinds = {m.kind for m in next(iter(sharding.device_set)).addressable_memories()}
+    except (AttributeError, StopIteration, jax.errors.JaxRuntimeError):
+        return None
+    return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
+
+
+class Anchors(MutableMapping):
+    """Each synced tensor's anchor, where `place` says ("host" or "device"), in `dtype` ("float32" or
+    "param": the leaf's own dtype). `anchors[n]` is the anchor on the devices (placed like its leaf,
+    in the anchor's dtype): a transient copy when it lives on the host. `anchors[n] = value` (on the
+    devices, or a NumPy array for a NumPy leaf) keeps it where it lives; the copy to the host is
+    started and not waited for."""
+
+    def __init__(self, place: str = "host", dtype: str = "float32"):
+        self.place, self.dtype = place, dtype
+        self._kept: dict[str, Any] = {}
+        self._sharding: dict[str, Any] = {}   # where each anchor goes on the devices
+        self._kinds: dict[Any, str] = {}      # a sharding's host memory kind ("" = none)
+
+    def __getitem__(self, name: str):
+        return self.on_devices([name])[0]
+
+    def __setitem__(self, name: str, value) -> None:
+        self.keep({name: value})
+
+    def on_devices(self, names: list[str]) -> list:
+        """The anchors of `names` on the devices (placed like their leaves): one transfer for all."""
+        kept = [self._kept[n] for n in names]
+        away = [i for i, (n, a) in enumerate(zip(names, kept))
+                if isinstance(a, jax.Array) and n in self._sharding and a.sharding != self._sharding[n]]
+        if away:
+            moved = jax.device_put([kept[i] for i in away], [self._sharding[names[i]] for i in away])
+            for i, a in zip(away, moved):
+                kept[i] = a
+        return kept
+
+    def keep(self, values: Mapping[str, Any]) -> None:
+        """Set these anchors; those that live on the host are copied there in one transfer, not waited for."""
+        to_host = {}
+        for name, value in values.items():
+            if self.dtype == "float32" and value.dtype != np.float32:
+                value = value.astype(jnp.float32) if isinstance(value, jax.Array) else np.asarray(value, np.float32)
+            self._kept[name] = value
+            if isinstance(value, jax.Array) and self.place == "host":
+                self._sharding[name] = value.sharding
+                kind = self._kinds.get(value.sharding)
+                if kind is None:
+                    kind = self._kinds[value.sharding] = _host_kind(value.sharding) or ""
+                if kind:
+                    to_host[name] = value.sharding.with_memory_kind(kind)
+        if to_host:
+            moved = jax.device_put([self._kept[n] for n in to_host], list(to_host.values()))
+            for n, a in zip(to_host, moved):
+                self._kept[n] = a
+
+    def __delitem__(self, name: str) -> None:
+        del self._kept[name]
+        self._sharding.pop(name, None)
+
+    def __iter__(self):
+        return iter(self._kept)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes the anchors hold, by where: {"device": ..., "host": ...} (this process's shards)."""
+        out = {"device": 0, "host": 0}
+        for a in self._kept.values():
+            if isinstance(a, jax.Array):
+                where = "device" if a.sharding.memory_kind in (None, "device") else "host"
+                out[where] += sum(s.data.nbytes for s in a.addressable_shards)
+            else:
+                out["host"] += np.asarray(a).nbytes
+        return out
+
+
+@functools.partial(jax.jit, static_argnames=("schemes", "dtypes"), donate_argnums=(0,))
+def _delta_codes(anchors: tuple, leaves: tuple, schemes: tuple[str, ...], dtypes: tuple):
+    """(each tensor's code parts, its anchor moved by what a receiver decodes), for one fragment."""
+    parts, moved = [], []
+    for anchor, leaf, scheme, dtype in zip(anchors, leaves, schemes, dtypes):
+        base = anchor.astype(jnp.float32)
+        delta = base - leaf.astype(jnp.float32)
+        code = device_codec.encode(delta, scheme)
+        parts.append(code)
+        moved.append((base - device_codec.decode(code, delta.shape, scheme)).astype(dtype or anchor.dtype))
+    return tuple(parts), tuple(moved)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "alpha", "dtypes"))
+def _rebased(new: tuple, leaves: tuple, anchors: tuple, mode: str, alpha: float, dtypes: tuple):
+    """(each leaf's new value, its new anchor) for one fragment's new global version `new`."""
+    values, kept = [], []
+    for n, leaf, anchor, dtype in zip(new, leaves, anchors or (None,) * len(new), dtypes):
+        n32 = n.astype(jnp.float32)
+        if mode == "rebase":  # keep the steps taken since the last send: they are in no delta yet
+            value = n32 + (leaf.astype(jnp.float32) - anchor.astype(jnp.float32))
+        elif mode == "mix":
+            value = alpha * n32 + (1 - alpha) * leaf.astype(jnp.float32)
+        else:
+            value = n32
+        values.append(value.astype(leaf.dtype))
+        kept.append(n32.astype(dtype or leaf.dtype))
+    return tuple(values), tuple(kept)
+
+
+def _anchor_dtypes(anchors: MutableMapping, leaves: Mapping[str, Any], names: list[str]) -> tuple:
+    param = getattr(anchors, "dtype", "float32") == "param"
+    return tuple(jnp.dtype(leaves[n].dtype) if param else jnp.dtype(jnp.float32) for n in names)
+
+
+def outer_deltas(anchors: MutableMapping, leaves: Mapping[str, Any], names: list[str], schemes: Mapping[str, str],
+                 error: dict[str, np.ndarray] | None = None) -> dict[str, device_codec.DeviceCode | quantize.Coded]:
+    """The codes of the outer deltas (anchor - local) of tensors `names`, each made once, and each
+    anchor moved to what was just sent, so that if the merged global is slow to arrive two
+    contributions never carry the same progress twice; what quantization left out stays in the
+    difference and travels with the next delta (error feedback). On a learner sharded across hosts
+    every host must call it (the codes are gathered).
+
+    For the codes below 4 bits (quantize.BELOW_4_BITS), which leave out a third or more of a delta,
+    what was left out waits in `error` (host arrays) instead, and the anchor moves to the local
+    value: the learner then trains on from the merged global plus its own steps since the send,
+    not from a point its residual keeps apart from the other learners'."""
+    on_device = [n for n in names if schemes[n] in device_codec.ON_DEVICE and isinstance(leaves[n], jax.Array)]
+    codes: dict[str, Any] = {}
+    if on_device:
+        parts, moved = _delta_codes(tuple(_on_devices(anchors, on_device)), tuple(leaves[n] for n in on_device),
+                                    tuple(schemes[n] for n in on_device), _anchor_dtypes(anchors, leaves, on_device))
+        many_hosts = jax.process_count() > 1
+        _keep(anchors, dict(zip(on_device, moved)))
+        for n, p in zip(on_device, parts):
+            shape = tuple(leaves[n].shape)
+            if many_hosts:  # every host takes part in each gather; the leader sends
+                p = tuple(gather(x) for x in p)
+            code = device_codec.DeviceCode(shape, schemes[n], p)
+            codes[n] = code.coded() if many_hosts else code
+    for n in names:
+        if n in codes:
+            continue
+        local = _float32(leaves[n])
+        delta = gather(_float32(anchors[n]) - local)
+        if error is not None and schemes[n] in quantize.BELOW_4_BITS:
+            delta = delta + error[n] if n in error else delta
+            codes[n] = quantize.coded(delta, schemes[n])
+            error[n] = (delta - codes[n].decoded()).astype(np.float32)
+            anchors[n] = local
+        else:
+            codes[n] = quantize.coded(delta, schemes[n])
+            anchors[n] = _float32(anchors[n]) - _place(codes[n].decoded(), local)
+        del delta
+    return codes
+
+
+def rebase(anchors: MutableMapping, leaves: Mapping[str, Any], names: list[str], new: Mapping[str, Any],
+           mode: str, alpha: float = 1.0) -> dict[str, Any]:
+    """Each leaf of `names` with a new global version `new` applied (placed like the leaf, in its
+    dtype: the same values as the float32 blocks would give): rebase = new plus the local steps
+    since the anchor, overwrite = new, mix = alpha new + (1 - alpha) local. The anchors become the
+    new version. One jitted call for the fragment."""
+    dtypes = _anchor_dtypes(anchors, leaves, names)
+    use_anchor = mode == "rebase"
+    values, kept = _rebased(tuple(new[n] for n in names), tuple(leaves[n] for n in names),
+                            tuple(_on_devices(anchors, names)) if use_anchor else (), mode,
+                            float(alpha), dtypes)
+    out, keep = {}, {}
+    for n, v, k in zip(names, values, kept):
+        out[n] = v if isinstance(leaves[n], jax.Array) else np.asarray(v)
+        keep[n] = k if isinstance(leaves[n], jax.Array) else np.asarray(k)
+    _keep(anchors, keep)
+    return out
+
+
+def place_all(blocks: Mapping[str, Mapping], leaves: Mapping[str, Any]) -> dict[str, Any]:
+    """Each tensor's value from this host's blocks of it (plan.place_blocks), placed like its leaf and
+    in its dtype; the leaves this process holds whole go in one transfer."""
+    out, batch = {}, []
+    for n, b in blocks.items():
+        leaf = leaves[n]
+        full = whole(tuple(leaf.shape))
+        if isinstance(leaf, jax.Array) and leaf.is_fully_addressable and full in b:
+            batch.append(n)
+        else:
+            out[n] = place_blocks(b, leaf)
+    if batch:
+        values = [np.asarray(blocks[n][whole(tuple(leaves[n].shape))]).astype(leaves[n].dtype, copy=False) for n in batch]
+        out.update(zip(batch, jax.device_put(values, [leaves[n].sharding for n in batch])))
+    return {n: out[n] for n in blocks}
+
+
+def _on_devices(anchors: MutableMapping, names: list[str]) -> list:
+    return anchors.on_devices(names) if isinstance(anchors, Anchors) else [anchors[n] for n in names]
+
+
+def _keep(anchors: MutableMapping, values: Mapping[str, Any]) -> None:
+    if isinstance(anchors, Anchors):
+        anchors.keep(values)
+    else:
+        anchors.update(values)
+
+
+def _float32(leaf):
+    return leaf.astype(jnp.float32) if isinstance(leaf, jax.Array) else np.asarray(leaf, np.float32)
+
+
+def _place(value: np.ndarray, like):
+    """`value` (float32) where `like` lives: for a JAX array its devices and sharding."""
+    if isinstance(like, jax.Array):
+        return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
+    return value

@@ -1,0 +1,84 @@
+"""The device codecs (diloco/device_codec.py) write the reference codec's bytes, bit for bit, and
+decode to the reference's values: a learner that quantizes on its accelerator publishes exactly
+what the host codec would have."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco import device_codec, quantize
+
+SHAPES = [(), (1,), (7,), (3, 5), (4, 8), (2, 3, 9), (0,), (3, 0), (0, 4), (64, 257)]
+
+
+def _device_bytes(x: np.ndarray, scheme: str) -> bytes:
+    parts = jax.jit(device_codec.encode, static_argnums=1)(x, scheme)
+    return device_codec.DeviceCode(x.shape, scheme, parts).coded().data
+
+
+@pytest.mark.parametrize("scheme", device_codec.ON_DEVICE)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_device_codes_are_the_reference_codes(scheme, shape):
+    rng = np.random.default_rng(hash((scheme, shape)) % 2**32)
+    for x in (rng.normal(size=shape).astype(np.float32) * 10 ** rng.uniform(-6, 2),
+              np.zeros(shape, np.float32), np.full(shape, -0.5, np.float32)):
+        want = quantize.encode(x, scheme)
+        got = _device_bytes(x, scheme)
+        assert got == want
+        decoded = jax.jit(device_codec.decode, static_argnums=(1, 2))(
+            jax.jit(device_codec.encode, static_argnums=1)(x, scheme), shape, scheme)
+        np.testing.assert_array_equal(np.asarray(decoded), quantize.decode(want, shape, scheme))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 40), scheme=st.sampled_from(device_codec.ON_DEVICE),
+       exponent=st.integers(-30, 30), ties=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_device_codes_match_on_scales_and_ties(rows, cols, scheme, exponent, ties, seed):
+    """Values a half step apart (round half to even), and scales from tiny to huge."""
+    rng = np.random.default_rng(seed)
+    if ties:  # k + 0.5 steps of a row whose max is 7 or 127 steps: rounding must agree on each tie
+        levels = quantize.LEVELS.get(scheme, 7)
+        x = (rng.integers(-levels, levels, size=(rows, cols)) + 0.5).astype(np.float32)
+        x[:, 0] = levels
+    else:
+        x = rng.normal(size=(rows, cols)).astype(np.float32)
+    x = (x * np.float32(2.0 ** exponent)).astype(np.float32)
+    assert _device_bytes(x, scheme) == quantize.encode(x, scheme)
+
+
+def test_a_coded_value_must_fit_its_shape():
+    with pytest.raises(quantize.CodecError, match="needs 10 bytes, got 5"):
+        quantize.Coded((2, 2), "int4", b"\x00" * 5)
+
+
+@pytest.mark.parametrize("place", ["host", "device"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "bf16", "fp32"])
+def test_a_sync_on_the_devices_sends_the_reference_codes_and_moves_the_anchor_as_before(place, scheme):
+    """learners.outer.outer_deltas against the host path it replaced: delta = anchor - local in
+    float32, encoded by quantize.encode, the anchor moved by what a receiver decodes. Every code
+    and every anchor bit agree, sync after sync, with the anchor on the host or on the devices."""
+    import jax.numpy as jnp
+
+    from diloco.learners.outer import Anchors, outer_deltas
+
+    rng = np.random.default_rng(1)
+    shapes = {"w": (16, 33), "b": (33,), "s": ()}
+    start = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+    anchors, ref = Anchors(place), dict(start)
+    for n in shapes:
+        anchors[n] = jnp.asarray(start[n])
+    local = {n: jnp.asarray(a) for n, a in start.items()}
+    for _ in range(4):
+        local = {n: a - jnp.asarray(rng.normal(size=a.shape).astype(np.float32) * 0.01) for n, a in local.items()}
+        codes = outer_deltas(anchors, local, sorted(shapes), dict.fromkeys(shapes, scheme))
+        for n in shapes:
+            want = quantize.encode(ref[n] - np.asarray(local[n]), scheme)
+            assert codes[n].coded().data == want
+            ref[n] = ref[n] - quantize.decode(want, shapes[n], scheme)
+            np.testing.assert_array_equal(np.asarray(anchors[n]), ref[n])
+    held = anchors.nbytes()
+    assert (held["device"] == 0) is (place == "host") and (held["host"] == 0) is (place == "device")
