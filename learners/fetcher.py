@@ -29,7 +29,9 @@ class Fetcher(threading.Thread):
     relative to a snapshot (infra.store), so one update brings it to any later version until the
     next snapshot, and the path of fewest bytes (updates from what it holds, or a stored snapshot
     and its update) is read. The newest `keep` fetched versions of each fragment wait until the
-    learner applies one (`ready_now`, `release`).
+    learner applies one (`ready_now`, `release`). Host memory: the newest snapshot of each fragment
+    and the versions waiting to be applied (and, with updates from the previous version
+    (syncer.update_base=previous), the newest version's values, their base).
     """
 
     MAX_ATTEMPTS = 20  # reads of one announced version before the fetcher gives up on it
@@ -96,7 +98,9 @@ class Fetcher(threading.Thread):
                             del tries[p]
                         continue
                     tries.pop(p, None)
-                    self.held[p] = (v, whole)
+                    # with updates from the snapshot the newest version's values are never a base again:
+                    # hold its number, and its values only until the learner applies them (ready)
+                    self.held[p] = (v, whole if self.cfg.syncer.updates_from == "previous" else None)
                     with self.lock:
                         self.needed.discard(p)
                         ready = self.ready.setdefault(p, {})
