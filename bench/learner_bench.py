@@ -141,7 +141,7 @@ def worker(args: dict) -> dict:
                     t0 = time.perf_counter()
                     params = session.step(params, tokens=tokens, loss=loss)
                     inside = time.perf_counter() - t0
-                    synced = set(due) - session._held  # a due fragment may wait for a new version instead
+                    synced = [p for p in due if not session._fragments[p].held]  # or it waits for a new version
                     kind = "apply" if session.versions != before else "sync" if synced else "normal"
                     if record:
                         library[kind].append(inside)

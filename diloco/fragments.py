@@ -1,4 +1,6 @@
-"""Split a flat parameter dict into P fragments of balanced size, and the sync schedule."""
+"""Split a flat parameter dict into P fragments of balanced size, and the sync schedule: which
+fragments a learner syncs, fetches and holds at each step (the learner's Session and the goodput
+simulator both decide with these functions)."""
 
 from __future__ import annotations
 
@@ -42,3 +44,19 @@ def syncs_through(step: int, fragment: int, count: int, every: int) -> int:
     off = sync_offset(fragment, count, every) % every
     first = off or every  # the first step t >= 1 with t % every == off
     return 0 if step < first else (step - first) // every + 1
+
+
+HOLD_PERIODS = 4  # one_delta_per_version: a held fragment is sent anyway after this many sync periods of steps
+
+
+def fragments_to_fetch(step: int, count: int, every: int, prefetch_steps: int) -> list[int]:
+    """Fragments whose newest version a learner wants after inner step `step`: those due to sync
+    within `prefetch_steps` (at most a period), so that their next delta starts from it."""
+    return fragments_due(step + min(prefetch_steps, every), count, every)
+
+
+def must_hold(*, sent_from: int | None, version: int | None, steps_since_send: int, every: int) -> bool:
+    """fragments.one_delta_per_version: whether a fragment due to sync waits for a new version
+    instead: the learner already sent a delta from the version it is on, and has held it for under
+    HOLD_PERIODS periods (a syncer that is down does not keep unbounded work unsent)."""
+    return sent_from == version and steps_since_send < HOLD_PERIODS * every

@@ -42,6 +42,7 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -50,7 +51,7 @@ import numpy as np
 
 from diloco import messages, metrics
 from diloco.config import Config, ConfigError, load_config
-from diloco.fragments import fragments_due, syncs_through
+from diloco.fragments import HOLD_PERIODS, fragments_due, fragments_to_fetch, must_hold, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError, array_digest
 from diloco.learners.fetcher import Fetcher
@@ -63,7 +64,32 @@ log = logging.getLogger(__name__)
 # How a learner script finds its run (set by `diloco learner` for model.script, or by a job backend).
 ENV_CONFIG, ENV_LEARNER, ENV_START_STEP, ENV_CORPUS = ("DILOCO_CONFIG", "DILOCO_LEARNER", "DILOCO_START_STEP",
                                                        "DILOCO_CORPUS")
-HOLD_PERIODS = 4  # one_delta_per_version: a held fragment is sent anyway after this many sync periods of steps
+
+
+@dataclass
+class FragmentState:
+    """What a learner holds of one fragment between its syncs."""
+
+    version: int | None = None       # the global version its parameters are on (None before the join)
+    sent_from: int | None = None     # the version its last delta was trained from
+    tokens: int = 0                  # trained since its last send: what its next delta claims
+    steps: int = 0
+    time: float = 0.0                # compute seconds of those steps
+    held: bool = False               # due, but waiting for a new version (fragments.one_delta_per_version)
+    wait: tuple[int, int] | None = None  # synchronous DiLoCo: (step at which to wait, version to wait for)
+
+    def trained(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.steps += 1
+        self.time += seconds
+
+    def forget_steps(self) -> None:
+        """The steps since the send are gone (an overwrite): the next delta claims none of them."""
+        self.tokens, self.steps, self.time = 0, 0, 0.0
+
+    def sent(self) -> None:
+        self.forget_steps()
+        self.sent_from, self.held = self.version, False
 
 
 class Session:
@@ -102,14 +128,10 @@ class Session:
         self._host_compute_s = 0.0  # this host's own compute_s (compute_s is the largest over the hosts)
         self._names = self.plan.fragment_names
         P = self.plan.fragments
-        self._since = {p: {"tokens": 0, "steps": 0, "time": 0.0} for p in range(P)}
-        self._waits: dict[int, tuple[int, int]] = {}  # fragment -> (step at which to wait, version to wait for)
-        self._sent_from: dict[int, int] = {}  # fragment -> the version its last delta was trained from
-        self._held: set[int] = set()  # fragments due but held until a new version (one_delta_per_version)
+        self._fragments = [FragmentState() for _ in range(P)]
         # the reference each next delta starts from (learners/outer.py), on the host or the devices
         self._base = Anchors(cfg.fragments.anchor, cfg.fragments.anchor_dtype)
         self._error: dict[str, np.ndarray] = {}  # what an int2 / topk delta left out, added to the next one
-        self._version: dict[int, int] = {}
         self._last_t: float | None = None
         self._params = None
         configured = cfg.fragments.quantization
@@ -191,13 +213,13 @@ class Session:
         values, f32 = {}, self.cfg.fragments.anchor_dtype == "float32"
         for p, (v, blocks) in chosen.items():
             self.fetcher.release(p, v)
-            self._version[p] = v
+            self._fragments[p].version = v
             for n in self._names[p]:
                 values[n] = place_blocks(blocks[n], leaves[n])
                 # an array of its own: a sync donates the anchor's buffer to the next one
                 self._base[n] = place_blocks(blocks[n], leaves[n], np.float32 if f32 else None)
         self._params = with_leaves(params, self.plan, values)
-        log.info("joined", extra={"learner": self.id, "start_step": self.start_step, "versions": dict(self._version),
+        log.info("joined", extra={"learner": self.id, "start_step": self.start_step, "versions": self.versions,
                                   "shard": self.index, "incarnation": self.incarnation,
                                   "devices": jax.device_count(), "host": jax.process_index(),
                                   "hosts": jax.process_count()})
@@ -254,32 +276,34 @@ class Session:
                 self._pending_loss = (self.steps, loss)
             if not isinstance(loss, jax.Array):  # a number: read at once
                 self._read_loss()
-        for s in self._since.values():
-            s["tokens"] += int(tokens)
-            s["steps"] += 1
-            s["time"] += step_compute
-        # what every host of this learner does now: stop (SIGTERM on any), the versions to apply
+        for f in self._fragments:
+            f.trained(int(tokens), step_compute)
+        # plan: what every host of this learner does now (stop on SIGTERM on any, the versions to apply)
         (self.stopping,), self.compute_s, chosen = self._agree(self.stopping, compute_s=compute_s)
         P, H = self.plan.fragments, self.cfg.fragments.sync_every
-        for p in [*fragments_due(self.steps + min(self.cfg.fragments.prefetch_steps, H), P, H), *self._held]:
+        held = [p for p, f in enumerate(self._fragments) if f.held]
+        for p in dict.fromkeys([*fragments_to_fetch(self.steps, P, H, self.cfg.fragments.prefetch_steps), *held]):
             self.fetcher.need(p)  # the newest version before it syncs: its next delta starts from it
+        # dispatch: syncs due now, the new versions, the held syncs a new version released
         for p in fragments_due(self.steps, P, H):
             if self._must_hold(p):
-                self._held.add(p)
+                self._fragments[p].held = True
                 continue
             self._sync(p, params)
             if self.cfg.fragments.wait_for_merge:  # round n of p is merged once p reaches version n
-                self._waits[p] = (self.steps + self.cfg.syncer.overlap_steps, syncs_through(self.steps, p, P, H))
+                self._fragments[p].wait = (self.steps + self.cfg.syncer.overlap_steps, syncs_through(self.steps, p, P, H))
         self.heartbeat.status = {"step": self.steps, "tokens": self.tokens, "loss": self._loss,
                                  "step_time": self.step_time, "compute_s": self.compute_s, "at": time.time(),
-                                 "state": "running", "versions": dict(self._version)}
+                                 "state": "running", "versions": self.versions}
         if self.steps == self.start_step + 1:  # this incarnation trains: say so now
             self.heartbeat.beat_now()
         params = self._apply(params, chosen)
-        for p in [p for p in sorted(self._held) if not self._must_hold(p)]:  # its version moved on: send, fresh
-            self._sync(p, params)
-        for p in [p for p, (at, _) in self._waits.items() if self.steps + 1 >= at]:
-            params = self._wait_for_merge(p, self._waits.pop(p)[1], params)
+        for p in [p for p, f in enumerate(self._fragments) if f.held and not self._must_hold(p)]:
+            self._sync(p, params)  # its version moved on: send, fresh
+        for p, f in enumerate(self._fragments):
+            if f.wait is not None and self.steps + 1 >= f.wait[0]:
+                (_, version), f.wait = f.wait, None
+                params = self._wait_for_merge(p, version, params)
         self._params = params
         return params
 
@@ -305,15 +329,15 @@ class Session:
     @property
     def versions(self) -> dict[int, int]:
         """The global version of each fragment the parameters are on."""
-        return dict(self._version)
+        return {p: f.version for p, f in enumerate(self._fragments) if f.version is not None}
 
     def close(self, *, hand_in: bool = True) -> dict:
         """Hand in the work done since each fragment's last sync (unless `hand_in` is False, as after
         an error), wait for the publisher, stop the threads, say `finished` (or `left`, when SIGTERM
         stopped it before its step budget: the syncer stops waiting for it at once). Returns a summary."""
         if hand_in and self._params is not None:
-            for p in range(self.plan.fragments):
-                if self._since[p]["steps"]:
+            for p, f in enumerate(self._fragments):
+                if f.steps:
                     self._sync(p, self._params)
         if self.leader and self.publisher.is_alive():
             self.publisher.queue.put(None)
@@ -324,7 +348,7 @@ class Session:
         self.fetcher.stop.set()
         self.fetcher.join(timeout=30)  # a TensorStore read still running at exit aborts the process
         summary = {"step": self.steps, "tokens": self.tokens, "loss": self.loss, "step_time": self.step_time,
-                   "compute_s": self.compute_s, "versions": dict(self._version)}
+                   "compute_s": self.compute_s, "versions": self.versions}
         if jax.process_count() > 1 and self._params is not None:
             summary["blocks_digest"] = blocks_digest(self._params, self.plan)
         try:
@@ -351,7 +375,7 @@ class Session:
 
     def _metric_values(self) -> dict:
         """What /metrics shows, read when scraped (from the endpoint's thread)."""
-        versions, announced = dict(self._version), dict(self.fetcher.announced)
+        versions, announced = self.versions, dict(self.fetcher.announced)
         return {"step": self.steps, "tokens": self.tokens, "loss": self.loss, "step_time": self.step_time,
                 "bytes_sent": self.counters.bytes_sent, "bytes_fetched": self.counters.bytes_fetched,
                 "queue": self.publisher.queue.qsize(),
@@ -395,26 +419,25 @@ class Session:
         return [bool(rows[:, i].max() > 0) for i in range(F)], float(rows[:, F].max()), common
 
     def _must_hold(self, p: int) -> bool:
-        """Whether fragment p's delta waits for a new version (fragments.one_delta_per_version): this
-        learner already sent one from the version it holds, and has not held more than HOLD_PERIODS
-        sync periods of steps (a syncer that is down does not keep unbounded work unsent)."""
-        if not self.cfg.fragments.one_delta_per_version or self._sent_from.get(p) != self._version[p]:
+        """Whether fragment p's delta waits for a new version (fragments.one_delta_per_version,
+        fragments.must_hold)."""
+        f = self._fragments[p]
+        if not self.cfg.fragments.one_delta_per_version or f.sent_from != f.version:
             return False
-        if self._since[p]["steps"] >= HOLD_PERIODS * self.cfg.fragments.sync_every:
-            log.info("held too long; sending anyway", extra={"fragment": p, "version": self._version[p],
-                                                             "steps": self._since[p]["steps"]})
+        if not must_hold(sent_from=f.sent_from, version=f.version, steps_since_send=f.steps,
+                         every=self.cfg.fragments.sync_every):
+            log.info("held too long; sending anyway", extra={"fragment": p, "version": f.version, "steps": f.steps})
             return False
         return True
 
     def _sync(self, p: int, params) -> None:
-        names = self._names[p]
+        names, f = self._names[p], self._fragments[p]
         deltas = outer_deltas(self._base, flatten(params, self.plan), names, self._schemes, self._error)  # codes
-        s = self._since[p]
         if self.leader:
-            job = {"fragment": p, "base_version": self._version[p], "tokens": s["tokens"], "steps": s["steps"],
-                   "step_time": s["time"] / max(s["steps"], 1), "deltas": deltas,
+            job = {"fragment": p, "base_version": f.version, "tokens": f.tokens, "steps": f.steps,
+                   "step_time": f.time / max(f.steps, 1), "deltas": deltas,
                    "schemes": {n: self._schemes[n] for n in names},
-                   "cursor": (self.steps - s["steps"], self.steps)}  # the data-stream steps it trained on
+                   "cursor": (self.steps - f.steps, self.steps)}  # the data-stream steps it trained on
             if self.publisher.queue.full():
                 log.warning("publisher %d contributions behind: waiting for the link", PUBLISH_QUEUE)
             while True:  # only this thread puts: wait for room, but not on a publisher that died
@@ -424,22 +447,20 @@ class Session:
                     break
                 except queue.Full:
                     continue
-        self._since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
-        self._sent_from[p] = self._version[p]
-        self._held.discard(p)
+        f.sent()
 
     def _wait_for_merge(self, p: int, version: int, params):
         """Synchronous DiLoCo's barrier: no step until fragment p reaches `version`, the round this
         learner is in. Counted from its steps, not from what it sent, so that a restarted learner that
         re-sends a round already merged is not left waiting a round ahead of everyone else."""
         deadline = time.monotonic() + self.cfg.fragments.wait_timeout_s
-        while self._version[p] < version:
+        while self._fragments[p].version < version:
             self._raise_thread_errors()
             self.fetcher.need(p)
             (stop, late), _, chosen = self._agree(self.stopping, time.monotonic() > deadline)
             params = self._apply(params, chosen)
             self.stopping = stop
-            if self._version[p] >= version or stop:
+            if self._fragments[p].version >= version or stop:
                 break
             if late:
                 log.warning("no merge of fragment %d after %.0f s; training on", p, self.cfg.fragments.wait_timeout_s)
@@ -450,7 +471,7 @@ class Session:
 
     def _apply(self, params, chosen: dict[int, tuple]):
         """`params` with the agreed new global versions applied (fragments.apply), on the devices."""
-        chosen = {p: (v, blocks) for p, (v, blocks) in chosen.items() if v > self._version[p]}
+        chosen = {p: (v, blocks) for p, (v, blocks) in chosen.items() if v > self._fragments[p].version}
         if not chosen:
             return params
         mode = self.cfg.fragments.apply
@@ -462,13 +483,14 @@ class Session:
             names = self._names[p]
             new = place_all({n: self._blocks_for(p, v, n, leaves[n], blocks) for n in names}, leaves)
             values.update(rebase(self._base, leaves, names, new, mode, alpha))
-            self._version[p] = v
+            f = self._fragments[p]
+            f.version = v
             with self.counters.lock:
                 self.counters.versions_applied += 1
             # the steps trained since p was last sent: how late merged versions reach this learner
-            log.info("applied", extra={"fragment": p, "version": v, "steps_since_send": self._since[p]["steps"]})
+            log.info("applied", extra={"fragment": p, "version": v, "steps_since_send": f.steps})
             if mode == "overwrite":  # those steps are gone: the next delta claims none of their tokens
-                self._since[p] = {"tokens": 0, "steps": 0, "time": 0.0}
+                f.forget_steps()
         return with_leaves(params, self.plan, values)
 
     def _blocks_for(self, p: int, v: int, n: str, leaf, blocks) -> dict[Region, np.ndarray]:

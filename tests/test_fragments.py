@@ -41,3 +41,25 @@ def test_syncs_through_counts_the_due_steps(count, every):
             if step >= 1 and p in fragments_due(step, count, every):
                 due += 1
             assert syncs_through(step, p, count, every) == due, (p, step)
+
+
+def test_the_hold_rule_the_learner_and_the_simulator_share():
+    """fragments.must_hold: a due fragment waits for a new version only while the learner already
+    sent from the version it is on, for at most HOLD_PERIODS periods of steps."""
+    from diloco.fragments import HOLD_PERIODS, must_hold
+
+    H = 10
+    assert must_hold(sent_from=3, version=3, steps_since_send=H, every=H)
+    assert must_hold(sent_from=3, version=3, steps_since_send=HOLD_PERIODS * H - 1, every=H)
+    assert not must_hold(sent_from=3, version=3, steps_since_send=HOLD_PERIODS * H, every=H)  # held too long
+    assert not must_hold(sent_from=3, version=4, steps_since_send=H, every=H)                 # its version moved
+    assert not must_hold(sent_from=None, version=0, steps_since_send=H, every=H)              # never sent
+
+
+def test_a_fragment_is_fetched_the_prefetch_steps_before_its_sync_point():
+    from diloco.fragments import fragments_due, fragments_to_fetch
+
+    P, H = 4, 20
+    for step in range(1, 3 * H):
+        assert fragments_to_fetch(step, P, H, prefetch_steps=4) == fragments_due(step + 4, P, H)
+        assert fragments_to_fetch(step, P, H, prefetch_steps=99) == fragments_due(step + H, P, H)  # a period at most

@@ -231,16 +231,6 @@ def test_late_deltas_no_longer_close_rounds_alone():
     assert new.rounds < old.rounds / 3 and new.goodput > old.goodput + 0.2
 
 
-def test_hold_periods_is_the_learners():
-    from pathlib import Path
-    import re
-
-    import diloco.sim.goodput as gp
-
-    source = (Path(__file__).parents[1] / "learners" / "session.py").read_text()
-    assert int(re.search(r"^HOLD_PERIODS = (\d+)", source, re.M).group(1)) == gp.HOLD_PERIODS
-
-
 def test_a_learner_that_does_not_wait_holds_a_second_delta_from_the_same_version():
     """Without the wait, fast learners three times as fast as the slow ones under K = M would send a
     second and a third delta from version 0 before the slow ones' first: held, they send one, bigger,

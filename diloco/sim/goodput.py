@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diloco.fragments import HOLD_PERIODS, must_hold
 from diloco.sim.checkpointing import best_checkpoint_interval
 from diloco.syncer.policy import QuorumPolicy, decide
 
@@ -48,7 +49,6 @@ SCHEMES = ("dp", "elastic-dp", "diloco")
 YEAR_S = 365.25 * 24 * 3600
 _EULER_GAMMA = 0.5772156649015329  # mean of the standard Gumbel distribution
 _MIN_STEP = 0.5                    # a step never takes under half its nominal time (bounds the arrays)
-HOLD_PERIODS = 4                   # learners/session.py: a held delta is sent anyway after this many periods
 _STEPS_CHUNK = 20_000              # work-target runs draw step times in chunks of this many, as they need them
 
 
@@ -461,10 +461,11 @@ class _EventSim:
         self.try_run(j, t)
 
     def must_hold(self, job: _Job) -> bool:
-        """learners/session.py `_must_hold`: it already sent from the version it is on, and has held for
-        under HOLD_PERIODS periods. A learner that waited for a newer version never holds."""
-        return (self.setup.hold_deltas and job.sent_from == job.adopted
-                and job.step - job.last_sent_step < HOLD_PERIODS * self.setup.sync_every)
+        """The learner's rule (diloco.fragments.must_hold): it already sent from the version it is on,
+        and has held for under HOLD_PERIODS periods. A learner that waited for a newer version never holds."""
+        return self.setup.hold_deltas and must_hold(sent_from=job.sent_from, version=job.adopted,
+                                                    steps_since_send=job.step - job.last_sent_step,
+                                                    every=self.setup.sync_every)
 
     def send(self, j: int, t: float) -> None:
         job = self.jobs[j]
