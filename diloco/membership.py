@@ -66,7 +66,7 @@ def pending(run_dir: Path) -> list[tuple[Path, dict | None]]:
                 op = None
             else:
                 op = json.loads(path.read_bytes()[:MAX_REQUEST_BYTES]) if info.st_size <= MAX_REQUEST_BYTES else None
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # unreadable, not JSON, or nested deeper than json reads
             op = None
         out.append((path, op if isinstance(op, dict) else None))
     return out

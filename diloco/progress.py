@@ -16,11 +16,36 @@ from diloco.config import Config
 
 
 REASON_CHARS = 64  # a rejection reason longer than this is no reason this code base gives
+REMEMBERED_EIDS = 100_000  # ids of the newest events kept to drop a repeated delivery (minutes of a large run's)
+
+
+class RecentIds:
+    """The newest `limit` event ids added, oldest first out: at-least-once delivery repeats recent
+    events (a restarted syncer re-sends its unconfirmed outbox), and a bound keeps a writer of the
+    events topic from growing the runner without end."""
+
+    def __init__(self, limit: int = REMEMBERED_EIDS):
+        self.limit = limit
+        self._ids: dict[str, None] = {}  # insertion-ordered: the oldest first
+
+    def __contains__(self, eid) -> bool:
+        return isinstance(eid, str) and eid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, eid: str) -> None:
+        self._ids[eid] = None
+        if len(self._ids) > self.limit:
+            del self._ids[next(iter(self._ids))]
 
 
 def check_event_fields(ev: dict) -> None:
-    """ValueError unless the fields the runner reads have their types: a finite number `time` (if any), a short
-    string rejection `reason`, integer fragments and versions of merges."""
+    """ValueError unless the fields the runner reads have their types: a short string `eid`, a finite number
+    `time` (if any), a short string rejection `reason`, integer fragments and versions of merges."""
+    eid = ev.get("eid")
+    if not messages.is_name(eid):
+        raise ValueError(f"event id {messages.short(eid, 40)} is not a string of 1-{messages.MAX_NAME_CHARS} characters")
     t = ev.get("time", 0.0)
     if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
         raise ValueError(f"event time {messages.short(t, 40)} is not a number")
@@ -76,7 +101,7 @@ class Progress:
     rejections: dict[str, int] = field(default_factory=dict)
     merged_ids: list[str] = field(default_factory=list)
     kinds_seen: set[str] = field(default_factory=set)
-    eids: set[str] = field(default_factory=set)
+    eids: RecentIds = field(default_factory=RecentIds)
     fetched: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
     fetched_by_fragment: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)  # the same, per fragment
     merged: dict[tuple[int, int], int] = field(default_factory=dict)  # (fragment, version) -> tokens, as stored
@@ -114,7 +139,7 @@ class Progress:
         if ev.get("eid") in self.eids:  # at-least-once delivery: a restarted syncer may repeat events
             return
         check_event_fields(ev)
-        self.eids.add(ev.get("eid"))
+        self.eids.add(ev["eid"])
         if ev["kind"] == "heartbeat":  # a restarted learner counts from zero: keep every incarnation's
             key = (ev["learner"], ev.get("incarnation", ""))
             self.fetched[key] = max(self.fetched.get(key, 0), ev.get("bytes_fetched", 0))

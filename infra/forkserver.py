@@ -43,10 +43,13 @@ READY = b"ready\n"
 class ForkedProcess:
     """A job forked by the server, with the part of `subprocess.Popen` the job backend uses."""
 
-    def __init__(self, args: list[str], conn: socket.socket, pid: int):
+    def __init__(self, args: list[str], conn: socket.socket, pid: int, pending: bytes = b""):
+        """`pending`: what the server sent after the pid line (a job that ended at once: its exit code)."""
         self.args, self.pid, self.returncode = args, pid, None
         self.stdin = None  # the writing end of a spare's stdin pipe, set by the job backend
-        self._conn, self._pending = conn, b""
+        self._conn, self._pending = conn, pending
+        if pending.endswith(b"\n"):
+            self._ended(int(pending))
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
@@ -76,16 +79,32 @@ class ForkedProcess:
         if data and not self._pending.endswith(b"\n"):
             return
         if data:
-            self.returncode = int(self._pending)
+            self._ended(int(self._pending))
         else:  # the server died before the child ended: nobody can read its exit code, so end it
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.returncode = -signal.SIGKILL
+            self._ended(-signal.SIGKILL)
+
+    def _ended(self, code: int) -> None:
+        self.returncode = code
         self._conn.close()
         if self.stdin is not None:
             self.stdin.close()
+
+
+def read_pid(conn: socket.socket) -> tuple[int, bytes]:
+    """(the forked job's pid, what came after its line): a job that ends at once has its exit code
+    line arrive in the same read."""
+    reply = b""
+    while b"\n" not in reply:
+        data = conn.recv(64)
+        if not data:
+            raise OSError("the fork server closed the connection before forking")
+        reply += data
+    line, _, rest = reply.partition(b"\n")
+    return int(line), rest
 
 
 class ForkServer:
@@ -115,16 +134,11 @@ class ForkServer:
         try:
             conn.connect(self.path)
             socket.send_fds(conn, [json.dumps({"module": module, "argv": argv, "cwd": os.getcwd()}).encode()], [stdin, out])
-            reply = b""
-            while not reply.endswith(b"\n"):
-                data = conn.recv(64)
-                if not data:
-                    raise OSError("the fork server closed the connection before forking")
-                reply += data
+            pid, rest = read_pid(conn)
         except BaseException:
             conn.close()
             raise
-        return ForkedProcess([sys.executable, "-m", module, *argv], conn, int(reply))
+        return ForkedProcess([sys.executable, "-m", module, *argv], conn, pid, rest)
 
     def close(self) -> None:
         """Stop the server (the jobs it forked run on); idempotent."""

@@ -129,3 +129,20 @@ def test_jobs_start_from_scratch_once_the_server_is_gone(tmp_path, caplog):
         assert "fork server failed" in caplog.text
     finally:
         jobs.stop_all()
+
+
+def test_a_job_that_ends_at_once_has_its_pid_and_exit_code_read_from_one_message():
+    """A job that exits before the runner reads its pid sends "<pid>\\n<code>\\n" in one packet: the
+    runner took the whole of it for the pid (int() of two lines raised ValueError and ended the run)."""
+    import socket
+
+    from diloco.infra.forkserver import ForkedProcess, read_pid
+
+    runner, server_end = socket.socketpair()
+    try:
+        server_end.sendall(b"4242\n3\n")
+        pid, rest = read_pid(runner)
+        job = ForkedProcess(["x"], runner, pid, rest)
+        assert (job.pid, job.poll(), job.wait(timeout=0)) == (4242, 3, 3)
+    finally:
+        server_end.close()

@@ -450,3 +450,31 @@ def test_a_run_outlives_a_hostile_operator_and_forged_events_with_exact_accounti
     c = summary["contributions"]
     assert c["applied_twice"] == 0 and c["pending"] == 0 and c["published"] == c["applied"] + c["rejected"]
     assert_exact_accounting(cfg, summary["run_id"], forged=seen["forged"])
+
+
+def test_a_request_nested_deeper_than_json_reads_is_answered_as_bad(tmp_path):
+    """A request file of 2,000 nested brackets raised RecursionError out of `pending` (outside
+    serve_requests' try): the runner died, and the next one on the same folder too."""
+    (tmp_path / membership.CONTROL).mkdir()
+    deep = tmp_path / membership.CONTROL / "deep.json"
+    deep.write_text("[" * 2000 + "]" * 2000)   # within the 4 KiB a request may have
+    assert membership.pending(tmp_path) == [(deep, None)]
+
+
+def test_the_runner_remembers_a_bounded_number_of_event_ids_and_refuses_ids_that_are_not_short_strings():
+    """Every event id stayed in a set for the run's life, and an id could be any JSON up to 1 MiB: a
+    writer of the events topic grew the runner by a megabyte an event. Ids are short strings, those of
+    the newest are kept up to a bound, oldest out first."""
+    from diloco.progress import REMEMBERED_EIDS, Progress
+
+    prog = Progress()
+    for eid in (None, 7, ["x"], "x" * 65, ""):
+        with pytest.raises(ValueError, match="event id"):
+            prog.apply({"kind": "merge", "eid": eid, "fragment": 0, "version": 1, "ids": []})
+    merge = {"kind": "merge", "eid": "m-1", "fragment": 0, "version": 1, "ids": ["c1"]}
+    prog.apply(merge)
+    prog.apply(merge)                                          # at-least-once delivery: taken once
+    assert prog.merges == 1 and prog.merged_ids == ["c1"]
+    for i in range(REMEMBERED_EIDS + 10):
+        prog.apply({"kind": "learner_left", "eid": f"e-{i}", "learner": "us-0", "time": 0.0})
+    assert len(prog.eids) == REMEMBERED_EIDS and "m-1" not in prog.eids and f"e-{REMEMBERED_EIDS + 9}" in prog.eids
