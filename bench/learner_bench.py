@@ -56,11 +56,18 @@ def _device_bytes_beyond(user) -> int:
                if id(a) not in mine and a.sharding.memory_kind in (None, "device") and not a.is_deleted())
 
 
+def _held(session, p: int) -> bool:
+    """Whether fragment p waits for a new version (also on a Session from before FragmentState,
+    so that this file measures an older checkout too)."""
+    return session._fragments[p].held if hasattr(session, "_fragments") else p in session._held
+
+
 def _host_bytes(session) -> int:
     """Host bytes the session holds: anchors kept on the host, the fetcher's versions, queued codes."""
     import numpy as np
 
-    seen, total = set(), session._base.nbytes()["host"]
+    anchors = session._base.nbytes()["host"] if hasattr(session._base, "nbytes") else 0
+    seen, total = set(), anchors
     f = session.fetcher
     arrays = [a for _, arrs in [*f.held.values(), *f.snapshots.values()] if arrs for a in arrs.values()]
     arrays += [b for r in f.ready_now().values() for blocks in r.values() for bs in blocks.values() for b in bs.values()]
@@ -70,7 +77,8 @@ def _host_bytes(session) -> int:
             total += a.nbytes
     with session.publisher.queue.mutex:
         jobs = list(session.publisher.queue.queue)
-    total += sum(d.nbytes for job in jobs if job for d in job["deltas"].values())  # codes, not values
+    total += sum(np.asarray(d).nbytes if isinstance(d, np.ndarray) else d.nbytes  # codes (before: values)
+                 for job in jobs if job for d in job["deltas"].values())
     return total
 
 
@@ -141,7 +149,7 @@ def worker(args: dict) -> dict:
                     t0 = time.perf_counter()
                     params = session.step(params, tokens=tokens, loss=loss)
                     inside = time.perf_counter() - t0
-                    synced = [p for p in due if not session._fragments[p].held]  # or it waits for a new version
+                    synced = [p for p in due if not _held(session, p)]  # or it waits for a new version
                     kind = "apply" if session.versions != before else "sync" if synced else "normal"
                     if record:
                         library[kind].append(inside)
@@ -177,7 +185,8 @@ def worker(args: dict) -> dict:
     per_step = sum(sum(v) for v in library.values()) / max(sum(len(v) for v in library.values()), 1)
     param_bytes = sum(_nbytes(x) for x in jax.tree_util.tree_leaves(params))
     return {"size": args["size"], "params": plan.num_params, "layout": args["layout"], "fragments": fragments, "H": H,
-            "anchor": cfg.fragments.anchor, "anchor_dtype": cfg.fragments.anchor_dtype,
+            "anchor": getattr(cfg.fragments, "anchor", "device"),
+            "anchor_dtype": getattr(cfg.fragments, "anchor_dtype", "float32"),
             "quantization": cfg.fragments.quantization, "device": jax.devices()[0].platform,
             "step_ms_plain": plain["median"], "step_ms_session": under["median"],
             "step_ms_plain_spread": [plain["p10"], plain["p90"]], "step_ms_session_spread": [under["p10"], under["p90"]],
