@@ -211,7 +211,13 @@ def serve(path: str) -> dict:
                 return request
             for fd in fds:
                 os.close(fd)
-            conn.sendall(f"{pid}\n".encode())
+            try:
+                conn.sendall(f"{pid}\n".encode())
+            except OSError:  # the runner hung up while it was forked: nobody tracks the job, so end it
+                print(f"fork server: the runner left during a spawn; ending job {pid}", file=sys.stderr, flush=True)
+                os.kill(pid, signal.SIGKILL)
+                conn.close()
+                continue
             children[pid] = conn
 
 

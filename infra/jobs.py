@@ -94,6 +94,9 @@ class LocalJobs:
         except OSError as err:
             if write is not None:
                 os.close(write)
+            if self.forks.proc.poll() is None:  # one fork failed (EAGAIN, ENOMEM, EMFILE): this job starts
+                log.warning("fork server could not fork %s (%s): starting it from scratch", argv[:1], err)
+                return None                      # cold; the jobs it forked keep their server
             return self._cold(f"fork server failed ({err})")
         finally:
             os.close(read)
@@ -102,7 +105,8 @@ class LocalJobs:
         return forked
 
     def _cold(self, why: str) -> None:
-        """From now on every job starts from scratch."""
+        """From now on every job starts from scratch (the server is gone or never started: no job
+        depends on it)."""
         log.warning("%s: starting jobs from scratch; its log: %s", why, self.logs / "forkserver.log")
         self.forks.close()
         self.forks, self.warm = None, False

@@ -322,7 +322,7 @@ def json_line_text(line: bytes, field: str) -> Row:
         return None, "not_utf8"
     try:
         obj = json.loads(decoded)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json reads
         return None, "not_json"
     if not isinstance(obj, dict):
         return None, "not_an_object"

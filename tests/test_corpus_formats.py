@@ -378,3 +378,9 @@ def test_a_record_corpus_with_near_duplicates_trains_in_a_local_run(near_inputs,
     s = train(cfg, progress=False, console=Console(quiet=True))
     assert s["eval_loss_end"] < 0.9 * s["eval_loss_start"], (s["eval_loss_start"], s["eval_loss_end"])
     assert s["coverage"]["totals"]["tokens_twice"] == 0 and s["coverage"]["totals"]["tokens_merged"] > 0
+
+
+def test_a_json_line_nested_deeper_than_json_reads_is_a_bad_row():
+    """One such row raised RecursionError and failed the whole preparation; bad rows are skipped."""
+    assert cp.json_line_text(b"[" * 100_000 + b"]" * 100_000, "text") == (None, "not_json")
+    assert cp.json_line_text(b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "text") == (None, "not_json")

@@ -146,3 +146,48 @@ def test_a_job_that_ends_at_once_has_its_pid_and_exit_code_read_from_one_message
         assert (job.pid, job.poll(), job.wait(timeout=0)) == (4242, 3, 3)
     finally:
         server_end.close()
+
+
+def test_one_failed_fork_starts_that_job_from_scratch_and_keeps_the_warm_ones(tmp_path, monkeypatch):
+    """One failed spawn (EAGAIN, ENOMEM, EMFILE in the server) closed the fork server, and every job
+    it had forked lost its exit code and was SIGKILLed (reported -9)."""
+    jobs = LocalJobs(tmp_path / "logs", _env())
+    try:
+        first = jobs.start("first", ["--help"])
+        assert jobs.wait("first", 60) == 0 and not isinstance(first.popen, subprocess.Popen)
+        fds = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)]
+        running = jobs.forks.spawn(["sleep"], *fds, module="forked_child")
+        for fd in fds:
+            os.close(fd)
+        def refused(*_, **__):
+            raise OSError("the fork server closed the connection before forking")
+        monkeypatch.setattr(jobs.forks, "spawn", refused)
+        later = jobs.start("later", ["--help"])
+        assert isinstance(later.popen, subprocess.Popen) and jobs.wait("later", 60) == 0
+        assert running.poll() is None and jobs.forks is not None   # the warm job runs on, its server too
+        monkeypatch.undo()
+        assert not isinstance(jobs.start("again", ["--help"]).popen, subprocess.Popen)  # the next one forks
+        assert jobs.wait("again", 60) == 0
+        running.kill()
+        assert running.wait(30) == -signal.SIGKILL
+    finally:
+        jobs.stop_all()
+
+
+def test_a_runner_that_hangs_up_during_a_spawn_leaves_the_server_serving(server, tmp_path):
+    """The server's send of the pid to a runner that had gone raised BrokenPipeError and killed it."""
+    import json as json_mod
+    import socket
+
+    for _ in range(3):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(server.path)
+        request = {"module": "forked_child", "argv": ["sleep"], "cwd": str(tmp_path)}
+        fds = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)]
+        socket.send_fds(conn, [json_mod.dumps(request).encode()], fds)
+        conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+    child, log = _spawn(server, tmp_path, "exit", "4")
+    assert child.wait(30) == 4 and server.proc.poll() is None
