@@ -4,9 +4,10 @@ taken against it and quantized, and a new global version rebased onto the local 
     codes = outer_deltas(anchors, leaves, names, schemes, error)   # at a fragment's sync point
     values = rebase(anchors, leaves, names, new, mode, alpha)       # when a new version arrives
 
-For the codecs of 4 bits and more (device_codec.ON_DEVICE) one jitted function per fragment forms
-the deltas (anchor - local, in float32), quantizes them, and moves the anchors by what a receiver
-will decode; only the codes and row scales leave the devices, copied to the host asynchronously
+For the codecs of 4 bits and more (device_codec.ON_DEVICE) a jitted function forms each tensor's
+delta (anchor - local, in float32), quantizes it, and moves its anchor by what a receiver will
+decode; it is compiled once per shape (a model's layers share a handful), not per fragment. Only
+the codes and row scales leave the devices, copied to the host asynchronously
 (device_codec.DeviceCode) and read by the publisher thread. The training thread dispatches and
 returns. A learner spanning hosts gathers the codes, not the values (int4: an eighth of float32).
 The codes below 4 bits (int2, topk) keep their error buffers on the host and are made there.
@@ -113,34 +114,27 @@ class Anchors(MutableMapping):
         return out
 
 
-@functools.partial(jax.jit, static_argnames=("schemes", "dtypes"), donate_argnums=(0,))
-def _delta_codes(anchors: tuple, leaves: tuple, schemes: tuple[str, ...], dtypes: tuple):
-    """(each tensor's code parts, its anchor moved by what a receiver decodes), for one fragment."""
-    parts, moved = [], []
-    for anchor, leaf, scheme, dtype in zip(anchors, leaves, schemes, dtypes):
-        base = anchor.astype(jnp.float32)
-        delta = base - leaf.astype(jnp.float32)
-        code = device_codec.encode(delta, scheme)
-        parts.append(code)
-        moved.append((base - device_codec.decode(code, delta.shape, scheme)).astype(dtype or anchor.dtype))
-    return tuple(parts), tuple(moved)
+@functools.partial(jax.jit, static_argnames=("scheme", "dtype"), donate_argnums=(0,))
+def _delta_code(anchor, leaf, scheme: str, dtype):
+    """(the code parts of anchor - leaf, the anchor moved by what a receiver decodes). Compiled once
+    per shape, scheme and placement: a model's layers share a handful of shapes."""
+    base = anchor.astype(jnp.float32)
+    delta = base - leaf.astype(jnp.float32)
+    code = device_codec.encode(delta, scheme)
+    return code, (base - device_codec.decode(code, delta.shape, scheme)).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "alpha", "dtypes"))
-def _rebased(new: tuple, leaves: tuple, anchors: tuple, mode: str, alpha: float, dtypes: tuple):
-    """(each leaf's new value, its new anchor) for one fragment's new global version `new`."""
-    values, kept = [], []
-    for n, leaf, anchor, dtype in zip(new, leaves, anchors or (None,) * len(new), dtypes):
-        n32 = n.astype(jnp.float32)
-        if mode == "rebase":  # keep the steps taken since the last send: they are in no delta yet
-            value = n32 + (leaf.astype(jnp.float32) - anchor.astype(jnp.float32))
-        elif mode == "mix":
-            value = alpha * n32 + (1 - alpha) * leaf.astype(jnp.float32)
-        else:
-            value = n32
-        values.append(value.astype(leaf.dtype))
-        kept.append(n32.astype(dtype or leaf.dtype))
-    return tuple(values), tuple(kept)
+@functools.partial(jax.jit, static_argnames=("mode", "alpha", "dtype"))
+def _rebased(new, leaf, anchor, mode: str, alpha: float, dtype):
+    """(the leaf's value with the new global version `new` applied, its new anchor)."""
+    n32 = new.astype(jnp.float32)
+    if mode == "rebase":  # keep the steps taken since the last send: they are in no delta yet
+        value = n32 + (leaf.astype(jnp.float32) - anchor.astype(jnp.float32))
+    elif mode == "mix":
+        value = alpha * n32 + (1 - alpha) * leaf.astype(jnp.float32)
+    else:
+        value = n32
+    return value.astype(leaf.dtype), n32.astype(dtype)
 
 
 def _anchor_dtypes(anchors: MutableMapping, leaves: Mapping[str, Any], names: list[str]) -> tuple:
@@ -163,10 +157,11 @@ def outer_deltas(anchors: MutableMapping, leaves: Mapping[str, Any], names: list
     on_device = [n for n in names if schemes[n] in device_codec.ON_DEVICE and isinstance(leaves[n], jax.Array)]
     codes: dict[str, Any] = {}
     if on_device:
-        parts, moved = _delta_codes(tuple(_on_devices(anchors, on_device)), tuple(leaves[n] for n in on_device),
-                                    tuple(schemes[n] for n in on_device), _anchor_dtypes(anchors, leaves, on_device))
+        made = [_delta_code(a, leaves[n], schemes[n], dt) for n, a, dt in
+                zip(on_device, _on_devices(anchors, on_device), _anchor_dtypes(anchors, leaves, on_device))]
+        parts = [p for p, _ in made]
         many_hosts = jax.process_count() > 1
-        _keep(anchors, dict(zip(on_device, moved)))
+        _keep(anchors, {n: m for n, (_, m) in zip(on_device, made)})
         for n, p in zip(on_device, parts):
             shape = tuple(leaves[n].shape)
             if many_hosts:  # every host takes part in each gather; the leader sends
@@ -195,14 +190,12 @@ def rebase(anchors: MutableMapping, leaves: Mapping[str, Any], names: list[str],
     """Each leaf of `names` with a new global version `new` applied (placed like the leaf, in its
     dtype: the same values as the float32 blocks would give): rebase = new plus the local steps
     since the anchor, overwrite = new, mix = alpha new + (1 - alpha) local. The anchors become the
-    new version. One jitted call for the fragment."""
+    new version. One jitted call per tensor, the anchors moved in one transfer each way."""
     dtypes = _anchor_dtypes(anchors, leaves, names)
-    use_anchor = mode == "rebase"
-    values, kept = _rebased(tuple(new[n] for n in names), tuple(leaves[n] for n in names),
-                            tuple(_on_devices(anchors, names)) if use_anchor else (), mode,
-                            float(alpha), dtypes)
+    used = _on_devices(anchors, names) if mode == "rebase" else [None] * len(names)
+    made = [_rebased(new[n], leaves[n], a, mode, float(alpha), dt) for n, a, dt in zip(names, used, dtypes)]
     out, keep = {}, {}
-    for n, v, k in zip(names, values, kept):
+    for n, (v, k) in zip(names, made):
         out[n] = v if isinstance(leaves[n], jax.Array) else np.asarray(v)
         keep[n] = k if isinstance(leaves[n], jax.Array) else np.asarray(k)
     _keep(anchors, keep)

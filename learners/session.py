@@ -7,13 +7,13 @@
             params = session.step(params, tokens=n_tokens, loss=loss)       # sync and apply
 
 The training loop never waits for the network, nor for its devices. At a fragment's sync point
-`step` dispatches one jitted function that forms the fragment's outer delta (anchor - local),
-quantizes it on the devices and moves the anchor (learners/outer.py); only the codes cross to the
+`step` dispatches jitted functions that form the fragment's outer deltas (anchor - local),
+quantize them on the devices and move the anchors (learners/outer.py); only the codes cross to the
 host, copied asynchronously and read by a publisher thread, which frames and sends them. A fetcher
 thread follows the outer topic and brings a fragment's newest version from TensorStore as one
 update, when it is announced or only a few steps before the fragment's next sync
 (`fragments.fetch`), and `step` applies it at the next call (`fragments.apply`: rebase, overwrite
-or mix; one jitted function per fragment). The loss is read when a heartbeat reports it, so the
+or mix; jitted too). The loss is read when a heartbeat reports it, so the
 next step queues while this one runs. Only synchronous DiLoCo (`fragments.wait_for_merge`, the
 benchmark's baseline) stops, overlap_steps after a send, until that fragment's merge arrives.
 Leaves outside the plan (RNG keys, counters, local statistics) are never touched. Values keep
