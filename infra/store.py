@@ -292,22 +292,37 @@ class FragmentStore:
     def read_params(self, fragment: int, version: int, meta: dict | None = None) -> tuple[dict[str, np.ndarray], int]:
         """(a version's parameters, bytes read): at a snapshot its arrays, else its update's base with
         the update applied, as a learner applies it (the same bits)."""
+        links, snapshot = self._links(fragment, version, meta)
+        params = self.read(fragment, snapshot, with_opt=False).params
+        nbytes = sum(a.nbytes for a in params.values())
+        for v, m in links:
+            scheme, update, read = self.read_update(fragment, v, m)
+            params = quantize.apply_update(params, update, scheme)
+            nbytes += read
+        return params, nbytes
+
+    def _links(self, fragment: int, version: int, meta: dict | None = None) -> tuple[list[tuple[int, dict]], int]:
+        """(the versions from the snapshot a version is built on to it, oldest first, with their metas;
+        that snapshot). A loop, not a recursion: with updates from the previous version a chain is as
+        long as the snapshot interval."""
         meta = meta or self.read_meta(fragment, version)
-        if is_snapshot(meta):
-            fv = self.read(fragment, version, with_opt=False)
-            return fv.params, sum(a.nbytes for a in fv.params.values())
-        params, nbytes = self.read_params(fragment, update_base(meta))
-        scheme, update, read = self.read_update(fragment, version, meta)
-        return quantize.apply_update(params, update, scheme), nbytes + read
+        links = []
+        while not is_snapshot(meta):
+            base = update_base(meta)
+            if not 0 <= base < version:
+                raise StoreError(f"{self.url}: fragment {fragment} v{version} is an update from v{base}")
+            links.append((version, meta))
+            version, meta = base, self.read_meta(fragment, base)
+        return links[::-1], version
 
     def read_blocks(self, fragment: int, version: int, blocks: dict[str, list[Region]]
                     ) -> dict[str, dict[Region, np.ndarray]]:
         """Only the named blocks of a version's params: what one host of a sharded learner holds
         (between snapshots: the snapshot's blocks plus each update's, one tensor at a time)."""
-        meta = self.read_meta(fragment, version)
-        if not is_snapshot(meta):
-            out = self.read_blocks(fragment, update_base(meta), blocks)
-            scheme, update, _ = self.read_update(fragment, version, meta)
+        links, snapshot = self._links(fragment, version)
+        out = self._snapshot_blocks(fragment, snapshot, blocks)
+        for v, m in links:
+            scheme, update, _ = self.read_update(fragment, v, m)
             for n, rs in out.items():
                 dtype = next(iter(rs.values())).dtype
                 step = quantize.decode(update[n], self._shape_of(n), scheme)
@@ -315,7 +330,11 @@ class FragmentStore:
                     block = step[tuple(slice(a, b) for a, b in r)]
                     rs[r] = (rs[r].astype(np.float32) + block).astype(dtype)
                 del step
-            return out
+        return out
+
+    def _snapshot_blocks(self, fragment: int, version: int, blocks: dict[str, list[Region]]
+                         ) -> dict[str, dict[Region, np.ndarray]]:
+        meta = self.read_meta(fragment, version)
         d = self.data_dir(fragment, version, meta)
         if missing := sorted(set(blocks) - set(meta.get("params", []))):
             raise StoreError(f"{self.url}: fragment {fragment} v{version} has no params {missing[:4]}")

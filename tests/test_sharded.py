@@ -171,6 +171,35 @@ def test_a_host_reads_only_its_blocks_of_a_stored_tensor(tmp_path):
     np.testing.assert_array_equal(store.read(0, 1).params["big"], big)     # and whole, as before
 
 
+def test_a_chain_of_updates_longer_than_the_recursion_limit_is_read(tmp_path):
+    """With updates from the previous version (syncer.update_base=previous) a version is a chain of
+    updates back to its snapshot; read_params and read_blocks followed it by recursion, once per link,
+    so a long snapshot interval crash-looped every learner that read it. They follow it in a loop."""
+    import sys
+
+    from diloco import quantize
+    from diloco.plan import make_plan
+
+    rng = np.random.default_rng(0)
+    value = {"w": rng.normal(size=(4, 6)).astype(np.float32)}
+    store = FragmentStore(f"file://{tmp_path}", "r")
+    store.write_plan(make_plan(value, fragments=1))
+    store.write(0, 0, value, {}, {})
+    links = 120
+    for v in range(1, links + 1):
+        wire, value, _ = quantize.encode_update(value, {"w": value["w"] + 0.01}, {}, "int8")
+        store.write(0, v, {}, {}, {}, update=wire, update_scheme="int8", snapshot_at=0)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(100)  # the chain is longer than what may be on the stack
+    try:
+        params, _ = store.read_params(0, links)
+        blocks = store.read_blocks(0, links, {"w": [((0, 4), (0, 6))]})
+    finally:
+        sys.setrecursionlimit(limit)
+    np.testing.assert_array_equal(params["w"], value["w"])
+    np.testing.assert_array_equal(blocks["w"][((0, 4), (0, 6))], value["w"])
+
+
 def test_default_fsdp_placement_and_bad_partition_specs():
     import jax
     from jax.sharding import Mesh
