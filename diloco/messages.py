@@ -41,6 +41,11 @@ class WireError(ValueError):
     """A message that cannot be decoded; the text says what is wrong with it."""
 
 
+class ChecksumError(WireError):
+    """A complete payload that is not the one its manifest describes: another length or CRC-32C
+    (docs/wire-format.md: a receiver rejects it as `checksum`)."""
+
+
 def is_name(value) -> bool:
     """Whether `value` can be a contribution or learner id on the wire: a string of 1-64 characters."""
     return isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS
@@ -237,11 +242,11 @@ def checksum(payload) -> int:
 
 
 def verify_payload(manifest: Manifest, payload: bytes) -> None:
-    """Raise WireError unless the payload has the manifest's size and CRC-32C."""
+    """Raise ChecksumError unless the payload has the manifest's size and CRC-32C."""
     if len(payload) != manifest.total_bytes:
-        raise WireError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
+        raise ChecksumError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
     if checksum(payload) != manifest.crc32c:
-        raise WireError("checksum mismatch: payload CRC-32C differs from the manifest")
+        raise ChecksumError("checksum mismatch: payload CRC-32C differs from the manifest")
 
 
 def codes_of(manifest: Manifest, payload: bytes | memoryview) -> bytes | memoryview:

@@ -107,7 +107,7 @@ class Intake:
             messages.verify_payload(m, payload)
             deltas = fused.encoded_delta(m, payload)
         except WireError as err:
-            return Rejection(Reason.CHECKSUM if "checksum" in str(err) else Reason.MALFORMED, str(err))
+            return Rejection(Reason.CHECKSUM if isinstance(err, messages.ChecksumError) else Reason.MALFORMED, str(err))
         bad = [n for n, x in deltas.norms.items() if not math.isfinite(x)]
         if bad:
             return Rejection(Reason.NON_FINITE, f"non-finite values in {bad[:8]}")

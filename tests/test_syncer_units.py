@@ -104,6 +104,15 @@ def test_a_checksum_mismatch_is_said_as_such():
     assert got.reason == Reason.CHECKSUM
 
 
+def test_a_complete_payload_of_another_length_is_a_checksum_mismatch_as_the_spec_says():
+    """docs/wire-format.md: the payload must be exactly total_bytes long and match its CRC-32C, else
+    `checksum`; one of another length was rejected `malformed` (issue 53, L4)."""
+    m, payload = _contribution()
+    for other in (payload[:-1], payload + b"\0"):
+        got = Intake(CFG, "run", PLAN).check(m, other, members=MEMBERS, fragment=_fragment())
+        assert got.reason == Reason.CHECKSUM and "bytes, manifest says" in got.detail
+
+
 @pytest.mark.parametrize("scheme", ["int2", "topk"])
 def test_the_codecs_below_4_bits_are_judged_as_strictly_as_int8(scheme):
     """Honest int2 / topk deltas enter with the norm of what they decode to; a topk block whose indices
