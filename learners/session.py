@@ -315,16 +315,16 @@ class Session:
 
     def _read_loss(self) -> float | None:
         with self._loss_lock:
-            if self._pending_loss is not None:
-                step, given = self._pending_loss
-                self._pending_loss = None
-                value = float(given)
-                if not math.isfinite(value) and (self._loss is None or math.isfinite(self._loss)):
-                    log.warning("loss is not finite", extra={"step": step, "loss": str(value)})
-                # a heartbeat carries finite numbers only (the syncer refuses others, and would take
-                # the learner for silent): a non-finite loss travels as none
-                self._loss = value if math.isfinite(value) else None
-            return self._loss
+            pending, self._pending_loss = self._pending_loss, None
+        if pending is not None:
+            step, given = pending
+            value = float(given)  # waits for the step that made it: outside the lock, so `step` never waits
+            if not math.isfinite(value) and (self._loss is None or math.isfinite(self._loss)):
+                log.warning("loss is not finite", extra={"step": step, "loss": str(value)})
+            # a heartbeat carries finite numbers only (the syncer refuses others, and would take the
+            # learner for silent): a non-finite loss travels as none
+            self._loss = value if math.isfinite(value) else None
+        return self._loss
 
     @property
     def versions(self) -> dict[int, int]:
