@@ -106,13 +106,13 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
             params, opt_state, loss = train_step(params, opt_state, batch)   # dispatched, not waited for
             trained = tokens
             tokens, batch = next(feed)
-            if queued is not None:  # one step runs while the next is queued: the loop never runs further ahead
+            if speed < 1:  # stands for slower hardware in this region: this step's own time, stretched
+                loss.block_until_ready()
+                time.sleep((time.perf_counter() - t0) * (1 / speed - 1))
+            elif queued is not None:  # one step runs while the next is queued: never further ahead
                 queued.block_until_ready()
             queued = loss
             dt = time.perf_counter() - t0
-            if speed < 1:  # stands for slower hardware in this region
-                time.sleep(dt * (1 / speed - 1))
-                dt = time.perf_counter() - t0
             compute_s += dt
             params = session.step(params, tokens=trained, loss=loss, compute_s=compute_s)
         ok = True

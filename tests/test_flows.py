@@ -374,7 +374,9 @@ def test_every_deployment_in_prefect_yaml_names_a_flow():
 
 @pytest.mark.integration
 def test_cancelled_flow_run_leaves_no_processes(tiny_config, tmp_path, prefect_env, region_workers):
-    cfg = tiny_config(inner={"steps": 2000})
+    # a run that cannot end by itself before it is cancelled: the regions start seconds apart, and
+    # 2,000 steps of the tiny model were over in the first region before the second's learners came up
+    cfg = tiny_config(inner={"steps": 200_000})
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     serve = "from diloco.flows.training import decoupled_diloco; decoupled_diloco.serve(name='cancel-test')"
     with open(tmp_path / "serve.log", "wb") as log:
