@@ -29,7 +29,7 @@ def worker(args: dict) -> dict:
     from diloco.config import build_config
     from diloco.learners.learner import compile_step
     from diloco.learners.parallel import learner_mesh
-    from diloco.learners.outer import outer_deltas
+    from diloco.learners.outer import Anchors, outer_deltas
     from diloco.models.transformer import spec as transformer
     from diloco.spec import initial_plan
 
@@ -60,8 +60,11 @@ def worker(args: dict) -> dict:
     largest = int(np.argmax(sizes))
     names = plan.fragment_names[largest]
     leaves = dict(params)
-    base = {n: leaves[n].astype(np.float32) + 1e-3 for n in names}  # a global value a little off
-    outer_deltas({n: a + 0 for n, a in base.items()}, leaves, names, {n: "int8" for n in names})  # compiles it
+    base, warm = Anchors("device"), Anchors("device")
+    for anchors in (base, warm):
+        for n in names:
+            anchors[n] = leaves[n].astype(np.float32) + 1e-3  # a global value a little off
+    outer_deltas(warm, leaves, names, {n: "int8" for n in names})  # compiles the fragment's sync
     tracemalloc.start()
     deltas = outer_deltas(base, leaves, names, {n: "int8" for n in names})
     codes = {n: d.coded() for n, d in deltas.items()}  # as the publisher reads them

@@ -14,7 +14,6 @@ host (`ON_DEVICE` says which schemes this module has).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -26,10 +25,7 @@ from diloco import quantize
 ON_DEVICE = ("fp32", "bf16", "int8", "int4")
 
 
-def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
-    if len(shape) == 0:
-        return 1, 1
-    return (math.prod(shape[:-1]) if len(shape) > 1 else 1), shape[-1]
+_rows = quantize._rows  # (rows, cols) of a tensor as the codecs see it: one piece of code for both
 
 
 def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -74,11 +70,6 @@ def decode(parts: tuple[jax.Array, ...], shape: tuple[int, ...], scheme: str) ->
     return (q.astype(jnp.float32) * scale[:, None]).reshape(shape)
 
 
-def parts_nbytes(shape: tuple[int, ...], scheme: str) -> int:
-    """The bytes of a code's parts: quantize.encoded_nbytes, for the schemes here."""
-    return quantize.encoded_nbytes(tuple(shape), scheme)
-
-
 @dataclass
 class DeviceCode:
     """One tensor's code made on the devices: its parts, whose copy to the host starts at once
@@ -103,4 +94,4 @@ class DeviceCode:
 
     @property
     def nbytes(self) -> int:
-        return parts_nbytes(self.shape, self.scheme)
+        return quantize.encoded_nbytes(tuple(self.shape), self.scheme)

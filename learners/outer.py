@@ -22,7 +22,7 @@ syncs or applies; kept on the devices, they cost a whole copy of the model there
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco import device_codec, quantize
-from diloco.plan import gather, place_blocks, whole
+from diloco.plan import gather, place, place_blocks, whole
 
 
 def _host_kind(sharding) -> str | None:
@@ -43,7 +43,7 @@ def _host_kind(sharding) -> str | None:
     return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
 
 
-class Anchors(MutableMapping):
+class Anchors:
     """Each synced tensor's anchor, where `place` says ("host" or "device"), in `dtype` ("float32" or
     "param": the leaf's own dtype). `anchors[n]` is the anchor on the devices (placed like its leaf,
     in the anchor's dtype): a transient copy when it lives on the host. `anchors[n] = value` (on the
@@ -92,16 +92,6 @@ class Anchors(MutableMapping):
             for n, a in zip(to_host, moved):
                 self._kept[n] = a
 
-    def __delitem__(self, name: str) -> None:
-        del self._kept[name]
-        self._sharding.pop(name, None)
-
-    def __iter__(self):
-        return iter(self._kept)
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
     def nbytes(self) -> dict[str, int]:
         """Bytes the anchors hold, by where: {"device": ..., "host": ...} (this process's shards)."""
         out = {"device": 0, "host": 0}
@@ -137,12 +127,12 @@ def _rebased(new, leaf, anchor, mode: str, alpha: float, dtype):
     return value.astype(leaf.dtype), n32.astype(dtype)
 
 
-def _anchor_dtypes(anchors: MutableMapping, leaves: Mapping[str, Any], names: list[str]) -> tuple:
-    param = getattr(anchors, "dtype", "float32") == "param"
+def _anchor_dtypes(anchors: Anchors, leaves: Mapping[str, Any], names: list[str]) -> tuple:
+    param = anchors.dtype == "param"
     return tuple(jnp.dtype(leaves[n].dtype) if param else jnp.dtype(jnp.float32) for n in names)
 
 
-def outer_deltas(anchors: MutableMapping, leaves: Mapping[str, Any], names: list[str], schemes: Mapping[str, str],
+def outer_deltas(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], schemes: Mapping[str, str],
                  error: dict[str, np.ndarray] | None = None) -> dict[str, device_codec.DeviceCode | quantize.Coded]:
     """The codes of the outer deltas (anchor - local) of tensors `names`, each made once, and each
     anchor moved to what was just sent, so that if the merged global is slow to arrive two
@@ -158,10 +148,10 @@ def outer_deltas(anchors: MutableMapping, leaves: Mapping[str, Any], names: list
     codes: dict[str, Any] = {}
     if on_device:
         made = [_delta_code(a, leaves[n], schemes[n], dt) for n, a, dt in
-                zip(on_device, _on_devices(anchors, on_device), _anchor_dtypes(anchors, leaves, on_device))]
+                zip(on_device, anchors.on_devices(on_device), _anchor_dtypes(anchors, leaves, on_device))]
         parts = [p for p, _ in made]
         many_hosts = jax.process_count() > 1
-        _keep(anchors, {n: m for n, (_, m) in zip(on_device, made)})
+        anchors.keep({n: m for n, (_, m) in zip(on_device, made)})
         for n, p in zip(on_device, parts):
             shape = tuple(leaves[n].shape)
             if many_hosts:  # every host takes part in each gather; the leader sends
@@ -171,8 +161,8 @@ def outer_deltas(anchors: MutableMapping, leaves: Mapping[str, Any], names: list
     for n in names:
         if n in codes:
             continue
-        local = _float32(leaves[n])
-        delta = gather(_float32(anchors[n]) - local)
+        local, anchor = _float32(leaves[n]), _float32(anchors[n])  # one transfer of the anchor
+        delta = gather(anchor - local)
         if error is not None and schemes[n] in quantize.BELOW_4_BITS:
             delta = delta + error[n] if n in error else delta
             codes[n] = quantize.coded(delta, schemes[n])
@@ -180,25 +170,25 @@ def outer_deltas(anchors: MutableMapping, leaves: Mapping[str, Any], names: list
             anchors[n] = local
         else:
             codes[n] = quantize.coded(delta, schemes[n])
-            anchors[n] = _float32(anchors[n]) - _place(codes[n].decoded(), local)
+            anchors[n] = anchor - place(codes[n].decoded(), anchor)
         del delta
     return codes
 
 
-def rebase(anchors: MutableMapping, leaves: Mapping[str, Any], names: list[str], new: Mapping[str, Any],
+def rebase(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], new: Mapping[str, Any],
            mode: str, alpha: float = 1.0) -> dict[str, Any]:
     """Each leaf of `names` with a new global version `new` applied (placed like the leaf, in its
     dtype: the same values as the float32 blocks would give): rebase = new plus the local steps
     since the anchor, overwrite = new, mix = alpha new + (1 - alpha) local. The anchors become the
     new version. One jitted call per tensor, the anchors moved in one transfer each way."""
     dtypes = _anchor_dtypes(anchors, leaves, names)
-    used = _on_devices(anchors, names) if mode == "rebase" else [None] * len(names)
+    used = anchors.on_devices(names) if mode == "rebase" else [None] * len(names)
     made = [_rebased(new[n], leaves[n], a, mode, float(alpha), dt) for n, a, dt in zip(names, used, dtypes)]
     out, keep = {}, {}
     for n, (v, k) in zip(names, made):
         out[n] = v if isinstance(leaves[n], jax.Array) else np.asarray(v)
         keep[n] = k if isinstance(leaves[n], jax.Array) else np.asarray(k)
-    _keep(anchors, keep)
+    anchors.keep(keep)
     return out
 
 
@@ -219,23 +209,6 @@ def place_all(blocks: Mapping[str, Mapping], leaves: Mapping[str, Any]) -> dict[
     return {n: out[n] for n in blocks}
 
 
-def _on_devices(anchors: MutableMapping, names: list[str]) -> list:
-    return anchors.on_devices(names) if isinstance(anchors, Anchors) else [anchors[n] for n in names]
-
-
-def _keep(anchors: MutableMapping, values: Mapping[str, Any]) -> None:
-    if isinstance(anchors, Anchors):
-        anchors.keep(values)
-    else:
-        anchors.update(values)
-
-
 def _float32(leaf):
     return leaf.astype(jnp.float32) if isinstance(leaf, jax.Array) else np.asarray(leaf, np.float32)
 
-
-def _place(value: np.ndarray, like):
-    """`value` (float32) where `like` lives: for a JAX array its devices and sharding."""
-    if isinstance(like, jax.Array):
-        return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
-    return value

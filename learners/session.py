@@ -51,7 +51,7 @@ import numpy as np
 
 from diloco import messages, metrics
 from diloco.config import Config, ConfigError, load_config
-from diloco.fragments import HOLD_PERIODS, fragments_due, fragments_to_fetch, must_hold, syncs_through
+from diloco.fragments import fragments_due, fragments_to_fetch, must_hold, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError, array_digest
 from diloco.learners.fetcher import Fetcher
@@ -422,13 +422,13 @@ class Session:
         """Whether fragment p's delta waits for a new version (fragments.one_delta_per_version,
         fragments.must_hold)."""
         f = self._fragments[p]
-        if not self.cfg.fragments.one_delta_per_version or f.sent_from != f.version:
+        if not self.cfg.fragments.one_delta_per_version:
             return False
-        if not must_hold(sent_from=f.sent_from, version=f.version, steps_since_send=f.steps,
-                         every=self.cfg.fragments.sync_every):
+        hold = must_hold(sent_from=f.sent_from, version=f.version, steps_since_send=f.steps,
+                         every=self.cfg.fragments.sync_every)
+        if not hold and f.sent_from == f.version:
             log.info("held too long; sending anyway", extra={"fragment": p, "version": f.version, "steps": f.steps})
-            return False
-        return True
+        return hold
 
     def _sync(self, p: int, params) -> None:
         names, f = self._names[p], self._fragments[p]

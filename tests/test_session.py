@@ -85,11 +85,12 @@ def test_what_a_delta_left_out_goes_with_the_next_one_and_the_learner_keeps_trai
     the steps since the send. Either way the deltas sent plus what is left add up to all progress."""
     import jax.numpy as jnp
 
-    from diloco.learners.outer import outer_deltas
+    from diloco.learners.outer import Anchors, outer_deltas
 
     rng = np.random.default_rng(0)
     start = rng.normal(size=(8, 300)).astype(np.float32)
-    base, local, error = {"w": jnp.asarray(start)}, jnp.asarray(start), {}
+    base, local, error = Anchors("device"), jnp.asarray(start), {}
+    base["w"] = jnp.asarray(start)
     sent = np.zeros_like(start)
     for _ in range(5):
         local = local - jnp.asarray(rng.normal(size=start.shape).astype(np.float32) * 0.01)  # inner steps
