@@ -70,7 +70,11 @@ def _host_bytes(session) -> int:
     seen, total = set(), anchors
     f = session.fetcher
     arrays = [a for _, arrs in [*f.held.values(), *f.snapshots.values()] if arrs for a in arrs.values()]
-    arrays += [b for r in f.ready_now().values() for blocks in r.values() for bs in blocks.values() for b in bs.values()]
+    for r in f.ready_now().values():
+        for got in r.values():  # a Fetched (before: its blocks)
+            blocks = getattr(got, "blocks", got)
+            arrays += [b for bs in blocks.values() for b in bs.values()]
+    arrays += session._base.bases() if hasattr(session._base, "bases") else []  # shared with the fetcher, or not
     for a in arrays:
         if id(a) not in seen and isinstance(a, np.ndarray):
             seen.add(id(a))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from diloco import quantize
@@ -84,8 +85,16 @@ class DeviceCode:
             if isinstance(p, jax.Array) and p.is_fully_addressable:
                 p.copy_to_host_async()
 
+    def host_parts(self) -> tuple[np.ndarray, ...]:
+        """The parts on the host (waits for their copy). The device buffers are let go: a learner
+        that keeps the code to rebuild an anchor from (learners/outer.py) holds host bytes only."""
+        # a copy: on a CPU backend a view would keep the device buffer alive
+        parts = tuple(p if isinstance(p, np.ndarray) else np.array(p) for p in self.parts)
+        self.parts = parts
+        return parts
+
     def coded(self) -> quantize.Coded:
-        data = b"".join(np.ascontiguousarray(np.asarray(p)).tobytes() for p in self.parts)
+        data = b"".join(np.ascontiguousarray(p).tobytes() for p in self.host_parts())
         return quantize.Coded(self.shape, self.scheme, data)
 
     def decoded(self) -> np.ndarray:
@@ -95,3 +104,20 @@ class DeviceCode:
     @property
     def nbytes(self) -> int:
         return quantize.encoded_nbytes(tuple(self.shape), self.scheme)
+
+
+def parts_of(code: DeviceCode | quantize.Coded) -> tuple[np.ndarray, ...]:
+    """A code's parts as `decode` takes them, on the host: a wire code's bytes are viewed, not copied."""
+    if isinstance(code, DeviceCode):
+        return code.host_parts()
+    shape, scheme, data = tuple(code.shape), code.scheme, code.data
+    if scheme == "fp32":
+        return (np.frombuffer(data, "<f4").reshape(shape),)
+    if scheme == "bf16":
+        return (np.frombuffer(data, ml_dtypes.bfloat16).reshape(shape),)
+    if scheme not in quantize.LEVELS:
+        raise quantize.CodecError(f"{scheme!r} is not a device codec; these are: {ON_DEVICE}")
+    rows, cols = _rows(shape)
+    scale = np.frombuffer(data, "<f4", count=rows)
+    codes = np.frombuffer(data, np.int8 if scheme == "int8" else np.uint8, offset=4 * rows)
+    return scale, codes.reshape(rows, (cols + 1) // 2 if scheme == "int4" else cols)

@@ -7,6 +7,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from kafka import TopicPartition
@@ -21,17 +22,43 @@ from diloco.plan import Plan, Region, is_whole, whole
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """A version of a fragment as the fetcher brought it: this host's blocks of each tensor (`whole`:
+    the whole arrays, when this host holds whole tensors) and the bytes read. Where it can say so
+    (whole tensors), also what the version is made of: `base`'s arrays (a version it holds, shared
+    with it) with `update` (each tensor's code in `scheme`, quantize.apply_update) applied, or
+    `base` itself when `update` is None. A learner keeps that instead of a copy of the version
+    (learners/outer.py, Anchors)."""
+
+    blocks: dict[str, dict[Region, np.ndarray]]
+    whole: dict[str, np.ndarray] | None = None
+    nbytes: int = 0
+    base: dict[str, np.ndarray] | None = None
+    update: dict[str, bytes] | None = None
+    scheme: str | None = None
+
+    def made_of(self) -> dict[str, tuple[np.ndarray, quantize.Coded | None]]:
+        """Per tensor (base array, update code or None); empty when the fetcher could not say."""
+        if self.base is None:
+            return {}
+        if self.update is None:
+            return {n: (a, None) for n, a in self.base.items()}
+        return {n: (a, quantize.Coded(a.shape, self.scheme, self.update[n])) for n, a in self.base.items()}
+
+
 class Fetcher(threading.Thread):
     """Follows the outer topic; brings a fragment's newest announced version from TensorStore when
     the learner asks for it (`need`: with fragments.fetch=before_sync, shortly before it syncs the
     fragment), at the join, or, with every_version, each announced version. Only this host's blocks
-    of each tensor are read (`want`). A host that holds whole tensors keeps the newest snapshot it reached beside the version it holds: every update is
-    relative to a snapshot (infra.store), so one update brings it to any later version until the
-    next snapshot, and the path of fewest bytes (updates from what it holds, or a stored snapshot
-    and its update) is read. The newest `keep` fetched versions of each fragment wait until the
-    learner applies one (`ready_now`, `release`). Host memory: the newest snapshot of each fragment
-    and the versions waiting to be applied (and, with updates from the previous version
-    (syncer.update_base=previous), the newest version's values, their base).
+    of each tensor are read (`want`). A host that holds whole tensors keeps the newest snapshot it
+    reached: every update is relative to a snapshot (infra.store), so one update brings it to any
+    later version until the next snapshot, and the path of fewest bytes (updates from what it holds,
+    or a stored snapshot and its update) is read. The newest `keep` fetched versions of each fragment
+    wait until the learner applies one (`ready_now`, `release`), each saying what it is made of (the
+    snapshot and the update: the learner keeps its anchors as that, learners/outer.py). Host memory:
+    the newest snapshot of each fragment and the versions waiting to be applied (and, with updates
+    from the previous version (syncer.update_base=previous), the newest version's values, their base).
     """
 
     MAX_ATTEMPTS = 20  # reads of one announced version before the fetcher gives up on it
@@ -46,7 +73,7 @@ class Fetcher(threading.Thread):
         self.wanted = threading.Event()
         self.held: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}  # newest fetched (whole: its exact global)
         self.snapshots: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # newest snapshot reached (whole only)
-        self.ready: dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]] = {}
+        self.ready: dict[int, dict[int, Fetched]] = {}
         self.markers: dict[int, int] = {}  # fragment -> its commit marker, as last read
         self.announced: dict[int, int] = {}  # fragment -> the newest version announced (versions behind)
         self.newest: dict[int, int] = {}     # fragment -> the newest version that may be committed
@@ -83,7 +110,7 @@ class Fetcher(threading.Thread):
                     if entry and entry[0] == v and entry[2] > now:
                         continue
                     try:
-                        blocks, whole, nbytes = self.fetch(p, v)
+                        got = self.fetch(p, v)
                     except (StoreError, quantize.CodecError, OSError, ValueError, KeyError) as err:
                         # transient (the store is slow or away) or a version that is not there: try
                         # again with backoff; a newer announcement replaces it meanwhile
@@ -100,16 +127,16 @@ class Fetcher(threading.Thread):
                     tries.pop(p, None)
                     # with updates from the snapshot the newest version's values are never a base again:
                     # hold its number, and its values only until the learner applies them (ready)
-                    self.held[p] = (v, whole if self.cfg.syncer.updates_from == "previous" else None)
+                    self.held[p] = (v, got.whole if self.cfg.syncer.updates_from == "previous" else None)
                     with self.lock:
                         self.needed.discard(p)
                         ready = self.ready.setdefault(p, {})
-                        ready[v] = blocks
+                        ready[v] = got
                         for old in sorted(ready)[:-self.keep]:
                             del ready[old]
                     with self.counters.lock:
-                        self.counters.bytes_fetched += nbytes
-                        self.counters.fetched_by_fragment[p] = self.counters.fetched_by_fragment.get(p, 0) + nbytes
+                        self.counters.bytes_fetched += got.nbytes
+                        self.counters.fetched_by_fragment[p] = self.counters.fetched_by_fragment.get(p, 0) + got.nbytes
         except BaseException as err:
             self.error = err
             log.exception("fetch failed")
@@ -171,21 +198,19 @@ class Fetcher(threading.Thread):
                     p, v, marker)
         return False
 
-    def fetch(self, p: int, v: int) -> tuple[dict[str, dict[Region, np.ndarray]], dict[str, np.ndarray] | None, int]:
-        """(this host's blocks of version v of fragment p, the whole arrays when that is what it holds,
-        bytes read)."""
+    def fetch(self, p: int, v: int) -> Fetched:
+        """This host's blocks of version v of fragment p."""
         names = self.plan.fragment_names[p]
         shapes = self.plan.shapes
         if not all(is_whole(self.blocks[n], shapes[n]) for n in names):
             blocks = self.store.read_blocks(p, v, {n: self.blocks[n] for n in names})
-            return blocks, None, sum(a.nbytes for b in blocks.values() for a in b.values())
-        params, nbytes = self._fetch_whole(p, v)
-        return {n: {whole(shapes[n]): a} for n, a in params.items()}, params, nbytes
+            return Fetched(blocks, nbytes=sum(a.nbytes for b in blocks.values() for a in b.values()))
+        return self._fetch_whole(p, v)
 
-    def _fetch_whole(self, p: int, v: int) -> tuple[dict[str, np.ndarray], int]:
+    def _fetch_whole(self, p: int, v: int) -> Fetched:
         """Version v's whole arrays by the path of fewest bytes: its chain of updates (each relative
         to a snapshot) back to a version this host holds, or a stored snapshot on that chain read
-        whole and the updates after it."""
+        whole and the updates after it. Says what the version is made of: its last link."""
         have = {u: a for u, a in (self.held.get(p, (-1, None)), self.snapshots.get(p, (-1, None))) if a is not None}
         names = self.plan.fragment_names[p]
         whole_bytes = sum(self.plan.by_name[n].size * self.plan.by_name[n].np_dtype.itemsize for n in names)
@@ -207,19 +232,24 @@ class Fetcher(threading.Thread):
             if is_snapshot(meta):
                 options.append((whole_bytes + sum(stored_update_bytes(m, self.plan.shapes) for _, m in chain[:i]), i))
         if not options:  # nothing held nor stored whole within reach: the store walks it
-            return self.store.read_params(p, v)
+            params, nbytes = self.store.read_params(p, v)
+            return Fetched(self._blocks_of(params), params, nbytes)
         _, start = min(options)
         if start == len(chain):
             params, nbytes = have[u], 0
         else:
             params, nbytes = self.store.read_params(p, chain[start][0], chain[start][1])
             self._reached(p, chain[start][0], chain[start][1], params)
+        base, update, scheme = params, None, None
         for version, meta in reversed(chain[:start]):
             scheme, update, read = self.store.read_update(p, version, meta)
-            params = quantize.apply_update(params, update, scheme)
+            base, params = params, quantize.apply_update(params, update, scheme)
             nbytes += read
             self._reached(p, version, meta, params)
-        return params, nbytes
+        return Fetched(self._blocks_of(params), params, nbytes, base, update, scheme)
+
+    def _blocks_of(self, arrays: dict[str, np.ndarray]) -> dict[str, dict[Region, np.ndarray]]:
+        return {n: {whole(a.shape): a} for n, a in arrays.items()}
 
     def _reached(self, p: int, version: int, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         if is_snapshot(meta) and version > self.snapshots.get(p, (-1,))[0]:
@@ -232,9 +262,9 @@ class Fetcher(threading.Thread):
         self.held[p] = self.snapshots[p] = (v, arrays)
         if ready:
             with self.lock:
-                self.ready.setdefault(p, {})[v] = {n: {whole(a.shape): a} for n, a in arrays.items()}
+                self.ready.setdefault(p, {})[v] = Fetched(self._blocks_of(arrays), arrays, base=arrays)
 
-    def ready_now(self) -> dict[int, dict[int, dict[str, dict[Region, np.ndarray]]]]:
+    def ready_now(self) -> dict[int, dict[int, Fetched]]:
         """The fetched versions of each fragment waiting to be applied, as they are now (a newer
         arrival may drop one from the fetcher meanwhile; this copy keeps it)."""
         with self.lock:

@@ -14,15 +14,21 @@ The codes below 4 bits (int2, topk) keep their error buffers on the host and are
 
 The anchor (`fragments.anchor`, `fragments.anchor_dtype`): the global version a tensor was last
 on, less every delta sent since (what quantization left out stays in the difference and goes with
-the next delta). Kept on the host (the default: in the leaf's host memory kind, pinned where the
-backend has one, each host its own shards), a fragment's anchors come to the devices only while it
-syncs or applies; kept on the devices, they cost a whole copy of the model there.
+the next delta). Kept on the host (the default), a fragment's anchors come to the devices only
+while it syncs or applies; kept on the devices, they cost a whole copy of the model there. On the
+host an anchor is kept as what it is made of where it can be: the fetched version's base (the
+snapshot the fetcher holds anyway, shared, not copied), the version's update code and the codes
+sent since, all a fraction of the model, rebuilt on the devices by one jitted function. So a
+learner holding whole tensors keeps one copy of the model on the host, not two. Otherwise (a
+learner over several hosts, the codes below 4 bits, a store read whole) the anchor itself is kept,
+in the leaf's host memory kind, pinned where the backend has one, each host its own shards.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -43,16 +49,45 @@ def _host_kind(sharding) -> str | None:
     return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
 
 
+MAX_SENT = 16  # deltas sent since a version that an anchor kept as codes replays; past them it is kept whole
+
+
+@dataclass
+class MadeOf:
+    """An anchor kept as what it is made of: a fetched version's `base` array (shared with the
+    fetcher) with its `update` code applied (none: the version is the base), less the `sent` codes."""
+
+    base: np.ndarray
+    update: quantize.Coded | None
+    sent: list = field(default_factory=list)  # device_codec.DeviceCode or quantize.Coded, in order
+
+    def nbytes(self) -> int:
+        return (self.update.nbytes if self.update else 0) + sum(c.nbytes for c in self.sent)
+
+    def inputs(self) -> tuple[np.ndarray, tuple]:
+        """(base, the codes' parts: the update's first if there is one), on the host."""
+        codes = [self.update] if self.update else []
+        return self.base, tuple(device_codec.parts_of(c) for c in codes + self.sent)
+
+    def rebuild(self, base, codes: tuple, dtype: str):
+        """The anchor, in `dtype` ("float32" or "param"), from `inputs` placed on the devices."""
+        return _rebuilt(base, codes[0] if self.update else None, codes[1:] if self.update else codes,
+                        self.update.scheme if self.update else None, tuple(c.scheme for c in self.sent),
+                        jnp.dtype(base.dtype if dtype == "param" else jnp.float32))
+
+
 class Anchors:
     """Each synced tensor's anchor, where `place` says ("host" or "device"), in `dtype` ("float32" or
     "param": the leaf's own dtype). `anchors[n]` is the anchor on the devices (placed like its leaf,
     in the anchor's dtype): a transient copy when it lives on the host. `anchors[n] = value` (on the
     devices, or a NumPy array for a NumPy leaf) keeps it where it lives; the copy to the host is
-    started and not waited for."""
+    started and not waited for. `keep(values, made_of)` keeps what a host anchor is made of instead
+    of its value, where it can (see the module docstring); `sent` notes a delta sent from it."""
 
     def __init__(self, place: str = "host", dtype: str = "float32"):
         self.place, self.dtype = place, dtype
         self._kept: dict[str, Any] = {}
+        self._made: dict[str, MadeOf] = {}
         self._sharding: dict[str, Any] = {}   # where each anchor goes on the devices
         self._kinds: dict[Any, str] = {}      # a sharding's host memory kind ("" = none)
 
@@ -63,20 +98,48 @@ class Anchors:
         self.keep({name: value})
 
     def on_devices(self, names: list[str]) -> list:
-        """The anchors of `names` on the devices (placed like their leaves): one transfer for all."""
-        kept = [self._kept[n] for n in names]
-        away = [i for i, (n, a) in enumerate(zip(names, kept))
-                if isinstance(a, jax.Array) and n in self._sharding and a.sharding != self._sharding[n]]
-        if away:
-            moved = jax.device_put([kept[i] for i in away], [self._sharding[names[i]] for i in away])
-            for i, a in zip(away, moved):
-                kept[i] = a
+        """The anchors of `names` on the devices (placed like their leaves): one transfer for all
+        (for those kept as codes: their base and codes, then one jitted rebuild each)."""
+        kept = [self._kept.get(n) for n in names]
+        moving = {i: (a, self._sharding[n]) for i, (n, a) in enumerate(zip(names, kept))
+                  if isinstance(a, jax.Array) and n in self._sharding and a.sharding != self._sharding[n]}
+        for i, n in enumerate(names):
+            if n in self._made:
+                inputs, sharding = self._made[n].inputs(), self._sharding[n]
+                moving[i] = inputs, (sharding, jax.tree.map(lambda _: _replicated(sharding), inputs[1]))
+        if moving:
+            placed = jax.device_put([v for v, _ in moving.values()], [w for _, w in moving.values()])
+            for i, value in zip(moving, placed):
+                made = self._made.get(names[i])
+                kept[i] = made.rebuild(*value, self.dtype) if made else value
         return kept
 
-    def keep(self, values: Mapping[str, Any]) -> None:
-        """Set these anchors; those that live on the host are copied there in one transfer, not waited for."""
+    def sent(self, codes: Mapping[str, Any], moved: Mapping[str, Any]) -> None:
+        """A delta was sent from each of these anchors: `codes` its code, `moved` the anchor less what
+        a receiver decodes. An anchor kept as codes notes the code (past MAX_SENT it keeps `moved`)."""
+        rest = {}
+        for n, code in codes.items():
+            m = self._made.get(n)
+            if m is not None and len(m.sent) < MAX_SENT:
+                m.sent.append(code)
+            else:
+                rest[n] = moved[n]
+        self.keep(rest)
+
+    def keep(self, values: Mapping[str, Any], made_of: Mapping[str, tuple] | None = None) -> None:
+        """Set these anchors; those that live on the host are copied there in one transfer, not waited
+        for. `made_of[n]` = (base array, update code or None), when values[n] is that version: kept
+        instead of the value where the anchor can be rebuilt from it (one process holding the tensor,
+        on the host, a device codec)."""
         to_host = {}
+        made_of = made_of or {}
         for name, value in values.items():
+            self._made.pop(name, None)
+            if name in made_of and self._rebuildable(value, *made_of[name]):
+                self._kept.pop(name, None)
+                self._sharding[name] = value.sharding
+                self._made[name] = MadeOf(*made_of[name])
+                continue
             if self.dtype == "float32" and value.dtype != np.float32:
                 value = value.astype(jnp.float32) if isinstance(value, jax.Array) else np.asarray(value, np.float32)
             self._kept[name] = value
@@ -92,9 +155,19 @@ class Anchors:
             for n, a in zip(to_host, moved):
                 self._kept[n] = a
 
+    def _rebuildable(self, value, base: np.ndarray, update: quantize.Coded | None) -> bool:
+        return (self.place == "host" and isinstance(value, jax.Array) and value.is_fully_addressable
+                and jax.process_count() == 1 and tuple(base.shape) == tuple(value.shape)
+                and (update is None or update.scheme in device_codec.ON_DEVICE))
+
+    def bases(self) -> list[np.ndarray]:
+        """The arrays the anchors kept as codes are built on (held by the fetcher too)."""
+        return [m.base for m in self._made.values()]
+
     def nbytes(self) -> dict[str, int]:
-        """Bytes the anchors hold, by where: {"device": ..., "host": ...} (this process's shards)."""
-        out = {"device": 0, "host": 0}
+        """Bytes the anchors hold, by where: {"device": ..., "host": ...} (this process's shards;
+        the host's codes, not the bases they share with the fetcher: `bases`)."""
+        out = {"device": 0, "host": sum(m.nbytes() for m in self._made.values())}
         for a in self._kept.values():
             if isinstance(a, jax.Array):
                 where = "device" if a.sharding.memory_kind in (None, "device") else "host"
@@ -104,6 +177,34 @@ class Anchors:
         return out
 
 
+@functools.cache
+def _replicated(sharding) -> jax.sharding.Sharding:
+    """A whole copy on each device of `sharding` (where a code goes to be decoded)."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    mesh = jax.sharding.Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind)
+
+
+def _decoded(parts, shape, scheme: str):
+    """What a receiver decodes, behind a barrier: never fused into the sum it goes into (an FMA
+    would round differently from the host's two operations)."""
+    return jax.lax.optimization_barrier(device_codec.decode(parts, shape, scheme))
+
+
+@functools.partial(jax.jit, static_argnames=("update_scheme", "sent_schemes", "dtype"))
+def _rebuilt(base, update, sent, update_scheme, sent_schemes: tuple, dtype):
+    """An anchor from what it is made of (MadeOf): the version as quantize.apply_update makes it (in
+    float32, back to the tensor's dtype), then each sent delta taken off as `_delta_code` does."""
+    version = base
+    if update is not None:
+        version = (base.astype(jnp.float32) + _decoded(update, base.shape, update_scheme)).astype(base.dtype)
+    anchor = version.astype(dtype)
+    for parts, scheme in zip(sent, sent_schemes):
+        anchor = (anchor.astype(jnp.float32) - _decoded(parts, base.shape, scheme)).astype(dtype)
+    return anchor
+
+
 @functools.partial(jax.jit, static_argnames=("scheme", "dtype"), donate_argnums=(0,))
 def _delta_code(anchor, leaf, scheme: str, dtype):
     """(the code parts of anchor - leaf, the anchor moved by what a receiver decodes). Compiled once
@@ -111,7 +212,7 @@ def _delta_code(anchor, leaf, scheme: str, dtype):
     base = anchor.astype(jnp.float32)
     delta = base - leaf.astype(jnp.float32)
     code = device_codec.encode(delta, scheme)
-    return code, (base - device_codec.decode(code, delta.shape, scheme)).astype(dtype)
+    return code, (base - _decoded(code, delta.shape, scheme)).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "alpha", "dtype"))
@@ -149,15 +250,14 @@ def outer_deltas(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], 
     if on_device:
         made = [_delta_code(a, leaves[n], schemes[n], dt) for n, a, dt in
                 zip(on_device, anchors.on_devices(on_device), _anchor_dtypes(anchors, leaves, on_device))]
-        parts = [p for p, _ in made]
         many_hosts = jax.process_count() > 1
-        anchors.keep({n: m for n, (_, m) in zip(on_device, made)})
-        for n, p in zip(on_device, parts):
+        for n, (p, _) in zip(on_device, made):
             shape = tuple(leaves[n].shape)
             if many_hosts:  # every host takes part in each gather; the leader sends
                 p = tuple(gather(x) for x in p)
             code = device_codec.DeviceCode(shape, schemes[n], p)
             codes[n] = code.coded() if many_hosts else code
+        anchors.sent({n: codes[n] for n in on_device}, {n: m for n, (_, m) in zip(on_device, made)})
     for n in names:
         if n in codes:
             continue
@@ -176,11 +276,12 @@ def outer_deltas(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], 
 
 
 def rebase(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], new: Mapping[str, Any],
-           mode: str, alpha: float = 1.0) -> dict[str, Any]:
+           mode: str, alpha: float = 1.0, made_of: Mapping[str, tuple] | None = None) -> dict[str, Any]:
     """Each leaf of `names` with a new global version `new` applied (placed like the leaf, in its
     dtype: the same values as the float32 blocks would give): rebase = new plus the local steps
     since the anchor, overwrite = new, mix = alpha new + (1 - alpha) local. The anchors become the
-    new version. One jitted call per tensor, the anchors moved in one transfer each way."""
+    new version (kept as `made_of` it, where given: learners.fetcher.Fetched.made_of). One jitted
+    call per tensor, the anchors moved in one transfer each way."""
     dtypes = _anchor_dtypes(anchors, leaves, names)
     used = anchors.on_devices(names) if mode == "rebase" else [None] * len(names)
     made = [_rebased(new[n], leaves[n], a, mode, float(alpha), dt) for n, a, dt in zip(names, used, dtypes)]
@@ -188,7 +289,7 @@ def rebase(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], new: M
     for n, (v, k) in zip(names, made):
         out[n] = v if isinstance(leaves[n], jax.Array) else np.asarray(v)
         keep[n] = k if isinstance(leaves[n], jax.Array) else np.asarray(k)
-    anchors.keep(keep)
+    anchors.keep(keep, made_of)
     return out
 
 

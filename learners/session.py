@@ -28,7 +28,8 @@ others (one small all-gather) on which fetched versions to apply, whether to sto
 time, so they never diverge and all stop at the same step. Host memory per host is its share of
 the anchors (with fragments.anchor=host) plus what is in flight: the codes of PUBLISH_QUEUE
 contributions waiting to be sent and one being sent, and Fetcher.keep fetched versions of each
-fragment's share.
+fragment's share. A learner in one process holding whole tensors keeps the fetcher's snapshot of
+each fragment and its anchors as codes on top of it: one copy of the model.
 """
 
 from __future__ import annotations
@@ -211,13 +212,15 @@ class Session:
                                    f"{sorted(set(range(self.plan.fragments)) - set(chosen))} on {self.topics.outer}")
             time.sleep(0.05)
         values, f32 = {}, self.cfg.fragments.anchor_dtype == "float32"
-        for p, (v, blocks) in chosen.items():
+        for p, (v, got) in chosen.items():
             self.fetcher.release(p, v)
             self._fragments[p].version = v
-            for n in self._names[p]:
-                values[n] = place_blocks(blocks[n], leaves[n])
-                # an array of its own: a sync donates the anchor's buffer to the next one
-                self._base[n] = place_blocks(blocks[n], leaves[n], np.float32 if f32 else None)
+            names = self._names[p]
+            for n in names:
+                values[n] = place_blocks(got.blocks[n], leaves[n])
+            # arrays of their own: a sync donates the anchor's buffer to the next one
+            self._base.keep({n: place_blocks(got.blocks[n], leaves[n], np.float32 if f32 else None) for n in names},
+                            got.made_of())
         self._params = with_leaves(params, self.plan, values)
         log.info("joined", extra={"learner": self.id, "start_step": self.start_step, "versions": self.versions,
                                   "shard": self.index, "incarnation": self.incarnation,
@@ -394,7 +397,7 @@ class Session:
 
     def _agree(self, *flags: bool, compute_s: float | None = None) -> tuple[list[bool], float, dict[int, tuple]]:
         """(each flag OR-ed over this learner's hosts, the largest compute time, per fragment the
-        newest fetched version that every host holds, as (version, this host's blocks)). One host:
+        newest fetched version that every host holds, as (version, learners.fetcher.Fetched)). One host:
         its own flags and newest versions. Every host calls it at the same point of the loop (an
         all-gather of a few numbers)."""
         compute_s = self.compute_s if compute_s is None else compute_s
@@ -471,18 +474,18 @@ class Session:
 
     def _apply(self, params, chosen: dict[int, tuple]):
         """`params` with the agreed new global versions applied (fragments.apply), on the devices."""
-        chosen = {p: (v, blocks) for p, (v, blocks) in chosen.items() if v > self._fragments[p].version}
+        chosen = {p: (v, got) for p, (v, got) in chosen.items() if v > self._fragments[p].version}
         if not chosen:
             return params
         mode = self.cfg.fragments.apply
         alpha = self.cfg.fragments.mix_alpha if mode == "mix" else 1.0
         leaves = flatten(params, self.plan)
         values = {}
-        for p, (v, blocks) in chosen.items():
+        for p, (v, got) in chosen.items():
             self.fetcher.release(p, v)
             names = self._names[p]
-            new = place_all({n: self._blocks_for(p, v, n, leaves[n], blocks) for n in names}, leaves)
-            values.update(rebase(self._base, leaves, names, new, mode, alpha))
+            new = place_all({n: self._blocks_for(p, v, n, leaves[n], got.blocks) for n in names}, leaves)
+            values.update(rebase(self._base, leaves, names, new, mode, alpha, got.made_of()))
             f = self._fragments[p]
             f.version = v
             with self.counters.lock:

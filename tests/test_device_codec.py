@@ -82,3 +82,53 @@ def test_a_sync_on_the_devices_sends_the_reference_codes_and_moves_the_anchor_as
             np.testing.assert_array_equal(np.asarray(anchors[n]), ref[n])
     held = anchors.nbytes()
     assert (held["device"] == 0) is (place == "host") and (held["host"] == 0) is (place == "device")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("anchor_dtype", ["float32", "param"])
+def test_an_anchor_kept_as_codes_is_the_anchor_kept_whole_bit_for_bit(dtype, anchor_dtype, monkeypatch):
+    """A host anchor kept as what it is made of (the fetched version's base, shared with the fetcher,
+    its update code, the codes sent since) gives the same codes and the same anchor, bit for bit, as
+    one kept whole, sync after sync, across a new version and past MAX_SENT; and holds a fraction of
+    its bytes."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from diloco.learners import outer
+    from diloco.learners.outer import Anchors, outer_deltas, rebase
+
+    monkeypatch.setattr(outer, "MAX_SENT", 3)
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(7)
+    shapes = {"w": (64, 130), "b": (130,)}
+    names = sorted(shapes)
+
+    def version(base):  # a fetched version: a base with an int4 update applied
+        update = {n: quantize.encode(rng.normal(size=shapes[n]).astype(np.float32) * 0.01, "int4") for n in names}
+        values = quantize.apply_update(base, update, "int4")
+        return values, {n: (base[n], quantize.Coded(shapes[n], "int4", update[n])) for n in names}
+
+    snapshot = {n: rng.normal(size=s).astype(np_dtype) for n, s in shapes.items()}
+    values, made_of = version(snapshot)
+    whole, codes_only = Anchors("host", anchor_dtype), Anchors("host", anchor_dtype)
+    f32 = anchor_dtype == "float32"
+    first = {n: jnp.asarray(values[n]).astype(jnp.float32 if f32 else values[n].dtype) for n in names}
+    whole.keep(first)
+    codes_only.keep(first, made_of)
+    assert codes_only.nbytes()["host"] == sum(c.nbytes for _, c in made_of.values()) < whole.nbytes()["host"] / 3
+    assert all(any(b is a for a in codes_only.bases()) for b in snapshot.values())  # shared, not copied
+    local = {n: jnp.asarray(values[n]) for n in names}
+    for step in range(8):
+        local = {n: (a.astype(jnp.float32) - 0.01 * jnp.asarray(rng.normal(size=a.shape), jnp.float32)).astype(a.dtype)
+                 for n, a in local.items()}
+        sent = [outer_deltas(a, local, names, dict.fromkeys(names, "int4")) for a in (whole, codes_only)]
+        for n in names:
+            assert sent[0][n].coded().data == sent[1][n].coded().data, (step, n)
+            np.testing.assert_array_equal(np.asarray(whole[n]), np.asarray(codes_only[n]), err_msg=f"{step} {n}")
+        if step == 3:  # a new version on the same snapshot arrives
+            values, made_of = version(snapshot)
+            new = {n: jnp.asarray(values[n]) for n in names}
+            got = [rebase(a, local, names, new, "rebase", 1.0, m) for a, m in ((whole, None), (codes_only, made_of))]
+            for n in names:
+                np.testing.assert_array_equal(np.asarray(got[0][n]), np.asarray(got[1][n]))
+            local = got[0]

@@ -116,10 +116,15 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
     fetcher = Fetcher(h.cfg, h.run_id, None, h.store, h.topics, Counters(), h.run_plan)
     whole = {n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()}
     fetcher.want(whole)
-    _, v0, whole_bytes = fetcher.fetch(0, 0)                       # nothing held: the whole fragment
+    got = fetcher.fetch(0, 0)                                      # nothing held: the whole fragment
+    v0, whole_bytes = got.whole, got.nbytes
     assert whole_bytes == sum(a.nbytes for a in v0.values())
     fetcher.held[0] = (0, v0)
-    _, v3, update_bytes = fetcher.fetch(0, 3)                      # one int8 update from the snapshot v0,
+    got = fetcher.fetch(0, 3)                                      # one int8 update from the snapshot v0,
+    v3, update_bytes = got.whole, got.nbytes
+    for n, (base, update) in got.made_of().items():                # which a learner keeps instead of v3
+        assert base is v0[n] and update.scheme == "int8"
+        np.testing.assert_array_equal(quantize.apply_update({n: base}, {n: update.data}, "int8")[n], v3[n])
     stored = h.store.read(0, 3)                                    # however many versions came between
     for n, a in stored.params.items():
         np.testing.assert_array_equal(v3[n], a)
@@ -140,15 +145,19 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
             np.testing.assert_array_equal(getattr(rebuilt, group)[n], a, err_msg=f"{group}/{n}")
     for n, a in merge_math.flatten_state(live.opt_state).items():
         np.testing.assert_array_equal(merge_math.flatten_state(rebuilt.opt_state)[n], a, err_msg=n)
-    _, again, nbytes = fetcher.fetch(0, 3)                         # the snapshot v0 is kept: 1 update again
+    again = fetcher.fetch(0, 3)                                    # the snapshot v0 is kept: 1 update again
+    again, nbytes = again.whole, again.nbytes
     assert nbytes == update_bytes and fetcher.snapshots[0][0] == 0
     fetcher.held.pop(0), fetcher.snapshots.pop(0)                  # nothing held: snapshot v0 + 1 update
-    _, again, nbytes = fetcher.fetch(0, 3)
+    again = fetcher.fetch(0, 3)
+    again, nbytes = again.whole, again.nbytes
     assert nbytes == whole_bytes + update_bytes and all(np.array_equal(again[n], v3[n]) for n in v3)
     # a host holding half of each tensor (sharded across hosts) reads that half, fp32, and no more
     halves = {n: [((0, s[0] // 2), *((0, d) for d in s[1:]))] for n, s in h.run_plan.shapes.items() if s[0] % 2 == 0}
     fetcher.want({**whole, **halves})
-    blocks, held_whole, half_bytes = fetcher.fetch(0, 3)
+    got = fetcher.fetch(0, 3)
+    blocks, held_whole, half_bytes = got.blocks, got.whole, got.nbytes
+    assert got.made_of() == {}                                     # a part of a tensor: its anchor is kept as it is
     names = h.plan[0]
     assert held_whole is None and set(blocks) == set(names)
     for n in names:
@@ -180,7 +189,8 @@ def test_a_learner_crosses_snapshots_by_their_updates_and_reaches_every_version_
         per_update = sum(quantize.encoded_nbytes(a.shape, "int8") for a in v0.values())
         steps = ((1, 1, 0), (5, 3, 4), (7, 2, 6)) if update_base == "snapshot" else ((1, 1, 0), (5, 4, 4), (7, 2, 6))
         for v, links, base in steps:
-            _, got, nbytes = fetcher.fetch(0, v)
+            fetched = fetcher.fetch(0, v)
+            got, nbytes = fetched.whole, fetched.nbytes
             fetcher.held[0] = (v, got)
             assert nbytes == links * per_update and fetcher.snapshots[0][0] == base, v
             for n, a in h.store.read(0, v).params.items():

@@ -170,9 +170,11 @@ class FragmentsConfig(_Section):
     mix_alpha: float = Field(0.5, ge=0, le=1, description="weight of the global value when apply=mix")
     anchor: Literal["host", "device"] = Field(
         "host", description="where a learner keeps each synced tensor's anchor (the global it trains from, less "
-                            "what it sent since: every delta is taken against it): host = the host memory of the "
-                            "leaf's devices (pinned where the backend has it; each host its own shards), brought "
-                            "to the devices one fragment at a time when it syncs or applies; device = beside the "
+                            "what it sent since: every delta is taken against it): host = on the host, as the "
+                            "fetched version's base (the fetcher's snapshot, shared) and codes where the learner "
+                            "holds whole tensors in one process, else as values in the host memory of the leaf's "
+                            "devices (pinned where the backend has it; each host its own shards); brought to the "
+                            "devices one fragment at a time when it syncs or applies; device = beside the "
                             "parameters, a whole extra copy of the model on the accelerators (docs/operations.md, "
                             "'What a learner costs')")
     anchor_dtype: Literal["float32", "param"] = Field(
