@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 import crc32c as _crc32c
 import numpy as np
@@ -278,6 +279,30 @@ def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
     return out
 
 
+class Reason(StrEnum):
+    """Why a contribution (or a record naming none) was rejected: `contribution_rejected.reason`
+    (docs/wire-format.md, "Rejections")."""
+    MALFORMED = "malformed"
+    OVERSIZED = "oversized"
+    INCOMPLETE = "incomplete"
+    BUFFER_FULL = "buffer_full"
+    CHECKSUM = "checksum"
+    WRONG_RUN = "wrong_run"
+    UNKNOWN_LEARNER = "unknown_learner"
+    UNKNOWN_FRAGMENT = "unknown_fragment"
+    MISROUTED = "misrouted"
+    WRONG_SHAPE = "wrong_shape"
+    BAD_METADATA = "bad_metadata"
+    FUTURE_VERSION = "future_version"
+    STALE = "stale"
+    NON_FINITE = "non_finite"
+    NORM_BUDGET = "norm_budget"
+    NORM_OUTLIER = "norm_outlier"
+    MERGE_FAILED = "merge_failed"
+    LOST_PAYLOAD = "lost_payload"
+    INTERNAL_ERROR = "internal_error"
+
+
 @dataclass
 class _Partial:
     manifest: Manifest | None = None
@@ -303,7 +328,7 @@ class Assembled:
 class Dropped:
     id: str
     manifest: Manifest | None
-    reason: str
+    reason: Reason
     detail: str
     first_offset: int | None
     where: str
@@ -383,14 +408,17 @@ class ChunkAssembler:
                 return None                      # a repeated manifest (a producer retry)
             manifest = Manifest.from_header(header)
             if manifest.total_bytes > self.max_bytes:
-                return self._drop(cid, "oversized", f"{manifest.total_bytes} bytes > limit {self.max_bytes}", manifest)
-            if manifest.n_chunks > max(1, manifest.total_bytes):
-                return self._drop(cid, "malformed", f"{manifest.n_chunks} chunks for {manifest.total_bytes} bytes", manifest)
-            if part.count is not None and part.count != manifest.n_chunks:
-                return self._drop(cid, "malformed", f"chunks say {part.count} chunks, manifest {manifest.n_chunks}", manifest)
-            if part.nbytes > manifest.total_bytes:
-                return self._drop(cid, "malformed", f"chunks hold {part.nbytes} bytes, manifest {manifest.total_bytes}",
+                return self._drop(cid, Reason.OVERSIZED, f"{manifest.total_bytes} bytes > limit {self.max_bytes}",
                                   manifest)
+            if manifest.n_chunks > max(1, manifest.total_bytes):
+                return self._drop(cid, Reason.MALFORMED, f"{manifest.n_chunks} chunks for {manifest.total_bytes} bytes",
+                                  manifest)
+            if part.count is not None and part.count != manifest.n_chunks:
+                return self._drop(cid, Reason.MALFORMED,
+                                  f"chunks say {part.count} chunks, manifest {manifest.n_chunks}", manifest)
+            if part.nbytes > manifest.total_bytes:
+                return self._drop(cid, Reason.MALFORMED,
+                                  f"chunks hold {part.nbytes} bytes, manifest {manifest.total_bytes}", manifest)
             verdict = self.check(manifest) if self.check else None
             if verdict:
                 return self._drop(cid, *verdict, manifest)
@@ -399,12 +427,12 @@ class ChunkAssembler:
             index, count = header.get("index"), header.get("count")
             if (not isinstance(index, int) or not isinstance(count, int) or isinstance(index, bool)
                     or isinstance(count, bool) or not 0 <= index < count):
-                return self._drop(cid, "malformed", f"chunk index {short(index, 40)} of {short(count, 40)}")
+                return self._drop(cid, Reason.MALFORMED, f"chunk index {short(index, 40)} of {short(count, 40)}")
             expected = part.manifest.n_chunks if part.manifest is not None else part.count
             if expected is not None and count != expected:
-                return self._drop(cid, "malformed", f"chunk says {count} chunks, the set has {expected}")
+                return self._drop(cid, Reason.MALFORMED, f"chunk says {count} chunks, the set has {expected}")
             if not payload and count > 1:
-                return self._drop(cid, "malformed", f"chunk {index} of {count} is empty")
+                return self._drop(cid, Reason.MALFORMED, f"chunk {index} of {count} is empty")
             part.count = count
             old = part.chunks.get(index)
             if old is not None:                  # a repeated chunk replaces its earlier copy
@@ -417,7 +445,7 @@ class ChunkAssembler:
             self._buffered += _held(view) + CHUNK_OVERHEAD
             limit = part.manifest.total_bytes if part.manifest is not None else self.max_bytes
             if part.nbytes > limit:
-                return self._drop(cid, "oversized" if part.manifest is None else "malformed",
+                return self._drop(cid, Reason.OVERSIZED if part.manifest is None else Reason.MALFORMED,
                                   f"chunks hold {part.nbytes} bytes > {'limit' if part.manifest is None else 'manifest'} "
                                   f"{limit}")
         dropped = self._make_room(cid)
@@ -436,7 +464,7 @@ class ChunkAssembler:
             victim = next((c for c, p in self._partial.items() if p.manifest is None), next(iter(self._partial)))
             detail = (f"buffer full ({len(self._partial)} partial sets, {self._buffered} bytes; limits "
                       f"{self.max_sets} sets, {self.max_buffered} bytes)")
-            d = self._drop(victim, "buffer_full", detail)
+            d = self._drop(victim, Reason.BUFFER_FULL, detail)
             if victim == cid:
                 return d
             self._evicted.append(d)
@@ -467,8 +495,8 @@ class ChunkAssembler:
                 have = f"{len(p.chunks)}/{p.manifest.n_chunks if p.manifest else '?'} chunks"
                 why = (f"{self.after_bytes} bytes of its partition read since its last chunk" if outgrown else
                        f"no chunk for {self.timeout_s:g}s with its partition read to the end")
-                out.append(self._drop(cid, "incomplete", f"{have}, manifest {'present' if p.manifest else 'missing'}: "
-                                      f"{why}", p.manifest))
+                out.append(self._drop(cid, Reason.INCOMPLETE, f"{have}, manifest "
+                                      f"{'present' if p.manifest else 'missing'}: {why}", p.manifest))
         return out
 
     def _forget(self, cid: str) -> _Partial:
@@ -478,7 +506,7 @@ class ChunkAssembler:
         self._buffered -= p.held + CHUNK_OVERHEAD * len(p.chunks)
         return p
 
-    def _drop(self, cid: str, reason: str, detail: str, manifest: Manifest | None = None) -> Dropped:
+    def _drop(self, cid: str, reason: Reason, detail: str, manifest: Manifest | None = None) -> Dropped:
         p = self._forget(cid)
         return Dropped(cid, manifest or p.manifest, reason, detail, p.first_offset, p.where)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
 
 from diloco import messages
+from diloco.messages import Reason  # noqa: F401 (the wire contract owns it; the syncer imports it from here)
 from diloco.syncer import fused
 
 TP = tuple[str, int]  # (topic, partition)
@@ -24,30 +24,6 @@ def partition_key(tp: TP) -> str:
 def parse_partition_key(key: str) -> TP:
     topic, partition = key.rsplit("|", 1)
     return topic, int(partition)
-
-
-class Reason(StrEnum):
-    """Why a contribution (or a record naming none) was rejected: `contribution_rejected.reason`
-    (docs/wire-format.md, "Rejections")."""
-    MALFORMED = "malformed"
-    OVERSIZED = "oversized"
-    INCOMPLETE = "incomplete"
-    BUFFER_FULL = "buffer_full"
-    CHECKSUM = "checksum"
-    WRONG_RUN = "wrong_run"
-    UNKNOWN_LEARNER = "unknown_learner"
-    UNKNOWN_FRAGMENT = "unknown_fragment"
-    MISROUTED = "misrouted"
-    WRONG_SHAPE = "wrong_shape"
-    BAD_METADATA = "bad_metadata"
-    FUTURE_VERSION = "future_version"
-    STALE = "stale"
-    NON_FINITE = "non_finite"
-    NORM_BUDGET = "norm_budget"
-    NORM_OUTLIER = "norm_outlier"
-    MERGE_FAILED = "merge_failed"
-    LOST_PAYLOAD = "lost_payload"
-    INTERNAL_ERROR = "internal_error"
 
 
 @dataclass(frozen=True)
