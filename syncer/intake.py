@@ -10,10 +10,11 @@ from typing import NamedTuple
 
 from diloco import messages
 from diloco.config import Config
-from diloco.messages import Manifest, WireError
+from diloco.messages import Manifest, Reason, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
-from diloco.syncer.records import TP, FragmentState, Reason
+from diloco.syncer.records import TP
+from diloco.syncer.rounds import FragmentState
 
 
 class Rejection(NamedTuple):

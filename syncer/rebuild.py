@@ -19,8 +19,8 @@ from diloco.messages import Assembled, ChunkAssembler, Manifest, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
-from diloco.syncer.records import FragmentState, Pending
-from diloco.syncer.rounds import close_round
+from diloco.syncer.records import Contribution, Where
+from diloco.syncer.rounds import FragmentState, Pending, close_round
 
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,8 @@ def rebuild(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, mer
                 if cid not in found:
                     raise RebuildError(f"contribution {cid} of v{u} is no longer in the log")
                 m, payload = found[cid]
-                claims = {"tokens": m.tokens, "steps": m.steps, "base_version": m.base_version, "learner": m.learner}
-                contribs.append(Pending(claims, 0.0, wanted[cid][:2], wanted[cid][2], fused.encoded_delta(m, payload)))
+                contribs.append(Pending(Contribution.accepted(m, Where(*wanted[cid]), arrival=0.0),
+                                        fused.encoded_delta(m, payload)))
             closed = close_round(cfg, plan, st, p, contribs, rec["share"])
             if closed.update != store.read_update(p, u)[1]:
                 raise RebuildError(f"replaying v{u} does not reproduce its stored update")

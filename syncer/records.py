@@ -1,17 +1,14 @@
-"""The syncer's records: a contribution's status, a partition's key, a rejection's reason, and what a
-shard holds of a fragment. Plain data with the one spelling of each, so that nothing builds or
-splits these strings inline."""
+"""The syncer's records: an accepted contribution, where a record is in the log, a contribution's
+status and a partition's key. Plain data with the one spelling of each, so that nothing builds or
+splits these strings inline, and nothing reads a contribution by string key."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from diloco import messages
-from diloco.messages import Reason  # noqa: F401 (the wire contract owns it; the syncer imports it from here)
-from diloco.syncer import fused
+from diloco.messages import Manifest, Reason
 
 TP = tuple[str, int]  # (topic, partition)
 
@@ -24,6 +21,18 @@ def partition_key(tp: TP) -> str:
 def parse_partition_key(key: str) -> TP:
     topic, partition = key.rsplit("|", 1)
     return topic, int(partition)
+
+
+class Where(NamedTuple):
+    """Where a record is in the log: its topic, partition and offset (a contribution's: of its first
+    record; None where no offset is known). A merge record keeps it as a JSON list."""
+    topic: str
+    partition: int
+    offset: int | None
+
+    @property
+    def tp(self) -> TP:
+        return self.topic, self.partition
 
 
 @dataclass(frozen=True)
@@ -67,74 +76,63 @@ def pending_fragment(text: str) -> int | None:
     return s.fragment if s is not None and s.kind == "pending" else None
 
 
-@dataclass
-class Pending:
-    """A contribution accepted into an open round, kept encoded as it arrived (int8: a quarter of its
-    float32 size) with its norms; `deltas` is None until a replay brings it back."""
-    manifest_meta: dict
+@dataclass(frozen=True)
+class Contribution:
+    """A contribution accepted into a round: what its manifest claimed, when it arrived and where its
+    first record is in the log. Redis keeps it as `meta()` (`round:<p>`): the round's, the merge
+    record's and the rebuild's input."""
+    id: str
+    learner: str
+    region: str
+    fragment: int
+    base_version: int
+    tokens: int
+    steps: int
+    step_time: float
+    total_bytes: int
+    created: float
+    cursor: tuple[int, int] | None
     arrival: float
-    tp: TP
-    first_offset: int
-    deltas: fused.EncodedDelta | None = None
+    where: Where
 
     @classmethod
-    def from_meta(cls, meta: dict) -> Pending:
-        """An accepted contribution as Redis keeps it (`contribution_meta`), its payload not read yet."""
-        return cls(meta, meta["arrival"], (meta["topic"], meta["partition"]), meta["offset"])
+    def accepted(cls, m: Manifest, where: Where, arrival: float) -> Contribution:
+        """Manifest `m`, read from `where` (its first record), accepted at `arrival`."""
+        return cls(m.id, m.learner, m.region, m.fragment, m.base_version, m.tokens, m.steps, m.step_time,
+                   m.total_bytes, m.created, m.cursor, arrival, where)
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> Contribution:
+        """A contribution as Redis keeps it (`meta()`); one kept before cursors existed has none."""
+        cursor = meta.get("cursor")
+        return cls(meta["id"], meta["learner"], meta["region"], meta["fragment"], meta["base_version"],
+                   meta["tokens"], meta["steps"], meta["step_time"], meta["bytes"], meta["created"],
+                   None if cursor is None else tuple(cursor), meta["arrival"],
+                   Where(meta["topic"], meta["partition"], meta["offset"]))
+
+    def meta(self) -> dict:
+        """What Redis keeps of it, keys in this order (the JSON text stays as it always was)."""
+        return {"id": self.id, "learner": self.learner, "region": self.region, "fragment": self.fragment,
+                "base_version": self.base_version, "tokens": self.tokens, "steps": self.steps,
+                "step_time": self.step_time, "bytes": self.total_bytes, "arrival": self.arrival,
+                "topic": self.where.topic, "partition": self.where.partition, "offset": self.where.offset,
+                "created": self.created, "cursor": self.cursor_list}
+
+    @property
+    def cursor_list(self) -> list[int] | None:
+        """The data-stream cursor as JSON holds it: [first, end) steps, or None."""
+        return None if self.cursor is None else list(self.cursor)
 
 
-@dataclass
-class FragmentState:
-    """What a shard holds of one fragment it owns: its version, parameters and outer state, the open round."""
-    version: int
-    params: dict[str, np.ndarray]
-    opt_state: object
-    round: dict[str, Pending] = field(default_factory=dict)
-    residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
-    snapshot_at: int = 0  # the newest version stored whole (store.snapshot_every)
-    snapshot: dict[str, np.ndarray] | None = None  # its parameters, the base of every next update (None: params)
-    _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
-
-    def update_base(self) -> dict[str, np.ndarray]:
-        """The parameters the next version's update is encoded against: the newest snapshot's."""
-        return self.params if self.snapshot is None else self.snapshot
-
-    def update_from(self) -> int:
-        """The version of `update_base()`."""
-        return self.version if self.snapshot is None else self.snapshot_at
-
-    def advance(self, version: int, params, opt_state, residual, *, snapshot_at: int, keep_snapshot: bool) -> None:
-        """Move to a committed `version`; with `keep_snapshot` (updates from the snapshot), a new
-        snapshot's parameters become the base of every next update."""
-        if snapshot_at != self.snapshot_at and keep_snapshot:
-            self.snapshot = params
-        self.version, self.params, self.opt_state, self.residual = version, params, opt_state, residual
-        self.snapshot_at, self._scale = snapshot_at, None
-
-    def budget_scale(self) -> float:
-        if self._scale is None:
-            norm = math.sqrt(sum(fused.squared_norm(a) for a in self.params.values()))
-            self._scale = max(norm, math.sqrt(sum(a.size for a in self.params.values())))
-        return self._scale
+def accepted_fields(c: Contribution, version: int) -> dict:
+    """The `contribution_accepted` event's fields: contribution `c` taken into the round of `version`."""
+    return {"id": c.id, "learner": c.learner, "region": c.region, "fragment": c.fragment,
+            "base_version": c.base_version, "version": version, "tokens": c.tokens, "bytes": c.total_bytes,
+            "cursor": c.cursor_list}
 
 
-def contribution_meta(m, tp: TP, first_offset: int, arrival: float) -> dict:
-    """What Redis keeps of an accepted contribution (manifest `m`, read from `tp` at `first_offset`):
-    the round's, the merge record's and the rebuild's input."""
-    return {"id": m.id, "learner": m.learner, "region": m.region, "fragment": m.fragment,
-            "base_version": m.base_version, "tokens": m.tokens, "steps": m.steps, "step_time": m.step_time,
-            "bytes": m.total_bytes, "arrival": arrival, "topic": tp[0], "partition": tp[1],
-            "offset": first_offset, "created": m.created, "cursor": None if m.cursor is None else list(m.cursor)}
-
-
-def accepted_fields(m, version: int, meta: dict) -> dict:
-    """The `contribution_accepted` event's fields: manifest `m` taken into the round of `version`."""
-    return {"id": m.id, "learner": m.learner, "region": m.region, "fragment": m.fragment,
-            "base_version": m.base_version, "version": version, "tokens": m.tokens, "bytes": m.total_bytes,
-            "cursor": meta["cursor"]}
-
-
-def rejection_fields(cid: str | None, reason: str, detail: str, manifest=None, where=None) -> dict:
+def rejection_fields(cid: str | None, reason: Reason, detail: str, manifest: Manifest | None = None,
+                     where: Where | None = None) -> dict:
     """The `contribution_rejected` event's fields (docs/wire-format.md): whose, why, and from where in
     the log (`where`: topic, partition, offset), each bounded."""
     fields = {"id": cid if cid is None else cid[:64], "reason": reason, "detail": messages.bounded(detail)}
@@ -142,5 +140,5 @@ def rejection_fields(cid: str | None, reason: str, detail: str, manifest=None, w
         fields |= {"learner": manifest.learner, "region": manifest.region, "fragment": manifest.fragment,
                    "base_version": manifest.base_version}
     if where is not None:
-        fields["where"] = {"topic": where[0], "partition": int(where[1]), "offset": where[2]}
+        fields["where"] = {"topic": where.topic, "partition": where.partition, "offset": where.offset}
     return fields

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from kafka import OffsetAndMetadata, TopicPartition
 from kafka.errors import KafkaError
 
-from diloco.syncer.records import TP, Pending, partition_key
+from diloco.syncer.records import TP, partition_key
+from diloco.syncer.rounds import Pending
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ def replay_offsets(consumed: Mapping[TP, int], rounds: Mapping[int, Mapping[str,
     out = {tp: consumed[tp] for p in rounds for tp in tps(p) if tp in consumed}
     for contributions in rounds.values():
         for c in contributions.values():
-            if c.first_offset is not None and c.tp in out:
-                out[c.tp] = min(out[c.tp], c.first_offset)
+            w = c.contribution.where
+            if w.offset is not None and w.tp in out:
+                out[w.tp] = min(out[w.tp], w.offset)
     for tp in out:
         if held := partial(partition_key(tp)):
             out[tp] = min(out[tp], min(held))
@@ -46,11 +48,12 @@ def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], consumer, *, asse
         for cid, c in contributions.items():
             if c.deltas is not None:
                 continue
-            at = position(consumer, c.tp)
-            if assembling(cid) or (at <= c.first_offset and not read_to_end(consumer, c.tp)):
+            w = c.contribution.where
+            at = position(consumer, w.tp)
+            if assembling(cid) or (at <= w.offset and not read_to_end(consumer, w.tp)):
                 waiting = True
                 continue
-            lost.append((p, cid, c, f"records from {partition_key(c.tp)}@{c.first_offset} are not in the log "
+            lost.append((p, cid, c, f"records from {partition_key(w.tp)}@{w.offset} are not in the log "
                                     f"(read to offset {at})"))
     return lost, waiting
 

@@ -2,6 +2,8 @@
 contributions, the learners' liveness and the fragment's state: the syncer calls them as records
 arrive, and the rebuild replays `close_round` from a merge record to reproduce a version bit for bit.
 
+- `FragmentState`: what a shard holds of a fragment, its open round of `Pending` contributions (each
+  a `records.Contribution` and its encoded deltas);
 - `due`: the quorum and grace-window decision (syncer/policy.py) over the learners whose deltas
   count towards K (with `syncer.quorum_of_fresh`, only those trained from the current version);
 - `round_share`'s denominator (`members`): the live learners, those that finished (the last rounds of a
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,7 +26,50 @@ from diloco.plan import Plan
 from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
 from diloco.syncer.policy import Decision, QuorumPolicy, decide
-from diloco.syncer.records import FragmentState, Pending
+from diloco.syncer.records import Contribution
+
+
+@dataclass
+class Pending:
+    """A contribution accepted into an open round, its deltas kept encoded as they arrived (int8: a
+    quarter of their float32 size) with their norms; `deltas` is None until a replay brings them back."""
+    contribution: Contribution
+    deltas: fused.EncodedDelta | None = None
+
+
+@dataclass
+class FragmentState:
+    """What a shard holds of one fragment it owns: its version, parameters and outer state, the open round."""
+    version: int
+    params: dict[str, np.ndarray]
+    opt_state: object
+    round: dict[str, Pending] = field(default_factory=dict)
+    residual: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast error not yet published
+    snapshot_at: int = 0  # the newest version stored whole (store.snapshot_every)
+    snapshot: dict[str, np.ndarray] | None = None  # its parameters, the base of every next update (None: params)
+    _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
+
+    def update_base(self) -> dict[str, np.ndarray]:
+        """The parameters the next version's update is encoded against: the newest snapshot's."""
+        return self.params if self.snapshot is None else self.snapshot
+
+    def update_from(self) -> int:
+        """The version of `update_base()`."""
+        return self.version if self.snapshot is None else self.snapshot_at
+
+    def advance(self, version: int, params, opt_state, residual, *, snapshot_at: int, keep_snapshot: bool) -> None:
+        """Move to a committed `version`; with `keep_snapshot` (updates from the snapshot), a new
+        snapshot's parameters become the base of every next update."""
+        if snapshot_at != self.snapshot_at and keep_snapshot:
+            self.snapshot = params
+        self.version, self.params, self.opt_state, self.residual = version, params, opt_state, residual
+        self.snapshot_at, self._scale = snapshot_at, None
+
+    def budget_scale(self) -> float:
+        if self._scale is None:
+            norm = math.sqrt(sum(fused.squared_norm(a) for a in self.params.values()))
+            self._scale = max(norm, math.sqrt(sum(a.size for a in self.params.values())))
+        return self._scale
 
 
 def members(live: Collection[str], contributors: Collection[str], registry: Mapping[str, dict]) -> set[str]:
@@ -42,11 +87,11 @@ def due(policy: QuorumPolicy, st: FragmentState, *, live: set[str], present: set
         return None
     fresh_only = quorum_of_fresh and bool(live)
     first_by_learner: dict[str, float] = {}
-    for c in st.round.values():
-        if fresh_only and c.manifest_meta["base_version"] < st.version:
+    for pending in st.round.values():
+        c = pending.contribution
+        if fresh_only and c.base_version < st.version:
             continue
-        lrn = c.manifest_meta["learner"]
-        first_by_learner[lrn] = min(first_by_learner.get(lrn, math.inf), c.arrival)
+        first_by_learner[c.learner] = min(first_by_learner.get(c.learner, math.inf), c.arrival)
     return decide(policy, list(first_by_learner.values()), now=now, expected=len(live | set(first_by_learner)),
                   step_time_s=step_time_s, sync_time_s=sync_time_s, members=len(present | set(first_by_learner)))
 
@@ -54,8 +99,7 @@ def due(policy: QuorumPolicy, st: FragmentState, *, live: set[str], present: set
 def in_canonical_order(contribs: Collection[Pending]) -> list[Pending]:
     """A round's contributions by (learner, base, id): the sum's float rounding then depends on what
     a round holds, not on the order it arrived in, so a restarted syncer computes the very same bits."""
-    return sorted(contribs, key=lambda c: (c.manifest_meta["learner"], c.manifest_meta["base_version"],
-                                           c.manifest_meta["id"]))
+    return sorted(contribs, key=lambda c: (c.contribution.learner, c.contribution.base_version, c.contribution.id))
 
 
 def norm_outliers(contribs: Sequence[Pending], factor: float) -> list[tuple[Pending, float, float]]:
@@ -83,15 +127,15 @@ def close_round(cfg: Config, plan: Plan, st: FragmentState, p: int, contribs: Se
                 share: float) -> Closed:
     """Merge one round of fragment p and take the outer step. Raises FloatingPointError if any
     value is not finite (int8 codes would launder a NaN), so a non-finite version is never written."""
-    sc, metas = cfg.syncer, [c.manifest_meta for c in contribs]
-    steps = [m["steps"] for m in metas]
-    tokens = merge_math.bounded_tokens([m["tokens"] for m in metas], steps, sc.tokens_per_step_spread)
+    sc, cs = cfg.syncer, [c.contribution for c in contribs]
+    steps = [c.steps for c in cs]
+    tokens = merge_math.bounded_tokens([c.tokens for c in cs], steps, sc.tokens_per_step_spread)
     weights = merge_math.token_weights(tokens, steps, weighted=sc.token_weighting)
     if sc.staleness_discount:
-        weights = merge_math.staleness_weights(weights, [st.version - m["base_version"] for m in metas],
+        weights = merge_math.staleness_weights(weights, [st.version - c.base_version for c in cs],
                                                sc.staleness_discount)
     delta = fused.merge([c.deltas for c in contribs], weights, plan.mean_merged, rule=sc.merge,
-                        share=share, threads=sc.merge_threads, learners=[m["learner"] for m in metas])
+                        share=share, threads=sc.merge_threads, learners=[c.learner for c in cs])
     old = {n: st.params[n] for n in plan.fragment_names[p]}
     o = cfg.outer
     momentum = merge_math.round_momentum(o.momentum, share) if o.momentum_per_round else o.momentum
@@ -106,18 +150,18 @@ def merge_record(p: int, current: int, contribs: Sequence[Pending], weights, *, 
                  live: Collection[str], now: float) -> dict:
     """The merge record of fragment p's version `current + 1`: who and what it merged, with what weights, from
     where in the log (what a rebuild since the last snapshot replays), and whom it did not wait for."""
-    metas = [c.manifest_meta for c in contribs]
-    return {"fragment": p, "version": current + 1, "ids": [m["id"] for m in metas],
-            "learners": [m["learner"] for m in metas], "tokens": sum(m["tokens"] for m in metas),
+    cs = [c.contribution for c in contribs]
+    return {"fragment": p, "version": current + 1, "ids": [c.id for c in cs],
+            "learners": [c.learner for c in cs], "tokens": sum(c.tokens for c in cs),
             "weights": [round(float(w), 6) for w in weights],
             # each contribution's tokens and data-stream cursor: the coverage ledger's input
-            "tokens_each": [m["tokens"] for m in metas], "cursors": [m.get("cursor") for m in metas],
-            "compute_s": [round(m["steps"] * m["step_time"], 4) for m in metas],
-            "base_versions": [m["base_version"] for m in metas],
-            "late": sum(1 for m in metas if m["base_version"] < current), "reason": reason,
-            "share": share, "where": [[m["topic"], m["partition"], m["offset"]] for m in metas],
-            "missing": sorted(set(live) - {m["learner"] for m in metas}), "time": now,
-            "waited_s": round(now - min(c.arrival for c in contribs), 4)}  # quorum and grace
+            "tokens_each": [c.tokens for c in cs], "cursors": [c.cursor_list for c in cs],
+            "compute_s": [round(c.steps * c.step_time, 4) for c in cs],
+            "base_versions": [c.base_version for c in cs],
+            "late": sum(1 for c in cs if c.base_version < current), "reason": reason,
+            "share": share, "where": [list(c.where) for c in cs],
+            "missing": sorted(set(live) - {c.learner for c in cs}), "time": now,
+            "waited_s": round(now - min(c.arrival for c in cs), 4)}  # quorum and grace
 
 
 MERGE_EVENT_FIELDS = ("fragment", "version", "ids", "learners", "tokens", "late", "tokens_each", "cursors", "reason",

@@ -48,6 +48,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from diloco.config import StateConfig, redact_url, resolve_secret
+from diloco.syncer.records import TP, Status, parse_partition_key, partition_key
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +146,6 @@ def wait_until_up(attempt, cfg: StateConfig, timeout_s: float):
 Fence = Mapping[int, int] | None  # fragment -> the epoch the writer holds
 
 
-def _offset_key(tp: tuple[str, int]) -> str:
-    return f"{tp[0]}|{tp[1]}"
-
-
 def run_prefix(key_prefix: str, run_id: str) -> str:
     """What every key of the run starts with: `<key_prefix>:{<run>}:`, the run as the hash tag."""
     return f"{key_prefix}:{{{run_id}}}:"
@@ -170,17 +167,13 @@ class SyncerState:
     def statuses(self) -> dict[str, str]:
         return self.r.hgetall(self.k + "status")
 
-    def offsets(self) -> dict[tuple[str, int], int]:
-        out = {}
-        for key, off in self.r.hgetall(self.k + "offsets").items():
-            topic, part = key.rsplit("|", 1)
-            out[(topic, int(part))] = int(off)
-        return out
+    def offsets(self) -> dict[TP, int]:
+        return {parse_partition_key(key): int(off) for key, off in self.r.hgetall(self.k + "offsets").items()}
 
     def events_offset(self, shard: int) -> int:
         return int(self.r.hget(self.k + "events_offset", str(shard)) or 0)
 
-    def committed(self, events_topic: str) -> dict[tuple[str, int], int]:
+    def committed(self, events_topic: str) -> dict[TP, int]:
         """Where the syncer resumes on every partition it reads; for the events topic, the shard furthest behind."""
         out = self.offsets()
         if shards := self.r.hvals(self.k + "events_offset"):
@@ -216,24 +209,24 @@ class SyncerState:
         created = [self.r.hsetnx(self.k + "version", str(p), 0) for p in range(fragments)]
         return all(created)
 
-    def accept(self, fragment: int, cid: str, meta: dict, offsets: dict[tuple[str, int], int],
+    def accept(self, fragment: int, cid: str, meta: dict, offsets: dict[TP, int],
                outbox: list[dict] = (), *, fence: Fence = None) -> None:
         def build(p):
             p.hset(f"{self.k}round:{fragment}", cid, json.dumps(meta))
-            p.hset(self.k + "status", cid, f"pending:{fragment}")
+            p.hset(self.k + "status", cid, Status.pending(fragment))
             p.hincrby(self.k + "counters", "accepted", 1)
             self._offsets(p, offsets)
             self._outbox(p, outbox)
         self._transact(fence, build)
 
-    def reject(self, cid: str | None, reason: str, offsets: dict[tuple[str, int], int],
+    def reject(self, cid: str | None, reason: str, offsets: dict[TP, int],
                fragment: int | None = None, outbox: list[dict] = (), *, fence: Fence = None,
                where: tuple[str, int, int | None] | None = None) -> None:
         """Record a rejection; `cid` None for a record that names no contribution. `where` (topic,
         partition, offset of its first record) lets the status be forgotten once replay is past it."""
         def build(p):
             if cid is not None:
-                p.hset(self.k + "status", cid, f"rejected:{reason}")
+                p.hset(self.k + "status", cid, Status.rejected(reason))
                 if where is not None and where[2] is not None:
                     p.zadd(self._finished(where[:2]), {cid: int(where[2])})
                 if fragment is not None:
@@ -247,11 +240,11 @@ class SyncerState:
     def count(self, name: str, n: int = 1) -> None:
         self.r.hincrby(self.k + "counters", name, n)
 
-    def save_offsets(self, offsets: dict[tuple[str, int], int], *, fence: Fence = None) -> None:
+    def save_offsets(self, offsets: dict[TP, int], *, fence: Fence = None) -> None:
         if offsets:
             self._transact(fence, lambda p: self._offsets(p, offsets))
 
-    def prune_statuses(self, tp: tuple[str, int], below: int, keep: int, *, fence: Fence = None) -> list[str]:
+    def prune_statuses(self, tp: TP, below: int, keep: int, *, fence: Fence = None) -> list[str]:
         """Forget the statuses of ids finished from partition `tp` whose records all lie before offset
         `below` (the replay offset: never read again), keeping the newest `keep`. Returns the ids."""
         key = self._finished(tp)
@@ -270,7 +263,7 @@ class SyncerState:
         self.r.hset(self.k + "events_offset", str(shard), offset)
 
     def commit_merge(self, fragment: int, *, from_version: int, ids: list[str], late: int, record: dict,
-                     offsets: dict[tuple[str, int], int], sync_time_s: float, outbox: list[dict] = (),
+                     offsets: dict[TP, int], sync_time_s: float, outbox: list[dict] = (),
                      fence: Fence = None) -> None:
         """Atomically: bump the version, mark ids applied, clear them from the round, store offsets."""
         vkey = self.k + "version"
@@ -284,7 +277,7 @@ class SyncerState:
             p.hset(vkey, str(fragment), from_version + 1)
             if ids:
                 p.hdel(f"{self.k}round:{fragment}", *ids)
-                p.hset(self.k + "status", mapping={cid: f"applied:{fragment}:{from_version + 1}" for cid in ids})
+                p.hset(self.k + "status", mapping={cid: Status.applied(fragment, from_version + 1) for cid in ids})
                 for cid, (topic, partition, offset) in zip(ids, record.get("where", ())):
                     p.zadd(self._finished((topic, partition)), {cid: int(offset)})
             p.hincrby(self.k + "counters", "applied", len(ids))
@@ -407,11 +400,11 @@ class SyncerState:
             self.outbox_writes += 1  # tells the relay there may be something new (a failed EXEC: one idle look)
 
     def _finished(self, tp: tuple[str, int]) -> str:
-        return self.k + f"finished:{_offset_key(tp)}"
+        return self.k + f"finished:{partition_key(tp)}"
 
-    def _offsets(self, p, offsets: dict[tuple[str, int], int]) -> None:
+    def _offsets(self, p, offsets: dict[TP, int]) -> None:
         if offsets:
-            p.hset(self.k + "offsets", mapping={_offset_key(tp): off for tp, off in offsets.items()})
+            p.hset(self.k + "offsets", mapping={partition_key(tp): off for tp, off in offsets.items()})
 
     # --- lost writes (syncer/durability.py, `diloco state repair`) ------------------------------
     def merge_record(self, fragment: int, version: int, page: int = 64) -> dict | None:

@@ -37,7 +37,7 @@ from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreFenced
-from diloco.messages import Assembled, Dropped, Manifest, WireError
+from diloco.messages import Assembled, Dropped, Manifest, Reason, WireError
 from diloco.syncer import durability, fused, rebuild, replay, rounds
 from diloco.syncer import merge as merge_math
 from diloco.syncer import shards as shards_mod
@@ -46,10 +46,10 @@ from diloco.syncer.ownership import Ownership
 from diloco.syncer.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.provision import announce, announcement
-from diloco.syncer.records import (TP, FragmentState, Pending, Reason, Status, contribution_meta,
-                                   parse_partition_key, partition_key, pending_fragment, accepted_fields,
-                                   rejection_fields)
+from diloco.syncer.records import (TP, Contribution, Status, Where, accepted_fields, parse_partition_key,
+                                   partition_key, pending_fragment, rejection_fields)
 from diloco.syncer.registry import LearnerRegistry
+from diloco.syncer.rounds import FragmentState, Pending
 from diloco.syncer.relay import Events, OutboxRelay
 from diloco.syncer.state import Fenced, StaleVersion, SyncerState, wait_until_up
 
@@ -189,7 +189,7 @@ class Syncer:
             raise                     # the service or the ownership, not the record: handled above
         except Exception as err:  # one bad record must never stop the syncer
             log.exception("record handling failed", extra={"topic": key[0], "offset": rec.offset})
-            self._reject(None, Reason.INTERNAL_ERROR, f"{type(err).__name__}: {err}", where=(*key, rec.offset))
+            self._reject(None, Reason.INTERNAL_ERROR, f"{type(err).__name__}: {err}", where=Where(*key, rec.offset))
 
     # --- ownership -----------------------------------------------------------------------------
     def rebalance(self, *, force: bool = False) -> None:
@@ -222,7 +222,7 @@ class Syncer:
         v = self.state.version(p)
         durability.check_fragment(self.state, self.store, self.run_id, p, v)
         st = self.rebuild_fragment(p, v)
-        st.round.update({cid: Pending.from_meta(meta) for cid, meta in self.state.round(p).items()})
+        st.round.update({cid: Pending(Contribution.from_meta(meta)) for cid, meta in self.state.round(p).items()})
         for tp in self.topics.partitions_of(p):
             self.consumed[tp] = offsets.get(tp, 0)
         self.fragments[p] = st
@@ -298,7 +298,7 @@ class Syncer:
         try:
             cid, header, payload = read_frame(raw)
         except WireError as err:
-            self._reject(None, Reason.MALFORMED, str(err), where=(*tp, offset))
+            self._reject(None, Reason.MALFORMED, str(err), where=Where(*tp, offset))
             return
         status, pending = self.status.get(cid, ""), self._pending(cid)
         if status and (pending_fragment(status) is None or (pending is not None and pending.deltas is not None)):
@@ -309,7 +309,7 @@ class Syncer:
             result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=partition_key(tp))
         except WireError as err:
             self.assembler.discard(cid)
-            self._reject(cid, Reason.MALFORMED, str(err), where=(*tp, offset))
+            self._reject(cid, Reason.MALFORMED, str(err), where=Where(*tp, offset))
             return
         if isinstance(result, Dropped):
             self._reject_dropped(result)
@@ -317,7 +317,7 @@ class Syncer:
             self.on_complete(result, tp)
 
     def on_complete(self, a: Assembled, tp: TP) -> None:
-        m, where = a.manifest, (*tp, a.first_offset)
+        m, where = a.manifest, Where(*tp, a.first_offset)
         pending = self._pending(m.id)
         verdict = self.intake.check_route(m, tp, self.region_of_topic.get(tp[0])) or self.intake.check(
             m, a.payload, members=self.registry.members, fragment=self.fragments.get(m.fragment),
@@ -329,12 +329,12 @@ class Syncer:
             pending.deltas = verdict
             return
         self.registry.admit(m.learner)  # a joiner whose delta came before its first heartbeat is a member now
-        meta = contribution_meta(m, tp, a.first_offset, self.clock())
+        c = Contribution.accepted(m, where, arrival=self.clock())
         st = self.fragments[m.fragment]
-        st.round[m.id] = Pending(meta, meta["arrival"], tp, a.first_offset, verdict)
+        st.round[m.id] = Pending(c, verdict)
         self.status[m.id] = Status.pending(m.fragment)
-        accepted = self.events.outbox("contribution_accepted", **accepted_fields(m, st.version, meta))
-        self.state.accept(m.fragment, m.id, meta, self.replay_offsets([m.fragment]), outbox=[accepted],
+        accepted = self.events.outbox("contribution_accepted", **accepted_fields(c, st.version))
+        self.state.accept(m.fragment, m.id, c.meta(), self.replay_offsets([m.fragment]), outbox=[accepted],
                           fence=self.ownership.fence(m.fragment))
 
     def _check_manifest(self, m: Manifest):
@@ -361,9 +361,9 @@ class Syncer:
         contribs = self._drop_norm_outliers(p, rounds.in_canonical_order(st.round.values()))
         if not contribs:
             return
-        sc, ids = self.cfg.syncer, [c.manifest_meta["id"] for c in contribs]
+        sc, ids = self.cfg.syncer, [c.contribution.id for c in contribs]
         live = self.registry.live()
-        members = rounds.members(live, {c.manifest_meta["learner"] for c in contribs}, self.registry)
+        members = rounds.members(live, {c.contribution.learner for c in contribs}, self.registry)
         share = merge_math.round_share(len(contribs), len(members)) if sc.scale_partial_rounds else 1.0
         try:
             closed = rounds.close_round(self.cfg, self.run_plan, st, p, contribs, share)
@@ -406,14 +406,14 @@ class Syncer:
             self.status[cid] = Status.applied(p, version)
         self.store.mark_committed(p, version)
         committed_at = self.clock()
-        self.metrics.merged(p, len(ids), sync_time, [committed_at - c.arrival for c in contribs])
+        self.metrics.merged(p, len(ids), sync_time, [committed_at - c.contribution.arrival for c in contribs])
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": version, "contributions": len(ids),
                                   "late": late, "reason": reason, "seconds": round(sync_time, 4)})
 
     def _drop_norm_outliers(self, p: int, contribs: list[Pending]) -> list[Pending]:
         outliers = rounds.norm_outliers(contribs, self.cfg.syncer.norm_outlier_factor)
         for c, n, median in outliers:
-            self._reject(c.manifest_meta["id"], Reason.NORM_OUTLIER,
+            self._reject(c.contribution.id, Reason.NORM_OUTLIER,
                          f"norm {n:.3g} > {self.cfg.syncer.norm_outlier_factor} x median {median:.3g}")
         dropped = {id(c) for c, _, _ in outliers}
         return [c for c in contribs if id(c) not in dropped]
@@ -462,34 +462,33 @@ class Syncer:
                 self._guarded(p, lambda cid=cid, c=pending, d=detail: self._lose(cid, c, d))
 
     def _lose(self, cid: str, c: Pending, detail: str) -> None:
-        p = c.tp[1]
+        p = c.contribution.where.partition
         log.error("accepted contribution lost: its payload is not in the log",
                   extra={"id": cid, "fragment": p, "detail": detail})
         self._reject(cid, Reason.LOST_PAYLOAD, detail)
-        self.events.send("payload_lost", id=cid, fragment=p, learner=c.manifest_meta.get("learner"), detail=detail)
+        self.events.send("payload_lost", id=cid, fragment=p, learner=c.contribution.learner, detail=detail)
 
     def _reject_dropped(self, d: Dropped) -> None:
-        where = tuple(d.where.rsplit("|", 1)) + (d.first_offset,) if d.where else None
-        p = int(where[1]) if where else (d.manifest.fragment if d.manifest else -1)
+        where = Where(*parse_partition_key(d.where), d.first_offset) if d.where else None
+        p = where.partition if where else (d.manifest.fragment if d.manifest else -1)
         if (pending := self._pending(d.id)) is not None:  # accepted before: its replay came back short
             self._guarded(p, lambda: self._lose(d.id, pending, f"{d.reason} on replay: {d.detail}"))
             return
         self._guarded(p, lambda: self._reject(d.id, d.reason, d.detail, manifest=d.manifest, where=where))
 
-    def _reject(self, cid: str | None, reason: str, detail: str, *, manifest: Manifest | None = None,
-                where=None) -> None:
+    def _reject(self, cid: str | None, reason: Reason, detail: str, *, manifest: Manifest | None = None,
+                where: Where | None = None) -> None:
         fragment = None
         if cid is not None and (fragment := pending_fragment(self.status.get(cid, ""))) is not None:
             # it leaves its round, in memory and in Redis
             if fragment in self.fragments and (c := self.fragments[fragment].round.pop(cid, None)) is not None:
-                where = where or (*c.tp, c.first_offset)
+                where = where or c.contribution.where
         # the fragment whose partition the record came from: only its owner may say anything about it
-        about = fragment if fragment is not None else (int(where[1]) if where is not None else None)
+        about = fragment if fragment is not None else (where.partition if where is not None else None)
         fence = self.ownership.fence(about) if about in self.ownership.epochs else None
         fields = rejection_fields(cid, reason, detail, manifest, where)
         self.state.reject(cid, reason, self.replay_offsets([about] if fence else []), fragment=fragment,
-                          outbox=[self.events.outbox("contribution_rejected", **fields)], fence=fence,
-                          where=(where[0], int(where[1]), where[2]) if where is not None else None)
+                          outbox=[self.events.outbox("contribution_rejected", **fields)], fence=fence, where=where)
         if cid is not None:
             self.status[cid] = Status.rejected(reason)
         self.metrics.rejections.labels("-" if about is None else about, reason).inc()

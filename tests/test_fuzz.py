@@ -35,7 +35,8 @@ from diloco.syncer import merge as ref
 from diloco.syncer import rounds
 from diloco.syncer.intake import Intake
 from diloco.syncer.registry import LearnerRegistry
-from diloco.syncer.records import FragmentState, Pending
+from diloco.syncer.records import Contribution, Where
+from diloco.syncer.rounds import FragmentState, Pending
 from diloco.syncer.syncer import Syncer
 
 FUZZ = settings(max_examples=200, deadline=None)
@@ -709,8 +710,7 @@ def test_a_contribution_is_rejected_with_a_reason_or_merges_finite_and_equal_to_
     if not accepted:
         return
     st0 = s.fragments[0]
-    contribs = [Pending({"tokens": m.tokens, "steps": m.steps, "learner": m.learner}, 0.0, ("t", 0), 0, d)
-                for m, d in accepted]
+    contribs = [Pending(Contribution.accepted(m, Where("t", 0, 0), 0.0), d) for m, d in accepted]
     steps = [m.steps for m, _ in accepted]
     weights = ref.token_weights(ref.bounded_tokens([m.tokens for m, _ in accepted], steps,
                                                    s.cfg.syncer.tokens_per_step_spread), steps)

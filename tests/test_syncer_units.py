@@ -6,6 +6,7 @@ registry, on fake clocks and fakes."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import crc32c
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from diloco import messages, quantize
 from diloco.config import build_config
-from diloco.messages import Assembled, ChunkAssembler
+from diloco.messages import Assembled, ChunkAssembler, Reason
 from diloco.plan import Plan, Tensor
 from diloco.syncer import fused, rounds
 from diloco.syncer import merge as merge_math
@@ -22,8 +23,9 @@ from diloco.syncer import shards
 from diloco.syncer.ownership import LeaseKeeper, Ownership
 from diloco.syncer.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
-from diloco.syncer.records import FragmentState, Pending, Reason, Status, parse_partition_key, partition_key
+from diloco.syncer.records import Contribution, Status, Where, parse_partition_key, partition_key
 from diloco.syncer.registry import LearnerRegistry
+from diloco.syncer.rounds import FragmentState, Pending
 
 PLAN = Plan((Tensor("w", (2, 3), "float32", 0, "rda"), Tensor("v", (4,), "float32", 1, "rda")), 2)
 CFG = build_config({"fragments": {"count": 2}, "regions": [{"name": "us", "learners": 2, "max_learners": 3},
@@ -140,9 +142,9 @@ def test_the_codecs_below_4_bits_are_judged_as_strictly_as_int8(scheme):
 def _pending(learner: str, base: int, arrival: float, norm: float = 1.0, cid: str | None = None) -> Pending:
     m, payload = _contribution(learner=learner, region=learner.split("-")[0], base_version=base,
                                value=norm / np.sqrt(6))
-    meta = {"id": cid or f"{learner}-{base}-{arrival}", "learner": learner, "base_version": base,
-            "tokens": 100, "steps": 10}
-    return Pending(meta, arrival, ("t", 0), 0, fused.encoded_delta(m, payload))
+    c = Contribution.accepted(m, Where("t", 0, 0), arrival)
+    c = dataclasses.replace(c, id=cid or f"{learner}-{base}-{arrival}")
+    return Pending(c, fused.encoded_delta(m, payload))
 
 
 POLICY = QuorumPolicy(quorum=2, overlap_steps=8, grace_gamma=0.5, grace_max_s=3.0)
@@ -156,12 +158,12 @@ def _due(st, live, now=10.0, fresh=True):
 def test_late_deltas_do_not_make_a_quorum_of_fresh_ones():
     st = _fragment(version=3)
     for c in (_pending("us-0", 2, 1.0), _pending("us-1", 2, 1.0)):          # both a version late
-        st.round[c.manifest_meta["id"]] = c
+        st.round[c.contribution.id] = c
     live = {"us-0", "us-1", "eu-0", "eu-1"}
     assert not _due(st, live).close and _due(st, live).reason == "waiting_for_quorum"
     assert _due(st, live, fresh=False).close                                 # without it they close a round
     fresh = _pending("eu-0", 3, 9.0)
-    st.round[fresh.manifest_meta["id"]] = fresh
+    st.round[fresh.contribution.id] = fresh
     assert not _due(st, live).close                                          # one fresh learner is not K = 2
     st.round["x"] = _pending("eu-1", 3, 9.5)
     assert _due(st, live, now=9.5).reason == "grace"                         # two fresh: the grace window runs
@@ -185,14 +187,14 @@ def test_a_rounds_share_counts_finished_learners_but_not_silent_ones():
 def test_norm_outliers_are_those_far_above_the_median():
     contribs = [_pending("us-0", 3, 0, 1.0), _pending("us-1", 3, 0, 1.2), _pending("eu-0", 3, 0, 50.0)]
     out = rounds.norm_outliers(contribs, factor=10.0)
-    assert [c.manifest_meta["learner"] for c, _, _ in out] == ["eu-0"]
+    assert [c.contribution.learner for c, _, _ in out] == ["eu-0"]
     assert out[0][2] == pytest.approx(1.2, rel=1e-4)                        # the median
     assert rounds.norm_outliers(contribs, factor=0.0) == [] and rounds.norm_outliers(contribs[:2], 1.0) == []
 
 
 def test_a_round_merges_in_one_order_whatever_order_it_arrived_in():
     a, b, c = _pending("us-1", 3, 0, cid="z"), _pending("eu-0", 3, 1, cid="y"), _pending("us-1", 2, 2, cid="x")
-    assert [p.manifest_meta["id"] for p in rounds.in_canonical_order([a, b, c])] == ["y", "x", "z"]
+    assert [p.contribution.id for p in rounds.in_canonical_order([a, b, c])] == ["y", "x", "z"]
     st = _fragment()
     one = rounds.close_round(CFG, PLAN, st, 0, rounds.in_canonical_order([a, b, c]), 0.75)
     two = rounds.close_round(CFG, PLAN, st, 0, rounds.in_canonical_order([c, a, b]), 0.75)
@@ -205,6 +207,26 @@ def test_statuses_and_partition_keys_have_one_spelling():
     assert Status.parse(Status.rejected(Reason.STALE)) == Status("rejected", reason="stale")
     assert Status.parse("") is None and Status.parse("pending:x") is None
     assert parse_partition_key(partition_key(("diloco.r.fragments.us-east", 12))) == ("diloco.r.fragments.us-east", 12)
+
+
+def test_where_is_named_by_its_partition_key_and_kept_as_a_json_list():
+    where = Where("diloco.r.fragments.us-east", 12, 340)
+    assert Where(*parse_partition_key(partition_key(where.tp)), where.offset) == where  # a dropped set's
+    assert json.loads(json.dumps(where)) == ["diloco.r.fragments.us-east", 12, 340]     # a merge record's
+
+
+def test_a_contribution_is_kept_in_redis_as_the_same_json_text():
+    m, _ = _contribution(cursor=(40, 50))
+    c = Contribution.accepted(m, Where("diloco.r.fragments.us", 0, 17), arrival=12.5)
+    assert (c.learner, c.base_version, c.tokens, c.steps, c.total_bytes, c.cursor) == ("us-0", 3, 100, 10,
+                                                                                      m.total_bytes, (40, 50))
+    stored = {"id": m.id, "learner": "us-0", "region": "us", "fragment": 0, "base_version": 3, "tokens": 100,
+              "steps": 10, "step_time": 0.1, "bytes": m.total_bytes, "arrival": 12.5,
+              "topic": "diloco.r.fragments.us", "partition": 0, "offset": 17, "created": m.created, "cursor": [40, 50]}
+    assert json.dumps(c.meta()) == json.dumps(stored)                       # the same keys in the same order
+    assert Contribution.from_meta(json.loads(json.dumps(stored))) == c
+    before_cursors = {k: v for k, v in stored.items() if k != "cursor"}
+    assert Contribution.from_meta(before_cursors).cursor is None
 
 
 def test_a_periodic_task_is_due_once_per_period():
