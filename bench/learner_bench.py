@@ -70,15 +70,16 @@ def _host_bytes(session) -> int:
     seen, total = set(), anchors
     f = session.fetcher
     arrays = [a for _, arrs in [*f.held.values(), *f.snapshots.values()] if arrs for a in arrs.values()]
-    for r in f.ready_now().values():
-        for got in r.values():  # a Fetched (before: its blocks)
-            blocks = getattr(got, "blocks", got)
-            arrays += [b for bs in blocks.values() for b in bs.values()]
     arrays += session._base.bases() if hasattr(session._base, "bases") else []  # shared with the fetcher, or not
+    fetched = [got for r in f.ready_now().values() for got in r.values()]
+    if fetched and not hasattr(fetched[0], "held_nbytes"):  # before Fetched: the blocks themselves
+        arrays += [b for blocks in fetched for bs in blocks.values() for b in bs.values()]
+        fetched = []
     for a in arrays:
         if id(a) not in seen and isinstance(a, np.ndarray):
             seen.add(id(a))
             total += a.nbytes
+    total += sum(got.held_nbytes(seen) for got in fetched)
     with session.publisher.queue.mutex:
         jobs = list(session.publisher.queue.queue)
     total += sum(np.asarray(d).nbytes if isinstance(d, np.ndarray) else d.nbytes  # codes (before: values)

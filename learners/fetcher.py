@@ -7,7 +7,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 from kafka import TopicPartition
@@ -22,29 +21,51 @@ from diloco.plan import Plan, Region, is_whole, whole
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class Fetched:
-    """A version of a fragment as the fetcher brought it: this host's blocks of each tensor (`whole`:
-    the whole arrays, when this host holds whole tensors) and the bytes read. Where it can say so
-    (whole tensors), also what the version is made of: `base`'s arrays (a version it holds, shared
-    with it) with `update` (each tensor's code in `scheme`, quantize.apply_update) applied, or
-    `base` itself when `update` is None. A learner keeps that instead of a copy of the version
-    (learners/outer.py, Anchors)."""
+    """A version of a fragment as the fetcher brought it, and the bytes read. A host holding whole
+    tensors gets what the version is made of: `base`'s arrays (a version the fetcher holds, shared
+    with it) with `update` (each tensor's code in `scheme`) applied, or `base` itself when `update`
+    is None. A learner decodes the update on its devices and keeps its anchors as that
+    (learners/outer.py); `whole` and `blocks` decode it on the host, once, for whoever needs the
+    values there. A host holding parts of tensors gets its `blocks` as read."""
 
-    blocks: dict[str, dict[Region, np.ndarray]]
-    whole: dict[str, np.ndarray] | None = None
-    nbytes: int = 0
-    base: dict[str, np.ndarray] | None = None
-    update: dict[str, bytes] | None = None
-    scheme: str | None = None
+    def __init__(self, nbytes: int, *, blocks: dict[str, dict[Region, np.ndarray]] | None = None,
+                 base: dict[str, np.ndarray] | None = None, update: dict[str, bytes] | None = None,
+                 scheme: str | None = None, whole: dict[str, np.ndarray] | None = None):
+        self.nbytes, self.base, self.update, self.scheme = nbytes, base, update, scheme
+        self._blocks, self._whole = blocks, whole
+
+    @property
+    def whole(self) -> dict[str, np.ndarray] | None:
+        """The version's whole arrays (None for a host holding parts), decoded on the host when asked."""
+        if self._whole is None and self.base is not None:
+            self._whole = self.base if self.update is None else quantize.apply_update(self.base, self.update, self.scheme)
+        return self._whole
+
+    @property
+    def blocks(self) -> dict[str, dict[Region, np.ndarray]]:
+        """This host's blocks of each tensor (plan.regions)."""
+        if self._blocks is None:
+            return {n: {whole(a.shape): a} for n, a in self.whole.items()}
+        return self._blocks
 
     def made_of(self) -> dict[str, tuple[np.ndarray, quantize.Coded | None]]:
-        """Per tensor (base array, update code or None); empty when the fetcher could not say."""
+        """Per tensor (base array, update code or None); empty for a host holding parts."""
         if self.base is None:
             return {}
         if self.update is None:
             return {n: (a, None) for n, a in self.base.items()}
         return {n: (a, quantize.Coded(a.shape, self.scheme, self.update[n])) for n, a in self.base.items()}
+
+    def held_nbytes(self, seen: set[int]) -> int:
+        """Host bytes it holds, the arrays in `seen` (by id) not counted again; adds its own to `seen`."""
+        total = sum(len(b) for b in (self.update or {}).values())
+        for arrays in (self.base, self._whole, *(self._blocks or {}).values()):
+            for a in (arrays or {}).values():
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    total += a.nbytes
+        return total
 
 
 class Fetcher(threading.Thread):
@@ -204,13 +225,15 @@ class Fetcher(threading.Thread):
         shapes = self.plan.shapes
         if not all(is_whole(self.blocks[n], shapes[n]) for n in names):
             blocks = self.store.read_blocks(p, v, {n: self.blocks[n] for n in names})
-            return Fetched(blocks, nbytes=sum(a.nbytes for b in blocks.values() for a in b.values()))
+            return Fetched(sum(a.nbytes for b in blocks.values() for a in b.values()), blocks=blocks)
         return self._fetch_whole(p, v)
 
     def _fetch_whole(self, p: int, v: int) -> Fetched:
         """Version v's whole arrays by the path of fewest bytes: its chain of updates (each relative
         to a snapshot) back to a version this host holds, or a stored snapshot on that chain read
-        whole and the updates after it. Says what the version is made of: its last link."""
+        whole and the updates after it. Says what the version is made of: its last link, which is
+        left to the learner to decode unless the fetcher keeps the version's values (a snapshot, or
+        updates from the previous version)."""
         have = {u: a for u, a in (self.held.get(p, (-1, None)), self.snapshots.get(p, (-1, None))) if a is not None}
         names = self.plan.fragment_names[p]
         whole_bytes = sum(self.plan.by_name[n].size * self.plan.by_name[n].np_dtype.itemsize for n in names)
@@ -233,23 +256,20 @@ class Fetcher(threading.Thread):
                 options.append((whole_bytes + sum(stored_update_bytes(m, self.plan.shapes) for _, m in chain[:i]), i))
         if not options:  # nothing held nor stored whole within reach: the store walks it
             params, nbytes = self.store.read_params(p, v)
-            return Fetched(self._blocks_of(params), params, nbytes)
+            return Fetched(nbytes, base=params)
         _, start = min(options)
         if start == len(chain):
             params, nbytes = have[u], 0
         else:
             params, nbytes = self.store.read_params(p, chain[start][0], chain[start][1])
             self._reached(p, chain[start][0], chain[start][1], params)
-        base, update, scheme = params, None, None
+        got = Fetched(nbytes, base=params)
         for version, meta in reversed(chain[:start]):
             scheme, update, read = self.store.read_update(p, version, meta)
-            base, params = params, quantize.apply_update(params, update, scheme)
-            nbytes += read
-            self._reached(p, version, meta, params)
-        return Fetched(self._blocks_of(params), params, nbytes, base, update, scheme)
-
-    def _blocks_of(self, arrays: dict[str, np.ndarray]) -> dict[str, dict[Region, np.ndarray]]:
-        return {n: {whole(a.shape): a} for n, a in arrays.items()}
+            got = Fetched(got.nbytes + read, base=got.whole, update=update, scheme=scheme)
+            if is_snapshot(meta):  # the base of later versions: its values, decoded here
+                self._reached(p, version, meta, got.whole)
+        return got
 
     def _reached(self, p: int, version: int, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         if is_snapshot(meta) and version > self.snapshots.get(p, (-1,))[0]:
@@ -262,7 +282,7 @@ class Fetcher(threading.Thread):
         self.held[p] = self.snapshots[p] = (v, arrays)
         if ready:
             with self.lock:
-                self.ready.setdefault(p, {})[v] = Fetched(self._blocks_of(arrays), arrays, base=arrays)
+                self.ready.setdefault(p, {})[v] = Fetched(0, base=arrays)
 
     def ready_now(self) -> dict[int, dict[int, Fetched]]:
         """The fetched versions of each fragment waiting to be applied, as they are now (a newer

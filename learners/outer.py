@@ -27,7 +27,7 @@ in the leaf's host memory kind, pinned where the backend has one, each host its 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,17 +101,15 @@ class Anchors:
         """The anchors of `names` on the devices (placed like their leaves): one transfer for all
         (for those kept as codes: their base and codes, then one jitted rebuild each)."""
         kept = [self._kept.get(n) for n in names]
-        moving = {i: (a, self._sharding[n]) for i, (n, a) in enumerate(zip(names, kept))
-                  if isinstance(a, jax.Array) and n in self._sharding and a.sharding != self._sharding[n]}
-        for i, n in enumerate(names):
-            if n in self._made:
-                inputs, sharding = self._made[n].inputs(), self._sharding[n]
-                moving[i] = inputs, (sharding, jax.tree.map(lambda _: _replicated(sharding), inputs[1]))
+        moving = [i for i, (n, a) in enumerate(zip(names, kept))
+                  if isinstance(a, jax.Array) and n in self._sharding and a.sharding != self._sharding[n]]
         if moving:
-            placed = jax.device_put([v for v, _ in moving.values()], [w for _, w in moving.values()])
-            for i, value in zip(moving, placed):
-                made = self._made.get(names[i])
-                kept[i] = made.rebuild(*value, self.dtype) if made else value
+            for i, a in zip(moving, jax.device_put([kept[i] for i in moving], [self._sharding[names[i]] for i in moving])):
+                kept[i] = a
+        made = [i for i, n in enumerate(names) if n in self._made]
+        built = _built([self._made[names[i]] for i in made], [self._sharding[names[i]] for i in made], self.dtype)
+        for i, a in zip(made, built):
+            kept[i] = a
         return kept
 
     def sent(self, codes: Mapping[str, Any], moved: Mapping[str, Any]) -> None:
@@ -156,9 +154,7 @@ class Anchors:
                 self._kept[n] = a
 
     def _rebuildable(self, value, base: np.ndarray, update: quantize.Coded | None) -> bool:
-        return (self.place == "host" and isinstance(value, jax.Array) and value.is_fully_addressable
-                and jax.process_count() == 1 and tuple(base.shape) == tuple(value.shape)
-                and (update is None or update.scheme in device_codec.ON_DEVICE))
+        return self.place == "host" and _buildable(value, base, update)
 
     def bases(self) -> list[np.ndarray]:
         """The arrays the anchors kept as codes are built on (held by the fetcher too)."""
@@ -175,6 +171,37 @@ class Anchors:
             else:
                 out["host"] += np.asarray(a).nbytes
         return out
+
+
+def _buildable(like, base: np.ndarray, update: quantize.Coded | None) -> bool:
+    """Whether a value placed like `like` can be built on the devices from `base` and `update`: one
+    process holds the whole array, and the update's codec has a device decoder."""
+    return (isinstance(like, jax.Array) and like.is_fully_addressable and jax.process_count() == 1
+            and tuple(base.shape) == tuple(like.shape) and (update is None or update.scheme in device_codec.ON_DEVICE))
+
+
+def _built(made: list[MadeOf], shardings: list, dtype: str) -> list:
+    """Each `made` built on the devices (placed by its sharding, in `dtype`: "float32" or "param"):
+    one transfer of the bases and codes for all, then one jitted call each."""
+    if not made:
+        return []
+    inputs = [m.inputs() for m in made]
+    where = [(sh, jax.tree.map(lambda _, sh=sh: _replicated(sh), codes)) for sh, (_, codes) in zip(shardings, inputs)]
+    return [m.rebuild(base, codes, dtype) for m, (base, codes) in zip(made, jax.device_put(inputs, where))]
+
+
+def version_on_devices(made_of: Mapping[str, tuple], leaves: Mapping[str, Any], names: list[str],
+                       blocks: Callable[[list[str]], Mapping[str, Mapping]]) -> dict[str, Any]:
+    """Each tensor of `names` of a fetched version, placed like its leaf and in its dtype. Where it
+    can be (`made_of[n]`: (base, update code), see learners.fetcher.Fetched) it is decoded on the
+    devices, bit for bit quantize.apply_update: only the base and the codes cross. The others are
+    placed from `blocks(those names)`, this host's blocks of each (plan.place_blocks)."""
+    here = [n for n in names if n in made_of and _buildable(leaves[n], *made_of[n])]
+    out = dict(zip(here, _built([MadeOf(*made_of[n]) for n in here], [leaves[n].sharding for n in here], "param")))
+    rest = [n for n in names if n not in out]
+    if rest:
+        out.update(place_all(blocks(rest), leaves))
+    return {n: out[n] for n in names}
 
 
 @functools.cache
@@ -308,6 +335,17 @@ def place_all(blocks: Mapping[str, Mapping], leaves: Mapping[str, Any]) -> dict[
         values = [np.asarray(blocks[n][whole(tuple(leaves[n].shape))]).astype(leaves[n].dtype, copy=False) for n in batch]
         out.update(zip(batch, jax.device_put(values, [leaves[n].sharding for n in batch])))
     return {n: out[n] for n in blocks}
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _copy(x, dtype):
+    return x.astype(dtype)
+
+
+def copy_as(value, dtype=None):
+    """A copy of `value` with buffers of its own (placed alike), in `dtype` (default its own)."""
+    dtype = np.dtype(dtype or value.dtype)
+    return _copy(value, jnp.dtype(dtype)) if isinstance(value, jax.Array) else np.array(value, dtype)
 
 
 def _float32(leaf):

@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from diloco import messages, metrics
@@ -56,9 +55,9 @@ from diloco.fragments import fragments_due, fragments_to_fetch, must_hold, syncs
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError, array_digest
 from diloco.learners.fetcher import Fetcher
-from diloco.learners.outer import Anchors, outer_deltas, place_all, rebase
+from diloco.learners.outer import Anchors, copy_as, outer_deltas, rebase, version_on_devices
 from diloco.learners.publisher import PUBLISH_QUEUE, Counters, Heartbeat, Publisher
-from diloco.plan import Plan, Region, check_tree, flatten, is_whole, place_blocks, regions, with_leaves
+from diloco.plan import Plan, Region, check_tree, flatten, is_whole, regions, with_leaves
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +215,9 @@ class Session:
             self.fetcher.release(p, v)
             self._fragments[p].version = v
             names = self._names[p]
-            for n in names:
-                values[n] = place_blocks(got.blocks[n], leaves[n])
+            values.update(version_on_devices(got.made_of(), leaves, names, lambda rest: {n: got.blocks[n] for n in rest}))
             # arrays of their own: a sync donates the anchor's buffer to the next one
-            self._base.keep({n: place_blocks(got.blocks[n], leaves[n], np.float32 if f32 else None) for n in names},
-                            got.made_of())
+            self._base.keep({n: copy_as(values[n], np.float32 if f32 else None) for n in names}, got.made_of())
         self._params = with_leaves(params, self.plan, values)
         log.info("joined", extra={"learner": self.id, "start_step": self.start_step, "versions": self.versions,
                                   "shard": self.index, "incarnation": self.incarnation,
@@ -484,7 +481,8 @@ class Session:
         for p, (v, got) in chosen.items():
             self.fetcher.release(p, v)
             names = self._names[p]
-            new = place_all({n: self._blocks_for(p, v, n, leaves[n], got.blocks) for n in names}, leaves)
+            new = version_on_devices(got.made_of(), leaves, names,
+                                     lambda rest: {n: self._blocks_for(p, v, n, leaves[n], got.blocks) for n in rest})
             values.update(rebase(self._base, leaves, names, new, mode, alpha, got.made_of()))
             f = self._fragments[p]
             f.version = v

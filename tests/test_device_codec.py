@@ -132,3 +132,30 @@ def test_an_anchor_kept_as_codes_is_the_anchor_kept_whole_bit_for_bit(dtype, anc
             for n in names:
                 np.testing.assert_array_equal(np.asarray(got[0][n]), np.asarray(got[1][n]))
             local = got[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_version_decoded_on_the_devices_is_the_hosts_bit_for_bit(dtype):
+    """learners.outer.version_on_devices decodes a fetched version (its base and its update code) on
+    the devices: the same bits as quantize.apply_update on the host. A tensor it cannot build there
+    (here: a NumPy leaf) is placed from the host's blocks."""
+    import ml_dtypes
+
+    from diloco.learners.outer import version_on_devices
+    from diloco.plan import whole
+
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(3)
+    shapes = {"w": (32, 65), "b": (65,), "s": ()}
+    base = {n: rng.normal(size=s).astype(np_dtype) for n, s in shapes.items()}
+    for scheme in device_codec.ON_DEVICE:
+        update = {n: quantize.encode(rng.normal(size=s).astype(np.float32), scheme) for n, s in shapes.items()}
+        want = quantize.apply_update(base, update, scheme)
+        made_of = {n: (base[n], quantize.Coded(shapes[n], scheme, update[n])) for n in shapes}
+        leaves = {"w": jax.numpy.asarray(base["w"]), "b": jax.numpy.asarray(base["b"]), "s": np.asarray(base["s"])}
+        asked = []
+        got = version_on_devices(made_of, leaves, sorted(shapes),
+                                 lambda rest: asked.extend(rest) or {n: {whole(shapes[n]): want[n]} for n in rest})
+        assert asked == ["s"] and isinstance(got["w"], jax.Array) and got["w"].dtype == np_dtype
+        for n in shapes:
+            np.testing.assert_array_equal(np.asarray(got[n]), want[n], err_msg=f"{scheme} {n}")
