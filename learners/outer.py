@@ -2,7 +2,7 @@
 taken against it and quantized, and a new global version rebased onto the local steps.
 
     codes = outer_deltas(anchors, leaves, names, schemes, error)   # at a fragment's sync point
-    values = rebase(anchors, leaves, names, new, mode, alpha)       # when a new version arrives
+    values = rebase(anchors, leaves, names, made_of, blocks, mode)  # when a new version arrives
 
 For the codecs of 4 bits and more (device_codec.ON_DEVICE) a jitted function forms each tensor's
 delta (anchor - local, in float32), quantizes it, and moves its anchor by what a receiver will
@@ -10,6 +10,8 @@ decode; it is compiled once per shape (a model's layers share a handful), not pe
 the codes and row scales leave the devices, copied to the host asynchronously
 (device_codec.DeviceCode) and read by the publisher thread. The training thread dispatches and
 returns. A learner spanning hosts gathers the codes, not the values (int4: an eighth of float32).
+A new version comes as its snapshot and update code (learners.fetcher.Fetched) and is decoded,
+rebased and made the new anchor in one jitted function per tensor.
 The codes below 4 bits (int2, topk) keep their error buffers on the host and are made there.
 
 The anchor (`fragments.anchor`, `fragments.anchor_dtype`): the global version a tensor was last
@@ -64,16 +66,13 @@ class MadeOf:
     def nbytes(self) -> int:
         return (self.update.nbytes if self.update else 0) + sum(c.nbytes for c in self.sent)
 
-    def inputs(self) -> tuple[np.ndarray, tuple]:
-        """(base, the codes' parts: the update's first if there is one), on the host."""
-        codes = [self.update] if self.update else []
-        return self.base, tuple(device_codec.parts_of(c) for c in codes + self.sent)
+    def recipe(self) -> tuple:
+        """(the update's scheme or None, the sent codes' schemes): how `_value` builds it (static)."""
+        return self.update.scheme if self.update else None, tuple(c.scheme for c in self.sent)
 
-    def rebuild(self, base, codes: tuple, dtype: str):
-        """The anchor, in `dtype` ("float32" or "param"), from `inputs` placed on the devices."""
-        return _rebuilt(base, codes[0] if self.update else None, codes[1:] if self.update else codes,
-                        self.update.scheme if self.update else None, tuple(c.scheme for c in self.sent),
-                        jnp.dtype(base.dtype if dtype == "param" else jnp.float32))
+    def codes(self) -> tuple:
+        """The codes' parts on the host, the update's first if there is one."""
+        return tuple(device_codec.parts_of(c) for c in ([self.update] if self.update else []) + self.sent)
 
 
 class Anchors:
@@ -98,19 +97,39 @@ class Anchors:
         self.keep({name: value})
 
     def on_devices(self, names: list[str]) -> list:
-        """The anchors of `names` on the devices (placed like their leaves): one transfer for all
-        (for those kept as codes: their base and codes, then one jitted rebuild each)."""
+        """The anchors of `names` on the devices (placed like their leaves)."""
+        dtypes = [self._dtype(n) for n in names]
+        return [_version(src, recipe, dt) if recipe else src for (src, recipe), dt in zip(self.sources(names)[0], dtypes)]
+
+    def sources(self, names: list[str], versions: list[tuple[MadeOf, Any]] = ()) -> tuple[list, list]:
+        """(each anchor of `names` as a jitted function takes it, the same for `versions`: (MadeOf,
+        sharding) pairs of a fetched version). A source is (array, None) for an anchor kept as it
+        is, (placed base and codes, recipe) for one kept as codes (`_value` builds it). Everything
+        crosses in one transfer, a base shared by several only once."""
         kept = [self._kept.get(n) for n in names]
         moving = [i for i, (n, a) in enumerate(zip(names, kept))
                   if isinstance(a, jax.Array) and n in self._sharding and a.sharding != self._sharding[n]]
-        if moving:
-            for i, a in zip(moving, jax.device_put([kept[i] for i in moving], [self._sharding[names[i]] for i in moving])):
-                kept[i] = a
-        made = [i for i, n in enumerate(names) if n in self._made]
-        built = _built([self._made[names[i]] for i in made], [self._sharding[names[i]] for i in made], self.dtype)
-        for i, a in zip(made, built):
+        made = [(self._made[n], self._sharding[n]) for n in names if n in self._made] + list(versions)
+        bases: dict[int, int] = {}
+        values, where = [kept[i] for i in moving], [self._sharding[names[i]] for i in moving]
+        for m, sharding in made:
+            if id(m.base) not in bases:
+                bases[id(m.base)] = len(values)
+                values.append(m.base)
+                where.append(sharding)
+        codes = [m.codes() for m, _ in made]
+        where += [jax.tree.map(lambda _, sh=sh: _replicated(sh), c) for (_, sh), c in zip(made, codes)]
+        placed = jax.device_put(values + codes, where) if values else []
+        for i, a in zip(moving, placed):
             kept[i] = a
-        return kept
+        built = iter(((placed[bases[id(m.base)]], placed[len(values) + k]), m.recipe()) for k, (m, _) in enumerate(made))
+        return [next(built) if n in self._made else (a, None) for n, a in zip(names, kept)], list(built)
+
+    def _dtype(self, name: str):
+        m, a = self._made.get(name), self._kept.get(name)
+        if m is not None:
+            return jnp.dtype(m.base.dtype if self.dtype == "param" else jnp.float32)
+        return jnp.dtype(a.dtype)
 
     def sent(self, codes: Mapping[str, Any], moved: Mapping[str, Any]) -> None:
         """A delta was sent from each of these anchors: `codes` its code, `moved` the anchor less what
@@ -180,16 +199,6 @@ def _buildable(like, base: np.ndarray, update: quantize.Coded | None) -> bool:
             and tuple(base.shape) == tuple(like.shape) and (update is None or update.scheme in device_codec.ON_DEVICE))
 
 
-def _built(made: list[MadeOf], shardings: list, dtype: str) -> list:
-    """Each `made` built on the devices (placed by its sharding, in `dtype`: "float32" or "param"):
-    one transfer of the bases and codes for all, then one jitted call each."""
-    if not made:
-        return []
-    inputs = [m.inputs() for m in made]
-    where = [(sh, jax.tree.map(lambda _, sh=sh: _replicated(sh), codes)) for sh, (_, codes) in zip(shardings, inputs)]
-    return [m.rebuild(base, codes, dtype) for m, (base, codes) in zip(made, jax.device_put(inputs, where))]
-
-
 def version_on_devices(made_of: Mapping[str, tuple], leaves: Mapping[str, Any], names: list[str],
                        blocks: Callable[[list[str]], Mapping[str, Mapping]]) -> dict[str, Any]:
     """Each tensor of `names` of a fetched version, placed like its leaf and in its dtype. Where it
@@ -197,7 +206,8 @@ def version_on_devices(made_of: Mapping[str, tuple], leaves: Mapping[str, Any], 
     devices, bit for bit quantize.apply_update: only the base and the codes cross. The others are
     placed from `blocks(those names)`, this host's blocks of each (plan.place_blocks)."""
     here = [n for n in names if n in made_of and _buildable(leaves[n], *made_of[n])]
-    out = dict(zip(here, _built([MadeOf(*made_of[n]) for n in here], [leaves[n].sharding for n in here], "param")))
+    _, sources = Anchors().sources([], [(MadeOf(*made_of[n]), leaves[n].sharding) for n in here])
+    out = {n: _version(src, recipe, jnp.dtype(leaves[n].dtype)) for n, (src, recipe) in zip(here, sources)}
     rest = [n for n in names if n not in out]
     if rest:
         out.update(place_all(blocks(rest), leaves))
@@ -219,35 +229,49 @@ def _decoded(parts, shape, scheme: str):
     return jax.lax.optimization_barrier(device_codec.decode(parts, shape, scheme))
 
 
-@functools.partial(jax.jit, static_argnames=("update_scheme", "sent_schemes", "dtype"))
-def _rebuilt(base, update, sent, update_scheme, sent_schemes: tuple, dtype):
-    """An anchor from what it is made of (MadeOf): the version as quantize.apply_update makes it (in
-    float32, back to the tensor's dtype), then each sent delta taken off as `_delta_code` does."""
+def _value(src, recipe: tuple | None, dtype):
+    """An anchor or a version on the devices from its source (Anchors.sources): a kept array as it
+    is, or a base with its update applied as quantize.apply_update does (in float32, back to the
+    tensor's dtype), in `dtype`, less each sent code as `_delta_code` takes it off."""
+    if recipe is None:
+        return src
+    (base, codes), (update_scheme, sent_schemes) = src, recipe
     version = base
-    if update is not None:
-        version = (base.astype(jnp.float32) + _decoded(update, base.shape, update_scheme)).astype(base.dtype)
-    anchor = version.astype(dtype)
-    for parts, scheme in zip(sent, sent_schemes):
-        anchor = (anchor.astype(jnp.float32) - _decoded(parts, base.shape, scheme)).astype(dtype)
-    return anchor
+    if update_scheme is not None:
+        version = (base.astype(jnp.float32) + _decoded(codes[0], base.shape, update_scheme)).astype(base.dtype)
+        codes = codes[1:]
+    value = version.astype(dtype)
+    for parts, scheme in zip(codes, sent_schemes):
+        value = (value.astype(jnp.float32) - _decoded(parts, base.shape, scheme)).astype(dtype)
+    return value
 
 
-@functools.partial(jax.jit, static_argnames=("scheme", "dtype"), donate_argnums=(0,))
-def _delta_code(anchor, leaf, scheme: str, dtype):
-    """(the code parts of anchor - leaf, the anchor moved by what a receiver decodes). Compiled once
-    per shape, scheme and placement: a model's layers share a handful of shapes."""
-    base = anchor.astype(jnp.float32)
+_version = jax.jit(_value, static_argnames=("recipe", "dtype"))
+
+
+def _delta_code_of(src, leaf, recipe, scheme: str, dtype):
+    """(the code parts of anchor - leaf, the anchor moved by what a receiver decodes), the anchor
+    built from its source. Compiled once per shape, scheme, recipe and placement: a model's layers
+    share a handful of shapes."""
+    base = _value(src, recipe, dtype).astype(jnp.float32)
     delta = base - leaf.astype(jnp.float32)
     code = device_codec.encode(delta, scheme)
     return code, (base - _decoded(code, delta.shape, scheme)).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "alpha", "dtype"))
-def _rebased(new, leaf, anchor, mode: str, alpha: float, dtype):
-    """(the leaf's value with the new global version `new` applied, its new anchor)."""
-    n32 = new.astype(jnp.float32)
+# a kept anchor's buffer is reused for the moved one; a base is never donated (a CPU backend's
+# transfer may share the host array's memory, the fetcher's snapshot)
+_delta_code = {kept: jax.jit(_delta_code_of, static_argnames=("recipe", "scheme", "dtype"),
+                             donate_argnums=(0,) if kept else ()) for kept in (True, False)}
+
+
+@functools.partial(jax.jit, static_argnames=("new_recipe", "anchor_recipe", "mode", "alpha", "dtype"))
+def _rebased(new, leaf, anchor, new_recipe, anchor_recipe, mode: str, alpha: float, dtype):
+    """(the leaf's value with the new global version applied, its new anchor in `dtype`), both
+    built from their sources (Anchors.sources) in this one call."""
+    n32 = _value(new, new_recipe, leaf.dtype).astype(jnp.float32)
     if mode == "rebase":  # keep the steps taken since the last send: they are in no delta yet
-        value = n32 + (leaf.astype(jnp.float32) - anchor.astype(jnp.float32))
+        value = n32 + (leaf.astype(jnp.float32) - _value(anchor, anchor_recipe, dtype).astype(jnp.float32))
     elif mode == "mix":
         value = alpha * n32 + (1 - alpha) * leaf.astype(jnp.float32)
     else:
@@ -275,8 +299,8 @@ def outer_deltas(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], 
     on_device = [n for n in names if schemes[n] in device_codec.ON_DEVICE and isinstance(leaves[n], jax.Array)]
     codes: dict[str, Any] = {}
     if on_device:
-        made = [_delta_code(a, leaves[n], schemes[n], dt) for n, a, dt in
-                zip(on_device, anchors.on_devices(on_device), _anchor_dtypes(anchors, leaves, on_device))]
+        made = [_delta_code[recipe is None](src, leaves[n], recipe, schemes[n], dt) for n, (src, recipe), dt in
+                zip(on_device, anchors.sources(on_device)[0], _anchor_dtypes(anchors, leaves, on_device))]
         many_hosts = jax.process_count() > 1
         for n, (p, _) in zip(on_device, made):
             shape = tuple(leaves[n].shape)
@@ -302,18 +326,25 @@ def outer_deltas(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], 
     return codes
 
 
-def rebase(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], new: Mapping[str, Any],
-           mode: str, alpha: float = 1.0, made_of: Mapping[str, tuple] | None = None) -> dict[str, Any]:
-    """Each leaf of `names` with a new global version `new` applied (placed like the leaf, in its
-    dtype: the same values as the float32 blocks would give): rebase = new plus the local steps
-    since the anchor, overwrite = new, mix = alpha new + (1 - alpha) local. The anchors become the
-    new version (kept as `made_of` it, where given: learners.fetcher.Fetched.made_of). One jitted
-    call per tensor, the anchors moved in one transfer each way."""
-    dtypes = _anchor_dtypes(anchors, leaves, names)
-    used = anchors.on_devices(names) if mode == "rebase" else [None] * len(names)
-    made = [_rebased(new[n], leaves[n], a, mode, float(alpha), dt) for n, a, dt in zip(names, used, dtypes)]
+def rebase(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], made_of: Mapping[str, tuple],
+           blocks: Callable[[list[str]], Mapping[str, Mapping]], mode: str, alpha: float = 1.0) -> dict[str, Any]:
+    """Each leaf of `names` with a new global version applied (placed like the leaf, in its dtype):
+    rebase = the version plus the local steps since the anchor, overwrite = the version, mix = alpha
+    version + (1 - alpha) local. The version comes as what it is made of (`made_of`: see
+    version_on_devices) or, for the tensors that cannot be built on the devices, as this host's
+    `blocks(names)`. The anchors become the new version (kept as `made_of` it where they can be).
+    One jitted call per tensor, after one transfer of the bases and codes."""
+    here = [n for n in names if n in made_of and _buildable(leaves[n], *made_of[n])]
+    rest = [n for n in names if n not in here]
+    placed = place_all(blocks(rest), leaves) if rest else {}
+    used, built = anchors.sources(names if mode == "rebase" else [],
+                                  [(MadeOf(*made_of[n]), leaves[n].sharding) for n in here])
+    new = dict(zip(here, built)) | {n: (placed[n], None) for n in rest}
+    used = dict(zip(names, used)) if mode == "rebase" else dict.fromkeys(names, (None, None))
     out, keep = {}, {}
-    for n, (v, k) in zip(names, made):
+    for n, dt in zip(names, _anchor_dtypes(anchors, leaves, names)):
+        (version, new_recipe), (anchor, anchor_recipe) = new[n], used[n]
+        v, k = _rebased(version, leaves[n], anchor, new_recipe, anchor_recipe, mode, float(alpha), dt)
         out[n] = v if isinstance(leaves[n], jax.Array) else np.asarray(v)
         keep[n] = k if isinstance(leaves[n], jax.Array) else np.asarray(k)
     anchors.keep(keep, made_of)

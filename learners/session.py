@@ -481,9 +481,8 @@ class Session:
         for p, (v, got) in chosen.items():
             self.fetcher.release(p, v)
             names = self._names[p]
-            new = version_on_devices(got.made_of(), leaves, names,
-                                     lambda rest: {n: self._blocks_for(p, v, n, leaves[n], got.blocks) for n in rest})
-            values.update(rebase(self._base, leaves, names, new, mode, alpha, got.made_of()))
+            blocks = lambda rest: {n: self._blocks_for(p, v, n, leaves[n], got.blocks) for n in rest}  # noqa: E731
+            values.update(rebase(self._base, leaves, names, got.made_of(), blocks, mode, alpha))
             f = self._fragments[p]
             f.version = v
             with self.counters.lock:

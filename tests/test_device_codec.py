@@ -127,8 +127,8 @@ def test_an_anchor_kept_as_codes_is_the_anchor_kept_whole_bit_for_bit(dtype, anc
             np.testing.assert_array_equal(np.asarray(whole[n]), np.asarray(codes_only[n]), err_msg=f"{step} {n}")
         if step == 3:  # a new version on the same snapshot arrives
             values, made_of = version(snapshot)
-            new = {n: jnp.asarray(values[n]) for n in names}
-            got = [rebase(a, local, names, new, "rebase", 1.0, m) for a, m in ((whole, None), (codes_only, made_of))]
+            blocks = lambda rest: {n: {tuple((0, d) for d in shapes[n]): values[n]} for n in rest}  # noqa: E731
+            got = [rebase(a, local, names, m, blocks, "rebase") for a, m in ((whole, {}), (codes_only, made_of))]
             for n in names:
                 np.testing.assert_array_equal(np.asarray(got[0][n]), np.asarray(got[1][n]))
             local = got[0]
