@@ -90,10 +90,14 @@ def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec:
     session.open()
     ok = False
     try:
-        params = session.join(initial_params(cfg, spec, mesh))
+        template = initial_params(cfg, spec, mesh)
         tokens, batch = next(feed)
-        # Compile before the clock starts: step times feed the grace window and the time budget.
-        opt_state, train_step = compile_step(spec, mesh, spec.inner_optimizer(start_step, total_steps), params, batch)
+        # Compile before joining (join keeps the template's shapes, dtypes and shardings): a join
+        # followed by a long compile would train its first steps from versions the run left behind
+        # meanwhile, and a restarted learner's first delta would be refused as stale, its tokens lost.
+        opt_state, train_step = compile_step(spec, mesh, spec.inner_optimizer(start_step, total_steps), template, batch)
+        params = session.join(template)
+        del template
         log.info("parameters placed", extra={"mesh": dict(mesh.mesh.shape), "hosts": jax.process_count(),
                                              "param_bytes_per_device": mesh.bytes_per_device(params),
                                              "opt_bytes_per_device": mesh.bytes_per_device(opt_state)})

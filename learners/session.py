@@ -194,7 +194,9 @@ class Session:
     def join(self, params, timeout_s: float = 120.0):
         """`params` (your template pytree, on your devices) with the run's latest global values put
         into its synced leaves; waits until every fragment has a version. Raises PlanError naming the
-        leaves if the tree does not match the run's plan."""
+        leaves if the tree does not match the run's plan. Join right before your loop, after anything
+        slow (compiling your step on the template): steps trained from versions the run has left
+        more than `syncer.max_staleness` behind are refused as stale, their tokens lost."""
         check_tree(params, self.plan)
         leaves = flatten(params, self.plan)
         if jax.process_count() == 1:

@@ -149,7 +149,7 @@ def test_flow_trains_restarts_a_killed_learner_and_reports(tiny_config, tmp_path
     c = summary["contributions"]
     assert c["published"] == c["applied"] > 0 and c["applied_twice"] == c["rejected"] == c["pending"] == 0
     assert_exact_accounting(cfg, summary["run_id"])
-    assert summary["eval_loss_end"] < 0.9 * summary["eval_loss_start"]
+    assert summary["eval_loss_end"] < 0.9 * summary["eval_loss_start"], summary
     assert not run_processes(summary["run_dir"])
 
     (evals,) = artifacts(reports.artifact_key(summary["run_id"], "evals"))
