@@ -2,8 +2,9 @@
 
 A frame is `MAGIC | u16 wire version | u32 header length | JSON header | binary payload`.
 A contribution (one learner's outer delta for one fragment) travels as one `manifest` frame followed
-by `n_chunks` `chunk` frames, all keyed to the fragment's partition so they stay in order. It counts
-only when the manifest and every chunk arrived and the payload's CRC-32C matches the manifest.
+by `n_chunks` `chunk` frames, all keyed to the fragment's partition so they stay in order; a receiver
+assembles it from that partition only. It counts only when the manifest and every chunk arrived
+there and the payload's CRC-32C matches the manifest.
 Announcements and events are plain JSON (readable with kcat) carrying a `schema` number.
 """
 
@@ -291,6 +292,7 @@ class Reason(StrEnum):
     UNKNOWN_LEARNER = "unknown_learner"
     UNKNOWN_FRAGMENT = "unknown_fragment"
     MISROUTED = "misrouted"
+    DUPLICATE_ID = "duplicate_id"   # a set of an id that another place (or record) of the log holds
     WRONG_SHAPE = "wrong_shape"
     BAD_METADATA = "bad_metadata"
     FUTURE_VERSION = "future_version"
@@ -314,6 +316,8 @@ class _Partial:
     mark: int = 0                   # bytes of its partition read when it last progressed
     first_offset: int | None = None
     where: str = ""
+    conflicts: int = 0              # repeated chunk indexes with other bytes than the copy kept (the first)
+    started: int = 0                # the assembler's count of sets when this one began: which of two came first
 
 
 @dataclass(frozen=True)
@@ -322,6 +326,8 @@ class Assembled:
     payload: bytes
     first_offset: int | None
     where: str
+    conflicts: int = 0              # chunk copies with other bytes that arrived after the one kept
+    started: int = 0                # when the set began, in the assembler's count of sets (see `places`)
 
 
 @dataclass(frozen=True)
@@ -332,6 +338,7 @@ class Dropped:
     detail: str
     first_offset: int | None
     where: str
+    started: int = 0
 
 
 # What one buffered chunk costs besides its bytes (dict entry, view object): zero-byte floods count too.
@@ -344,7 +351,15 @@ def _held(view: memoryview) -> int:
 
 
 class ChunkAssembler:
-    """Collects manifest and chunk frames by contribution id, in any order, within bounds.
+    """Collects manifest and chunk frames by place and contribution id, in any order, within bounds.
+
+    A set is keyed by (where, id), `where` the partition it is read from: a contribution's frames share
+    one partition (docs/wire-format.md), so a frame naming the same id on another topic or partition
+    forms a set of its own, which completes or fails by itself and never touches this one. Within a
+    set the first copy of each frame wins: a repeated manifest or chunk index is ignored, and a repeat
+    with other bytes is counted (`conflicts`), never swapped in. The log gives a partition's frames
+    one order, so a replay rebuilds the same set, and a stray copy read after the honest one (the only
+    order a writer who learnt the id from the log can reach) cannot replace it.
 
     `add` returns an `Assembled` once every chunk is there, a `Dropped` when the set can never be
     valid (oversized, inconsistent, refused by `check` on its manifest, no room), else None.
@@ -367,12 +382,13 @@ class ChunkAssembler:
         self.after_bytes = after_bytes if after_bytes is not None else 4 * max_bytes
         self.max_sets, self.max_buffered = max_sets, max_buffered
         self.check = check                       # manifest -> (reason, detail) or None
-        self._partial: dict[str, _Partial] = {}  # least recently progressed first: eviction takes from the front
+        self._partial: dict[tuple[str, str], _Partial] = {}  # (where, id); least recently progressed first
         self._read: dict[str, int] = {}          # where -> bytes read from it
         self._buffered = 0
         self._evicted: list[Dropped] = []
         self.tick_s = tick_s
         self._last_check: float | None = None
+        self._started = 0                        # sets begun so far
 
     def pending_offsets(self, where: str) -> list[int]:
         return [p.first_offset for p in self._partial.values() if p.where == where and p.first_offset is not None]
@@ -381,7 +397,21 @@ class ChunkAssembler:
         return len(self._partial)
 
     def __contains__(self, cid: str) -> bool:
-        return cid in self._partial
+        """Whether a set of contribution `cid` is being assembled anywhere."""
+        return any(c == cid for _, c in self._partial)
+
+    def holds(self, cid: str, where: str) -> bool:
+        """Whether a set of contribution `cid` is being assembled from partition `where`."""
+        return (where, cid) in self._partial
+
+    def places(self, cid: str) -> list[str]:
+        """The partitions holding a partial set of contribution `cid`."""
+        return [w for w, c in self._partial if c == cid]
+
+    def rivals(self, cid: str, started: int) -> list[str]:
+        """The partitions holding a set of `cid` with a manifest, begun before set number `started`: a
+        contribution under that id that was under way first."""
+        return [w for (w, c), p in self._partial.items() if c == cid and p.manifest is not None and p.started < started]
 
     @property
     def buffered(self) -> int:
@@ -396,10 +426,12 @@ class ChunkAssembler:
         cid = header.get("id")
         if not isinstance(cid, str) or not cid:
             raise WireError("frame header has no contribution id")
-        part = self._partial.pop(cid, None)
+        key = (where, cid)
+        part = self._partial.pop(key, None)
         if part is None:
-            part = _Partial(where=where)
-        self._partial[cid] = part                # to the back: it progressed last
+            self._started += 1
+            part = _Partial(where=where, started=self._started)
+        self._partial[key] = part                # to the back: it progressed last
         part.idle_s, part.mark = 0.0, self._read.get(where, 0)
         if offset is not None and (part.first_offset is None or offset < part.first_offset):
             part.first_offset = offset
@@ -408,75 +440,79 @@ class ChunkAssembler:
                 return None                      # a repeated manifest (a producer retry)
             manifest = Manifest.from_header(header)
             if manifest.total_bytes > self.max_bytes:
-                return self._drop(cid, Reason.OVERSIZED, f"{manifest.total_bytes} bytes > limit {self.max_bytes}",
+                return self._drop(key, Reason.OVERSIZED, f"{manifest.total_bytes} bytes > limit {self.max_bytes}",
                                   manifest)
             if manifest.n_chunks > max(1, manifest.total_bytes):
-                return self._drop(cid, Reason.MALFORMED, f"{manifest.n_chunks} chunks for {manifest.total_bytes} bytes",
+                return self._drop(key, Reason.MALFORMED, f"{manifest.n_chunks} chunks for {manifest.total_bytes} bytes",
                                   manifest)
             if part.count is not None and part.count != manifest.n_chunks:
-                return self._drop(cid, Reason.MALFORMED,
+                return self._drop(key, Reason.MALFORMED,
                                   f"chunks say {part.count} chunks, manifest {manifest.n_chunks}", manifest)
             if part.nbytes > manifest.total_bytes:
-                return self._drop(cid, Reason.MALFORMED,
+                return self._drop(key, Reason.MALFORMED,
                                   f"chunks hold {part.nbytes} bytes, manifest {manifest.total_bytes}", manifest)
             verdict = self.check(manifest) if self.check else None
             if verdict:
-                return self._drop(cid, *verdict, manifest)
+                return self._drop(key, *verdict, manifest)
             part.manifest = manifest
         else:
             index, count = header.get("index"), header.get("count")
             if (not isinstance(index, int) or not isinstance(count, int) or isinstance(index, bool)
                     or isinstance(count, bool) or not 0 <= index < count):
-                return self._drop(cid, Reason.MALFORMED, f"chunk index {short(index, 40)} of {short(count, 40)}")
+                return self._drop(key, Reason.MALFORMED, f"chunk index {short(index, 40)} of {short(count, 40)}")
             expected = part.manifest.n_chunks if part.manifest is not None else part.count
             if expected is not None and count != expected:
-                return self._drop(cid, Reason.MALFORMED, f"chunk says {count} chunks, the set has {expected}")
+                return self._drop(key, Reason.MALFORMED, f"chunk says {count} chunks, the set has {expected}")
             if not payload and count > 1:
-                return self._drop(cid, Reason.MALFORMED, f"chunk {index} of {count} is empty")
+                return self._drop(key, Reason.MALFORMED, f"chunk {index} of {count} is empty")
             part.count = count
             old = part.chunks.get(index)
-            if old is not None:                  # a repeated chunk replaces its earlier copy
-                part.nbytes -= len(old)
-                part.held -= _held(old)
-                self._buffered -= _held(old) + CHUNK_OVERHEAD
+            if old is not None:                  # a repeat (a producer retry): the first copy stays
+                part.conflicts += old != memoryview(payload)
+                return None
             view = part.chunks[index] = memoryview(payload)
             part.nbytes += len(view)
             part.held += _held(view)
             self._buffered += _held(view) + CHUNK_OVERHEAD
             limit = part.manifest.total_bytes if part.manifest is not None else self.max_bytes
             if part.nbytes > limit:
-                return self._drop(cid, Reason.OVERSIZED if part.manifest is None else Reason.MALFORMED,
+                return self._drop(key, Reason.OVERSIZED if part.manifest is None else Reason.MALFORMED,
                                   f"chunks hold {part.nbytes} bytes > {'limit' if part.manifest is None else 'manifest'} "
                                   f"{limit}")
-        dropped = self._make_room(cid)
+        dropped = self._make_room(key)
         if dropped is not None:
             return dropped
         m = part.manifest
         if m is None or len(part.chunks) < m.n_chunks:
             return None
-        self._forget(cid)
+        self._forget(key)
         payload_all = b"".join(part.chunks[i] for i in range(m.n_chunks))
-        return Assembled(m, payload_all, part.first_offset, part.where)
+        return Assembled(m, payload_all, part.first_offset, part.where, part.conflicts, part.started)
 
-    def _make_room(self, cid: str) -> Dropped | None:
+    def _make_room(self, key: tuple[str, str]) -> Dropped | None:
         """Evict sets until the bounds hold; the newcomer's own set may be the one to go."""
         while len(self._partial) > self.max_sets or self._buffered > self.max_buffered:
-            victim = next((c for c, p in self._partial.items() if p.manifest is None), next(iter(self._partial)))
+            victim = next((k for k, p in self._partial.items() if p.manifest is None), next(iter(self._partial)))
             detail = (f"buffer full ({len(self._partial)} partial sets, {self._buffered} bytes; limits "
                       f"{self.max_sets} sets, {self.max_buffered} bytes)")
             d = self._drop(victim, Reason.BUFFER_FULL, detail)
-            if victim == cid:
+            if victim == key:
                 return d
             self._evicted.append(d)
         return None
 
-    def discard(self, cid: str) -> None:
-        self._forget(cid)
+    def discard(self, cid: str, where: str = "") -> None:
+        """Forget the partial set of contribution `cid` read from partition `where`."""
+        self._forget((where, cid))
+
+    def drop(self, cid: str, where: str, reason: Reason, detail: str) -> Dropped:
+        """Drop the partial set of contribution `cid` read from partition `where`, saying why."""
+        return self._drop((where, cid), reason, detail)
 
     def discard_where(self, where: str) -> None:
         """Forget the partial sets read from one partition (its fragment moved to another shard)."""
-        for cid in [cid for cid, p in self._partial.items() if p.where == where]:
-            self._forget(cid)
+        for key in [key for key, p in self._partial.items() if p.where == where]:
+            self._forget(key)
         self._read.pop(where, None)
 
     def expire(self, now: float, caught_up=lambda where: True) -> list[Dropped]:
@@ -484,7 +520,7 @@ class ChunkAssembler:
         tick = 0.0 if self._last_check is None else min(max(now - self._last_check, 0.0), self.tick_s)
         self._last_check = now
         read_to_end: dict[str, bool] = {}        # asked once per partition, not once per set
-        for cid, p in list(self._partial.items()):
+        for key, p in list(self._partial.items()):
             outgrown = self._read.get(p.where, 0) - p.mark > self.after_bytes
             if not outgrown and p.where not in read_to_end:
                 read_to_end[p.where] = caught_up(p.where)
@@ -495,20 +531,22 @@ class ChunkAssembler:
                 have = f"{len(p.chunks)}/{p.manifest.n_chunks if p.manifest else '?'} chunks"
                 why = (f"{self.after_bytes} bytes of its partition read since its last chunk" if outgrown else
                        f"no chunk for {self.timeout_s:g}s with its partition read to the end")
-                out.append(self._drop(cid, Reason.INCOMPLETE, f"{have}, manifest "
+                out.append(self._drop(key, Reason.INCOMPLETE, f"{have}, manifest "
                                       f"{'present' if p.manifest else 'missing'}: {why}", p.manifest))
         return out
 
-    def _forget(self, cid: str) -> _Partial:
-        p = self._partial.pop(cid, None)
+    def _forget(self, key: tuple[str, str]) -> _Partial:
+        p = self._partial.pop(key, None)
         if p is None:
-            return _Partial()
+            return _Partial(where=key[0])
         self._buffered -= p.held + CHUNK_OVERHEAD * len(p.chunks)
         return p
 
-    def _drop(self, cid: str, reason: Reason, detail: str, manifest: Manifest | None = None) -> Dropped:
-        p = self._forget(cid)
-        return Dropped(cid, manifest or p.manifest, reason, detail, p.first_offset, p.where)
+    def _drop(self, key: tuple[str, str], reason: Reason, detail: str, manifest: Manifest | None = None) -> Dropped:
+        p = self._forget(key)
+        if p.conflicts:
+            detail += f" ({p.conflicts} repeated chunks with other bytes ignored: the first copy is kept)"
+        return Dropped(key[1], manifest or p.manifest, reason, detail, p.first_offset, p.where, p.started)
 
 
 def event(kind: str, **fields) -> bytes:

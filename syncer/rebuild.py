@@ -19,7 +19,7 @@ from diloco.messages import Assembled, ChunkAssembler, Manifest, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
-from diloco.syncer.records import Contribution, Where
+from diloco.syncer.records import Contribution, Where, partition_key
 from diloco.syncer.rounds import FragmentState, Pending, close_round
 
 
@@ -33,7 +33,8 @@ class RebuildError(RuntimeError):
 def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]], timeout_s: float = 60.0
               ) -> dict[str, tuple[Manifest, bytes]]:
     """The contributions `wanted` (id -> topic, partition, offset of its first record), read back
-    from the log and reassembled; those the log no longer holds are left out."""
+    from the log and reassembled from that place only (a set of the id anywhere else, or starting at
+    another offset, is another writer's); those the log no longer holds are left out."""
     by_tp: dict[TopicPartition, int] = {}
     for topic, partition, offset in wanted.values():
         tp = TopicPartition(topic, partition)
@@ -54,16 +55,22 @@ def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]],
                     except WireError:
                         continue
                     cid = header.get("id")
-                    if cid not in wanted or cid in out:
+                    if cid not in wanted or cid in out or not _at(wanted[cid], rec.topic, rec.partition, rec.offset):
                         continue
-                    got = assembler.add(header, payload, now=time.time(), offset=rec.offset)
-                    if isinstance(got, Assembled) and got.manifest.run == run_id:
+                    got = assembler.add(header, payload, now=time.time(), offset=rec.offset,
+                                        where=partition_key((rec.topic, rec.partition)))
+                    if isinstance(got, Assembled) and got.manifest.run == run_id and got.first_offset == wanted[cid][2]:
                         out[cid] = (got.manifest, got.payload)
             if all(c.highwater(tp) is not None and c.position(tp) >= c.highwater(tp) for tp in by_tp):
                 break
     finally:
         c.close()
     return out
+
+
+def _at(place: tuple[str, int, int], topic: str, partition: int, offset: int) -> bool:
+    """Whether a record at (topic, partition, offset) may belong to the contribution first recorded at `place`."""
+    return (topic, partition) == place[:2] and offset >= place[2]
 
 
 def snapshot_state(store: FragmentStore, plan: Plan, opt, p: int, v: int) -> FragmentState:

@@ -37,9 +37,11 @@ def replay_offsets(consumed: Mapping[TP, int], rounds: Mapping[int, Mapping[str,
     return out
 
 
-def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], consumer, *, assembling: Callable[[str], bool]):
+def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], consumer, *,
+                  assembling: Callable[[str, str], bool]):
     """The accepted contributions a replay did not bring back, as (fragment, id, contribution, detail),
-    and whether others may still come (a partial set holds them, or the reader is not past them yet).
+    and whether others may still come (a partial set at their place holds them (`assembling(id,
+    partition key)`), or the reader is not past them yet).
 
     A payload is lost once no partial set holds it and the reader is past its first record or at the
     end of its partition (a truncated or recreated log): it was not in the log."""
@@ -50,7 +52,7 @@ def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], consumer, *, asse
                 continue
             w = c.contribution.where
             at = position(consumer, w.tp)
-            if assembling(cid) or (at <= w.offset and not read_to_end(consumer, w.tp)):
+            if assembling(cid, partition_key(w.tp)) or (at <= w.offset and not read_to_end(consumer, w.tp)):
                 waiting = True
                 continue
             lost.append((p, cid, c, f"records from {partition_key(w.tp)}@{w.offset} are not in the log "

@@ -308,7 +308,7 @@ class Syncer:
         try:
             result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=partition_key(tp))
         except WireError as err:
-            self.assembler.discard(cid)
+            self.assembler.discard(cid, partition_key(tp))
             self._reject(cid, Reason.MALFORMED, str(err), where=Where(*tp, offset))
             return
         if isinstance(result, Dropped):
@@ -456,7 +456,7 @@ class Syncer:
         if not self._replaying:
             return
         lost, self._replaying = replay.lost_payloads({p: st.round for p, st in self.fragments.items()}, self.consumer,
-                                                     assembling=lambda cid: cid in self.assembler)
+                                                     assembling=self.assembler.holds)
         for p, cid, pending, detail in lost:
             if p in self.fragments:
                 self._guarded(p, lambda cid=cid, c=pending, d=detail: self._lose(cid, c, d))

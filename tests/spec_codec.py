@@ -164,22 +164,31 @@ def contribution(*, run: str, learner: str, fragment: int, base_version: int, to
 
 
 def assemble(values) -> dict[str, tuple[dict, bytes]]:
-    """Contribution id -> (manifest, payload) for every complete set among frame values (in any order),
-    each payload checked: every chunk index present, `total_bytes` long, CRC-32C as the manifest says."""
+    """Contribution id -> (manifest, payload) for every complete set among the frame values of one
+    partition (in any order), each payload checked: every chunk index present, `total_bytes` long,
+    CRC-32C as the manifest says."""
+    return {cid: got for (_, cid), got in assemble_log((None, v) for v in values).items()}
+
+
+def assemble_log(records) -> dict[tuple[object, str], tuple[dict, bytes]]:
+    """(place, id) -> (manifest, payload) for every complete set among `(place, frame value)` records
+    in log order, `place` the (topic, partition) read from: a set is its frames at one place (frames
+    naming the id elsewhere are another set), and the first copy of a repeated frame counts."""
     manifests, chunks = {}, {}
-    for value in values:
+    for place, value in records:
         header, payload = unframe(value)
+        key = (place, header["id"])
         if header["kind"] == "manifest":
-            manifests[header["id"]] = header
+            manifests.setdefault(key, header)
         else:
-            chunks.setdefault(header["id"], {})[header["index"]] = (header["count"], payload)
+            chunks.setdefault(key, {}).setdefault(header["index"], (header["count"], payload))
     out = {}
-    for cid, m in manifests.items():
-        got = chunks.get(cid, {})
-        assert sorted(got) == list(range(m["n_chunks"])) and {c for c, _ in got.values()} == {m["n_chunks"]}, cid
+    for key, m in manifests.items():
+        got = chunks.get(key, {})
+        assert sorted(got) == list(range(m["n_chunks"])) and {c for c, _ in got.values()} == {m["n_chunks"]}, key
         payload = b"".join(got[i][1] for i in range(m["n_chunks"]))
-        assert len(payload) == m["total_bytes"] and crc32c.crc32c(payload) == m["crc32c"], cid
-        out[cid] = (m, payload)
+        assert len(payload) == m["total_bytes"] and crc32c.crc32c(payload) == m["crc32c"], key
+        out[key] = (m, payload)
     return out
 
 

@@ -166,6 +166,37 @@ def test_the_project_reader_keeps_the_specs_edge_rules():
         messages.Manifest.from_header(spec.unframe(spec.frame(header))[0])
 
 
+def test_both_readers_key_sets_by_place_and_keep_the_first_copy_of_a_frame():
+    """docs/wire-format.md: sets are keyed by (topic, partition, id); a frame naming the id elsewhere
+    is another set, and a repeated frame's first copy counts. A log of one honest contribution on
+    us|0 with a forged one under its id on eu|0 and stray or conflicting frames around them."""
+    tensors = {n: (x, "fp32") for n, (x, _) in EXAMPLE.items()}
+    honest, frames = spec.contribution(run="r1", learner="us-0", fragment=0, base_version=3, tokens=512, steps=4,
+                                       step_time=0.05, tensors=tensors, chunk_bytes=16)
+    forged, other = spec.contribution(run="r1", learner="eu-1", fragment=0, base_version=3, tokens=512, steps=4,
+                                      step_time=0.05, tensors={n: (2 * x, s) for n, (x, s) in tensors.items()},
+                                      chunk_bytes=16)
+    cid = honest["id"]
+    other = [spec.frame({**h, "id": cid}, p) for h, p in map(spec.unframe, other)]
+    h1, p1 = spec.unframe(frames[1])
+    log = [(("us", 0), frames[0]), (("us", 0), frames[1]),
+           (("eu", 0), other[0]), (("us", 1), spec.frame({**h1, "count": 99}, p1)),   # strays elsewhere
+           (("us", 0), spec.frame(h1, bytes(len(p1)))),                               # a repeat with other bytes
+           *[(("eu", 0), f) for f in other[1:]], *[(("us", 0), f) for f in frames[2:]]]
+    theirs = spec.assemble_log(log)
+    assert set(theirs) == {(("us", 0), cid), (("eu", 0), cid)}
+    ours, reader = {}, messages.ChunkAssembler(max_bytes=1 << 20, timeout_s=60)
+    for offset, ((topic, partition), value) in enumerate(log):
+        got = reader.add(*messages.parse_frame(value), now=0.0, offset=offset, where=f"{topic}|{partition}")
+        if isinstance(got, messages.Assembled):
+            ours[(tuple(got.where.split("|")), got.manifest.id)] = got
+    assert {(t, int(p)) for (t, p), _ in ours} == {("us", 0), ("eu", 0)} and reader.places(cid) == ["us|1"]
+    for ((topic, partition), _), got in ours.items():
+        manifest, payload = theirs[((topic, int(partition)), cid)]
+        assert got.payload == payload and got.manifest.learner == manifest["learner"]
+    assert theirs[(("us", 0), cid)][0]["learner"] == "us-0" and theirs[(("eu", 0), cid)][0]["learner"] == "eu-1"
+
+
 def read_with_librdkafka(bootstrap: str, tps: list[tuple[str, int]], timeout_s: float = 60.0) -> list[tuple]:
     """(topic, partition, key, value) of every record from offset 0 up to the high watermark that
     librdkafka's fetches report (the local broker's ListOffsets end is not the partition's end)."""

@@ -155,7 +155,7 @@ def test_chunks_of_one_set_may_not_outgrow_its_manifest():
     asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
     feed(asm, frames[:1])
     h, p = messages.parse_frame(frames[1])
-    r = asm.add(h, bytes(p) + b"x" * m.total_bytes, now=0.0)
+    r = asm.add(h, bytes(p) + b"x" * m.total_bytes, now=0.0, where="topic|0")
     assert isinstance(r, Dropped) and r.reason == "malformed" and "manifest" in r.detail
 
 
@@ -170,7 +170,7 @@ def test_inconsistent_chunk_count_is_malformed():
     h, p = messages.parse_frame(frames[1])
     asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
     feed(asm, frames[:1])
-    r = asm.add({**h, "count": h["count"] + 1}, p, now=0)
+    r = asm.add({**h, "count": h["count"] + 1}, p, now=0, where="topic|0")
     assert isinstance(r, Dropped) and r.reason == "malformed"
 
 
@@ -181,7 +181,7 @@ def test_checksum_mismatch_is_detected_on_decode():
     flipped[5] ^= 0xFF
     asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
     feed(asm, frames[:1])
-    a = asm.add(h, bytes(flipped), now=0)
+    a = asm.add(h, bytes(flipped), now=0, where="topic|0")
     with pytest.raises(WireError, match="checksum"):
         messages.decode_payload(a.manifest, a.payload)
 
@@ -248,3 +248,56 @@ def test_the_wire_format_documents_bytes_the_encoder_writes():
     assert f"crc32c(payload) = {m.crc32c:#010x} = {m.crc32c}" in doc
     assert messages.checksum(b"123456789") == 0xE3069283 and "0xE3069283" in doc
     assert frames[0][:6] == bytes.fromhex("444c434f0200") and frames[1][:10] == bytes.fromhex("444c434f02004c000000")
+
+
+def test_a_frame_from_another_partition_forms_its_own_set_and_never_touches_this_one():
+    """H1 (issue #53): sets were keyed by id alone, so one stray chunk with another `count` on any
+    topic dropped a contribution in flight, and a forged set elsewhere could complete it."""
+    deltas, m, frames = contribution()
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
+    assert feed(asm, frames[:2]) == [None, None]                        # honest, in flight on topic|0
+    stray = asm.add(*_chunk(m.id, 0, m.n_chunks + 1, b"z" * 8), now=0.0, offset=7, where="other|3")
+    assert stray is None and asm.places(m.id) == ["topic|0", "other|3"] and asm.holds(m.id, "other|3")
+    results = feed(asm, frames, order=list(range(2, len(frames))))
+    done = results[-1]
+    assert isinstance(done, Assembled) and done.where == "topic|0" and done.first_offset == 0 and done.conflicts == 0
+    out = messages.decode_payload(done.manifest, done.payload)
+    assert all(np.array_equal(out[k], deltas[k]) for k in deltas)
+    (d,) = _ticks(asm, 0.0, 6.0)                                        # the stray set fails by itself
+    assert d.id == m.id and d.where == "other|3" and d.first_offset == 7 and d.reason == "incomplete"
+    assert len(asm) == 0 and asm.buffered == 0
+
+
+def test_a_forged_set_with_a_known_id_elsewhere_assembles_apart_with_its_own_place():
+    _, m, frames = contribution()
+    _, forged, forged_frames = contribution(learner="us-1")
+    forged_frames = [messages.frame({**messages.parse_frame(f)[0], "id": m.id}, bytes(messages.parse_frame(f)[1]))
+                     for f in forged_frames]
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
+    got = []
+    for i, (mine, theirs) in enumerate(zip(frames, forged_frames)):     # interleaved, as two partitions read
+        got.append(asm.add(*messages.parse_frame(theirs), now=0.0, offset=100 + i, where="eu|1"))
+        got.append(asm.add(*messages.parse_frame(mine), now=0.0, offset=i, where="topic|0"))
+    honest, fake = [g for g in got if isinstance(g, Assembled)][::-1]
+    assert (honest.where, honest.first_offset, honest.manifest) == ("topic|0", 0, m)
+    assert (fake.where, fake.first_offset, fake.manifest.learner) == ("eu|1", 100, "us-1")
+
+
+def test_a_repeated_chunk_keeps_its_first_copy_and_counts_one_with_other_bytes():
+    """First wins: a producer retry repeats the same bytes; a copy with other bytes read after the
+    honest one (a writer can only learn the id from the log) is ignored and said, never swapped in."""
+    deltas, m, frames = contribution()
+    asm = ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
+    feed(asm, frames[:2])
+    h, p = messages.parse_frame(frames[1])
+    assert asm.add(h, p, now=0.0, offset=2, where="topic|0") is None                 # a retry: same bytes
+    assert asm.add(h, b"\xff" * len(p), now=0.0, offset=3, where="topic|0") is None  # other bytes: ignored
+    held = asm.buffered
+    done = feed(asm, frames, order=list(range(2, len(frames))))[-1]
+    assert held == len(frames[1]) + messages.CHUNK_OVERHEAD and done.conflicts == 1
+    out = messages.decode_payload(done.manifest, done.payload)
+    assert all(np.array_equal(out[k], deltas[k]) for k in deltas)
+    feed(asm, frames[1:2])                                                           # a set that fails says so
+    asm.add(h, b"\x00" * len(p), now=0.0, where="topic|0")
+    (d,) = _ticks(asm, 0.0, 6.0)
+    assert d.reason == "incomplete" and "1 repeated chunks with other bytes ignored" in d.detail
