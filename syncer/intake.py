@@ -59,13 +59,14 @@ class Intake:
                              f"{region}'s topic {tp[0]}")
         return None
 
-    def check_claims(self, m: Manifest, *, members: Collection[str], fragment: FragmentState | None,
-                     replay: bool = False) -> Rejection | None:
+    def check_claims(self, m: Manifest, *, members: Collection[str], fragment: FragmentState | None
+                     ) -> Rejection | None:
         """Why what the manifest claims (run, learner, fragment, shapes, counts, base version) rules it
         out, or None. `members` are the learners of the live run (configured or admitted); an id that
         may join is accepted too. `fragment` is the state of the fragment it names where this shard holds it (None:
-        misrouted, which the caller says); a replayed contribution was judged on arrival, so its base
-        version is not judged again against versions that moved since."""
+        misrouted, which the caller says). A replay is judged the same way: a contribution waits in the
+        open round of the version it was accepted at (a merge takes the whole round), so its verdict
+        holds unless what the log gave back is not what was accepted."""
         if m.run != self.run_id:
             return Rejection(Reason.WRONG_RUN, f"run {m.run!r}, this syncer serves {self.run_id!r}")
         # a joiner's first delta may be read before its first heartbeat (two topics, no order between
@@ -90,7 +91,7 @@ class Intake:
         if m.tokens > m.steps * sc.max_tokens_per_step:
             return Rejection(Reason.BAD_METADATA, f"{m.tokens} tokens in {m.steps} steps is more than "
                              f"syncer.max_tokens_per_step={sc.max_tokens_per_step} per step")
-        if fragment is not None and not replay:
+        if fragment is not None:
             current = fragment.version
             if m.base_version > current:
                 return Rejection(Reason.FUTURE_VERSION, f"base version {m.base_version} > current {current}")
@@ -98,11 +99,11 @@ class Intake:
                 return Rejection(Reason.STALE, f"base version {m.base_version} older than {current} - {sc.max_staleness}")
         return None
 
-    def check(self, m: Manifest, payload: bytes, *, members: Collection[str], fragment: FragmentState | None,
-              replay: bool = False) -> fused.EncodedDelta | Rejection:
+    def check(self, m: Manifest, payload: bytes, *, members: Collection[str], fragment: FragmentState | None
+              ) -> fused.EncodedDelta | Rejection:
         """The contribution's deltas as they arrived (norms from the codes, nothing decoded), or why
         it cannot enter a merge."""
-        if verdict := self.check_claims(m, members=members, fragment=fragment, replay=replay):
+        if verdict := self.check_claims(m, members=members, fragment=fragment):
             return verdict
         try:
             messages.verify_payload(m, payload)
@@ -113,7 +114,7 @@ class Intake:
         if bad:
             return Rejection(Reason.NON_FINITE, f"non-finite values in {bad[:8]}")
         ratio = self.cfg.syncer.max_delta_ratio
-        if ratio > 0 and not replay and fragment is not None:
+        if ratio > 0 and fragment is not None:
             norm, scale = deltas.norm, fragment.budget_scale()  # the parameters change only at a merge
             if not norm <= ratio * scale:
                 return Rejection(Reason.NORM_BUDGET, f"delta norm {norm:.4g} > {ratio:g} x max(parameter norm, "

@@ -4,7 +4,7 @@ splits these strings inline, and nothing reads a contribution by string key."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from diloco import messages
@@ -122,6 +122,18 @@ class Contribution:
     def cursor_list(self) -> list[int] | None:
         """The data-stream cursor as JSON holds it: [first, end) steps, or None."""
         return None if self.cursor is None else list(self.cursor)
+
+
+def replay_mismatch(recorded: Contribution, m: Manifest, where: Where) -> str | None:
+    """Why a contribution assembled on replay is not the record Redis accepted under its id, or None
+    when it is: the same place and first offset in the log (a log never changes what it holds there)
+    and the same claims. Another writer who knows the id may put a set of it anywhere else."""
+    if where != recorded.where:
+        return (f"id {recorded.id} was accepted from {partition_key(recorded.where.tp)}@{recorded.where.offset}; "
+                f"this set is at {partition_key(where.tp)}@{where.offset}")
+    got = Contribution.accepted(m, where, recorded.arrival)
+    differ = [f.name for f in fields(Contribution) if getattr(got, f.name) != getattr(recorded, f.name)]
+    return f"its manifest differs from the one accepted under id {recorded.id} in {differ}" if differ else None
 
 
 def accepted_fields(c: Contribution, version: int) -> dict:

@@ -47,7 +47,7 @@ from diloco.syncer.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.provision import announce, announcement
 from diloco.syncer.records import (TP, Contribution, Status, Where, accepted_fields, parse_partition_key,
-                                   partition_key, pending_fragment, rejection_fields)
+                                   partition_key, pending_fragment, rejection_fields, replay_mismatch)
 from diloco.syncer.registry import LearnerRegistry
 from diloco.syncer.rounds import FragmentState, Pending
 from diloco.syncer.relay import Events, OutboxRelay
@@ -309,7 +309,7 @@ class Syncer:
             result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=partition_key(tp))
         except WireError as err:
             self.assembler.discard(cid, partition_key(tp))
-            self._reject(cid, Reason.MALFORMED, str(err), where=Where(*tp, offset))
+            self._reject_set(cid, Reason.MALFORMED, str(err), where=Where(*tp, offset))
             return
         if isinstance(result, Dropped):
             self._reject_dropped(result)
@@ -319,19 +319,28 @@ class Syncer:
     def on_complete(self, a: Assembled, tp: TP) -> None:
         m, where = a.manifest, Where(*tp, a.first_offset)
         pending = self._pending(m.id)
+        why = (replay_mismatch(pending.contribution, m, where) if pending is not None else  # not the record accepted
+               self._taken(m.id, a.started))
+        if why:
+            self._reject_set(m.id, Reason.DUPLICATE_ID, why, manifest=m, where=where)
+            return
         verdict = self.intake.check_route(m, tp, self.region_of_topic.get(tp[0])) or self.intake.check(
-            m, a.payload, members=self.registry.members, fragment=self.fragments.get(m.fragment),
-            replay=pending is not None)
+            m, a.payload, members=self.registry.members, fragment=self.fragments.get(m.fragment))
         if isinstance(verdict, tuple):
-            self._reject(m.id, *verdict, manifest=m, where=where)
+            conflicts = f" ({a.conflicts} repeated chunks with other bytes ignored)" if a.conflicts else ""
+            self._reject_set(m.id, verdict.reason, verdict.detail + conflicts, manifest=m, where=where)
             return
         if pending is not None:  # replay after a restart: the round already counts it
             pending.deltas = verdict
-            return
+        else:
+            self._accept(m, where, verdict)
+        self._drop_other_sets(m.id, where)
+
+    def _accept(self, m: Manifest, where: Where, deltas) -> None:
         self.registry.admit(m.learner)  # a joiner whose delta came before its first heartbeat is a member now
         c = Contribution.accepted(m, where, arrival=self.clock())
         st = self.fragments[m.fragment]
-        st.round[m.id] = Pending(c, verdict)
+        st.round[m.id] = Pending(c, deltas)
         self.status[m.id] = Status.pending(m.fragment)
         accepted = self.events.outbox("contribution_accepted", **accepted_fields(c, st.version))
         self.state.accept(m.fragment, m.id, c.meta(), self.replay_offsets([m.fragment]), outbox=[accepted],
@@ -339,10 +348,35 @@ class Syncer:
 
     def _check_manifest(self, m: Manifest):
         """(reason, detail) if the manifest alone rules the contribution out: judged before its chunks
-        are buffered. A replayed contribution was judged on arrival."""
-        replayed = self._pending(m.id) is not None
-        return None if replayed else self.intake.check_claims(m, members=self.registry.members,
-                                                              fragment=self.fragments.get(m.fragment))
+        are buffered, on replay too (what the log gives back may not be what was accepted)."""
+        return self.intake.check_claims(m, members=self.registry.members, fragment=self.fragments.get(m.fragment))
+
+    def _own_set(self, cid: str, where: Where) -> bool:
+        """Whether the set of `cid` read from `where` is the one its id stands for, so that its outcome
+        settles the id: the pending record's own place and first offset, or, for an id nothing was
+        decided of yet, no other set of it is being assembled elsewhere. A contribution's frames share
+        one partition, so a set anywhere else is another writer's (docs/wire-format.md)."""
+        pending = self._pending(cid)
+        if pending is not None:
+            return where == pending.contribution.where
+        if self.status.get(cid):
+            return False
+        return not [w for w in self.assembler.places(cid) if w != partition_key(where.tp)]
+
+    def _taken(self, cid: str, started: int) -> str | None:
+        """Why a complete set of an id nothing was decided of may not take it: a set of that id with a
+        manifest was under way at another place before it began (the writer who learnt the id from the
+        log wrote after the one who chose it; that one completes or fails by itself)."""
+        if rivals := self.assembler.rivals(cid, started):
+            return f"id {cid} is being assembled at {rivals[0]}, begun before this set"
+        return None
+
+    def _drop_other_sets(self, cid: str, where: Where) -> None:
+        """The id's own set completed at `where` and counts: sets of it elsewhere are rejected now, each
+        by itself (the id's status stays the one its own set gave it)."""
+        taken = f"id {cid} is taken by the contribution at {partition_key(where.tp)}@{where.offset}"
+        for other in self.assembler.places(cid):
+            self._reject_dropped(self.assembler.drop(cid, other, Reason.DUPLICATE_ID, taken))
 
     # --- rounds --------------------------------------------------------------------------------
     def maybe_close(self, p: int, *, final: bool = False) -> None:
@@ -471,15 +505,25 @@ class Syncer:
     def _reject_dropped(self, d: Dropped) -> None:
         where = Where(*parse_partition_key(d.where), d.first_offset) if d.where else None
         p = where.partition if where else (d.manifest.fragment if d.manifest else -1)
-        if (pending := self._pending(d.id)) is not None:  # accepted before: its replay came back short
+        own = where is None or self._own_set(d.id, where)
+        if own and (pending := self._pending(d.id)) is not None:  # accepted before: its replay came back short
             self._guarded(p, lambda: self._lose(d.id, pending, f"{d.reason} on replay: {d.detail}"))
             return
-        self._guarded(p, lambda: self._reject(d.id, d.reason, d.detail, manifest=d.manifest, where=where))
+        self._guarded(p, lambda: self._reject(d.id, d.reason, d.detail, manifest=d.manifest, where=where, settles=own))
+
+    def _reject_set(self, cid: str, reason: Reason, detail: str, *, where: Where,
+                    manifest: Manifest | None = None) -> None:
+        """Reject a set of `cid` read from `where`: the id with it where the set is the id's own
+        (`_own_set`), else that record alone, said with its id, and the id's status untouched."""
+        self._reject(cid, reason, detail, manifest=manifest, where=where, settles=self._own_set(cid, where))
 
     def _reject(self, cid: str | None, reason: Reason, detail: str, *, manifest: Manifest | None = None,
-                where: Where | None = None) -> None:
+                where: Where | None = None, settles: bool = True) -> None:
+        """Reject contribution `cid` (None: a record naming none) and say why; with `settles` False only
+        a record that names it (a set of it from another place), leaving the id's status as it is."""
+        settled = cid if settles else None
         fragment = None
-        if cid is not None and (fragment := pending_fragment(self.status.get(cid, ""))) is not None:
+        if settled is not None and (fragment := pending_fragment(self.status.get(settled, ""))) is not None:
             # it leaves its round, in memory and in Redis
             if fragment in self.fragments and (c := self.fragments[fragment].round.pop(cid, None)) is not None:
                 where = where or c.contribution.where
@@ -487,10 +531,10 @@ class Syncer:
         about = fragment if fragment is not None else (where.partition if where is not None else None)
         fence = self.ownership.fence(about) if about in self.ownership.epochs else None
         fields = rejection_fields(cid, reason, detail, manifest, where)
-        self.state.reject(cid, reason, self.replay_offsets([about] if fence else []), fragment=fragment,
+        self.state.reject(settled, reason, self.replay_offsets([about] if fence else []), fragment=fragment,
                           outbox=[self.events.outbox("contribution_rejected", **fields)], fence=fence, where=where)
-        if cid is not None:
-            self.status[cid] = Status.rejected(reason)
+        if settled is not None:
+            self.status[settled] = Status.rejected(reason)
         self.metrics.rejections.labels("-" if about is None else about, reason).inc()
         log.warning("rejected contribution", extra=fields)
 

@@ -23,7 +23,8 @@ from diloco.syncer import shards
 from diloco.syncer.ownership import LeaseKeeper, Ownership
 from diloco.syncer.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
-from diloco.syncer.records import Contribution, Status, Where, parse_partition_key, partition_key
+from diloco.syncer.records import (Contribution, Status, Where, parse_partition_key, partition_key,
+                                   replay_mismatch)
 from diloco.syncer.registry import LearnerRegistry
 from diloco.syncer.rounds import FragmentState, Pending
 
@@ -92,10 +93,16 @@ def test_one_writer_claiming_more_tokens_per_step_cannot_take_a_rounds_weight():
     assert merge_math.bounded_tokens([256, 25600], [10, 10], 0) == [256, 25600]
 
 
-def test_intake_does_not_judge_a_replay_against_versions_that_moved_since():
+def test_intake_judges_a_replay_as_it_judges_live_intake():
+    """H1 (issue #53): a replay skipped the staleness and norm-budget checks, so whatever a replay
+    assembled under a pending id merged unchecked. A pending contribution waits in the round of the
+    version it was accepted at (a merge takes the whole round): judged again, the honest one passes."""
     m, payload = _contribution(base_version=3, value=1e4)
-    got = Intake(CFG, "run", PLAN).check(m, payload, members=MEMBERS, fragment=_fragment(version=9), replay=True)
-    assert isinstance(got, fused.EncodedDelta)
+    got = Intake(CFG, "run", PLAN).check(m, payload, members=MEMBERS, fragment=_fragment(version=3))
+    assert got.reason == Reason.NORM_BUDGET
+    m, payload = _contribution(base_version=3)
+    assert isinstance(Intake(CFG, "run", PLAN).check(m, payload, members=MEMBERS, fragment=_fragment(version=3)),
+                      fused.EncodedDelta)
 
 
 def test_a_checksum_mismatch_is_said_as_such():
@@ -483,3 +490,16 @@ def test_the_relay_looks_at_the_outbox_after_this_process_wrote_to_it_and_once_a
     assert sent == [b"e1", b"e2"]
     relay.relay()                                                 # an explicit relay always looks
     assert state.peeks == 6
+
+
+def test_a_replay_is_bound_to_the_place_offset_and_claims_redis_recorded():
+    """H1 (issue #53): a replay took whatever set of a pending id completed first, from any topic."""
+    m, _ = _contribution()
+    here = Where("pfx.run.fragments.us", 0, 17)
+    recorded = Contribution.from_meta(json.loads(json.dumps(Contribution.accepted(m, here, arrival=5.0).meta())))
+    assert replay_mismatch(recorded, m, here) is None                   # the record accepted, read back from Redis
+    for elsewhere in (Where("pfx.run.fragments.eu", 0, 17), Where(here.topic, 1, 17), Where(here.topic, 0, 40)):
+        why = replay_mismatch(recorded, m, elsewhere)
+        assert f"accepted from {here.topic}|0@17" in why and partition_key(elsewhere.tp) in why
+    other = dataclasses.replace(m, learner="us-1", tokens=m.tokens + 1)
+    assert "['learner', 'tokens']" in replay_mismatch(recorded, other, here)
