@@ -52,7 +52,8 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**63
 
 
-def _cursor(v) -> bool:
+def is_cursor(v) -> bool:
+    """None or a [first, end] pair of step numbers (a data-stream cursor as JSON holds it; first <= end unchecked)."""
     return v is None or (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
                                                                       and 0 <= x < 2**53 for x in v))
 
@@ -80,7 +81,7 @@ def merged_contributions(merges: Iterable[dict]) -> Iterable[dict]:
         cursors = m.get("cursors") or [None] * n
         if (not isinstance(m.get("fragment"), int) or not isinstance(tokens, list) or len(tokens) != n
                 or not all(_number(t) for t in tokens) or not isinstance(cursors, list) or len(cursors) != n
-                or not all(_cursor(c) for c in cursors)):
+                or not all(is_cursor(c) for c in cursors)):
             continue
         for lid, t, c in zip(lids, tokens, cursors):
             yield {"learner": lid, "fragment": m["fragment"], "tokens": t, "cursor": c}

@@ -1,6 +1,7 @@
 """What a run's events topic has told its supervisor: each event checked (the topic is writable by
-every learner), the learners' latest beats, versions, merges, rejections, and where a restarted
-learner resumes; and the live table drawn from it.
+every learner), the learners' latest beats, versions, merges, rejections, and what they say was
+handed in; and the live table drawn from it. All of it is advisory: where a restarted learner
+resumes comes from the syncer's records (diloco.resume), never from here.
 """
 
 from __future__ import annotations
@@ -61,10 +62,9 @@ def check_event_fields(ev: dict) -> None:
 
 
 def check_heartbeat_claims(cfg: Config, ev: dict) -> None:
-    """ValueError unless a (typed) heartbeat's step is within its learner's schedule (what a restart or
-    a spare resumes from: a forged step far ahead would have it train nothing), what it says it
-    handed in is no further than that step, and its tokens within
-    what that many steps can hold at syncer.max_tokens_per_step."""
+    """ValueError unless a (typed) heartbeat's step is within its learner's schedule (the live table and
+    the chaos schedule follow it), what it says it handed in is no further than that step, and its
+    tokens within what that many steps can hold at syncer.max_tokens_per_step."""
     lid, step, tokens = ev["learner"], ev.get("step", 0), ev.get("tokens", 0)
     if step > cfg.learner_steps(lid):
         raise ValueError(f"heartbeat of {lid} at step {step}: its schedule ends at {cfg.learner_steps(lid)}")
@@ -80,7 +80,7 @@ def check_heartbeat_claims(cfg: Config, ev: dict) -> None:
 
 def check_accepted_cursor(cfg: Config, ev: dict) -> None:
     """ValueError unless an acceptance's cursor is [first, end] steps within its learner's schedule
-    (a restart resumes past it: a forged one far ahead would have the learner train nothing)."""
+    (what a restart waits, a bounded while, for the syncer's records to reach)."""
     lid, cur = ev.get("learner"), ev.get("cursor")
     if not isinstance(lid, str) or not cfg.is_member_id(lid):
         raise ValueError(f"acceptance of learner {messages.short(lid, 40)}, not one of this run's")
@@ -107,7 +107,9 @@ class Progress:
     merged: dict[tuple[int, int], int] = field(default_factory=dict)  # (fragment, version) -> tokens, as stored
     trained: dict[tuple[str, str], int] = field(default_factory=dict)  # tokens per (learner, incarnation)
     membership: list[dict] = field(default_factory=list)  # learner_admitted, _left, _finished, ... events
-    handed_in: dict[str, int] = field(default_factory=dict)  # learner -> furthest cursor end it handed in
+    # learner -> furthest cursor end the events say it handed in: a claim, that a restart only waits
+    # (a bounded while) for the syncer's records to reach; it never moves a resume point
+    handed_in: dict[str, int] = field(default_factory=dict)
     handed_in_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
 
     def per_learner(self, counts: dict[tuple[str, str], int]) -> dict[str, int]:
@@ -117,14 +119,9 @@ class Progress:
             out[lid] = out.get(lid, 0) + n
         return out
 
-    def resume_step(self, learner: str, default: int = 0) -> int:
-        """Where a restarted learner (or the spare taking its place) resumes its data stream: past every
-        step it handed in (so no window reaches the global model twice) and past its last beat."""
-        return max(self.learners.get(learner, {}).get("step", default), self.handed_in.get(learner, 0))
-
     def tokens(self) -> int:
         """Tokens all learners trained: each incarnation counts from zero (a restarted learner resumes at
-        its last heartbeat's step), so the latest beat of every incarnation is summed."""
+        the syncer's furthest record of it), so the latest beat of every incarnation is summed."""
         return sum(self.trained.values())
 
     def merged_tokens(self, fragments: int) -> int:

@@ -133,7 +133,8 @@ def events_from_start(cfg: Config):
 def open_run(setup: RunSetup, jobs, console: Console, kills: list[chaos.Kill], **which) -> RunSupervisor:
     """A RunSupervisor on `jobs` that reads the run's events topic from its start; `which`: its regions
     and syncer (RunSupervisor)."""
-    return RunSupervisor(setup.cfg, setup.cfg_path, setup.corpus, jobs, events_from_start(setup.cfg), console, kills, **which)
+    return RunSupervisor(setup.cfg, setup.cfg_path, setup.corpus, jobs, events_from_start(setup.cfg), console, kills,
+                         state=setup.state, **which)
 
 
 def finish(setup: RunSetup, run: RunSupervisor, console: Console, summary_json: str | Path | None = None) -> dict:

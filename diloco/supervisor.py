@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from redis.exceptions import RedisError
 from rich.live import Live
 from rich.text import Text
 
-from diloco import chaos, coverage, membership, messages
+from diloco import chaos, coverage, membership, messages, resume
 from diloco.config import BUILTIN_MODEL, Config
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore, StoreError
@@ -52,8 +53,11 @@ class RunSupervisor:
     its own learners are done and `elsewhere` (the other runners it waits for) is empty."""
 
     def __init__(self, cfg: Config, cfg_path: Path, corpus, jobs: LocalJobs, events, console,
-                 kills: list[chaos.Kill], regions: tuple[str, ...] | None = None, syncer: bool = True):
+                 kills: list[chaos.Kill], regions: tuple[str, ...] | None = None, syncer: bool = True,
+                 state: state_mod.SyncerState | None = None):
         self.cfg, self.cfg_path, self.corpus, self.jobs, self.events = cfg, cfg_path, corpus, jobs, events
+        if state is not None:
+            self.state = state
         self.console, self.regions = console, regions
         self.elsewhere: set[str] = set()
         self.syncers = cfg.syncer_ids() if syncer else []
@@ -83,6 +87,17 @@ class RunSupervisor:
         self.handovers: list[dict] = []          # each learner a spare took the place of
         self.replaced: dict[str, str | None] = {}  # learner -> the incarnation its spare replaced
         self._last_line = 0.0                    # when the last progress line was printed (no live table)
+        # where restarts resume (diloco.resume): from the syncer's records in Redis, never from an event
+        self.merged_ends: dict[str, int] = {}     # learner -> furthest cursor end of its merged contributions
+        self._merges_read = 0                     # merge records folded into merged_ends
+        self.settling: dict[str, float] = {}      # learner -> until when its restart waits for the records
+        self.to_spare: dict[str, tuple[str, float]] = {}  # died, to be handed to a spare: (why, cold-restart delay)
+        self.deferred_starts: set[str] = set()    # first starts put off until Redis answers (not restarts)
+
+    @functools.cached_property
+    def state(self) -> state_mod.SyncerState:
+        """The run's syncer state in Redis: the records restarts resume from."""
+        return state_mod.SyncerState(state_mod.connect(self.cfg.state), self.cfg.state.key_prefix, self.cfg.run.id)
 
     @functools.cached_property
     def store(self) -> FragmentStore:
@@ -93,21 +108,63 @@ class RunSupervisor:
         return self.regions is None or region in self.regions
 
     # --- processes -----------------------------------------------------------------------------
-    def start(self, name: str) -> None:
+    def start(self, name: str, step: int | None = None) -> None:
+        """Start `name`; a learner at `step` of its data stream (None: where the syncer's records say)."""
         conf = ["--config", str(self.cfg_path)]
         if name in self.syncers:
             self.syncers_up.discard(name)
             self.jobs.start(name, ["syncer", *conf, "--shard", str(self.syncers.index(name))])
             return
-        # resume past what it handed in and its last beat (a joiner: where the run was when it joined)
-        step = self.prog.resume_step(name, self.join_step.get(name, 0))
+        if step is None:
+            step = self.resume_point(name, time.time(), wait=False)
+        if step is None:  # Redis did not answer: started by the loop once it does
+            self.deferred_starts.add(name)
+            self.restart_at[name] = time.time()
+            return
         self.jobs.start(name, ["learner", *conf, "--learner", name, "--corpus", str(self.corpus.dir),
                                "--start-step", str(step)], processes=self.cfg.parallel.processes)
 
+    def accepted_end(self, name: str) -> int | None:
+        """The end of the furthest data-stream cursor the syncer accepted for learner `name`, pending or
+        merged, from Redis (RedisError or StateError when it does not answer). Pending ones are read first: one
+        merged between the two reads is then seen in the merge records."""
+        pending = self.state.pending(self.cfg.fragments.count)
+        new = self.state.merges_since(self._merges_read)
+        self._merges_read += len(new)
+        resume.furthest_ends(coverage.merged_contributions(new), into=self.merged_ends)
+        return resume.furthest_ends(pending, into=dict(self.merged_ends)).get(name)
+
+    def resume_point(self, name: str, now: float, *, wait: bool) -> int | None:
+        """Where learner `name` resumes (diloco.resume): past the furthest cursor the syncer accepted for
+        it, never where an event says. None while that is not known yet: Redis does not answer, or
+        (`wait`) its beats say it handed in more than the records hold while a syncer shard is down,
+        or for up to resume.SETTLE_S after (a contribution it saw acked may not be read yet; a forged
+        claim costs that wait and moves nothing)."""
+        try:
+            accepted = self.accepted_end(name)
+        except (RedisError, state_mod.StateError, OSError) as err:
+            log.warning("resume point unknown: redis did not answer", extra={"learner": name, "error": str(err)[:200]})
+            return None
+        claimed = self.prog.handed_in.get(name, 0)
+        if wait and not resume.settled(accepted, claimed):
+            if set(self.syncers) - self.syncers_up:
+                return None
+            if now < self.settling.setdefault(name, now + resume.SETTLE_S):
+                return None
+            log.warning("resuming at the syncer's records, short of what the events say was handed in",
+                        extra={"learner": name, "accepted_end": accepted, "claimed": claimed})
+        self.settling.pop(name, None)
+        return resume.resume_step(accepted, default=self.join_step.get(name, 0), schedule_end=self.cfg.learner_steps(name))
+
     def _down(self, name: str, now: float, delay: float, why: str) -> None:
         self.outages.append([name, now, None])
-        if name in self.members and self._hand_to_spare(name, why):
+        if name in self.members and self.spares:  # handed to a spare once its resume point is known (_restart_due)
+            self.to_spare[name] = (why, delay)
+            self.restart_at[name] = now
             return
+        self._restart_later(name, now, delay, why)
+
+    def _restart_later(self, name: str, now: float, delay: float, why: str) -> None:
         self.restart_at[name] = now + delay
         self.console.print(Text(f"{name} {why}; restarting in {delay:.1f}s", style="yellow"))
 
@@ -119,12 +176,12 @@ class RunSupervisor:
                         stdin_pipe=True)
         self.spares.append(name)
 
-    def _hand_to_spare(self, name: str, why: str) -> bool:
-        """Learner `name` died: the oldest live spare becomes it at once (a new spare starts behind it).
-        False when no spare is left; spares that died are dropped."""
+    def _hand_to_spare(self, name: str, why: str, at: int) -> bool:
+        """Learner `name` died: the oldest live spare becomes it at once, at step `at` (a new spare starts
+        behind it). False when no spare is left; spares that died are dropped."""
         while self.spares:
             spare = self.spares.pop(0)
-            hb, at = self.prog.learners.get(name, {}), self.prog.resume_step(name)
+            hb = self.prog.learners.get(name, {})
             try:
                 if self.jobs.poll(spare) is not None:
                     raise OSError(f"exited with {self.jobs.poll(spare)}")
@@ -314,6 +371,8 @@ class RunSupervisor:
     def _ask_to_leave(self, lid: str) -> None:
         self.removing.add(lid)
         self.restart_at.pop(lid, None)
+        self.to_spare.pop(lid, None)
+        self.settling.pop(lid, None)
         if self.jobs.poll(lid) is None:
             self.jobs.signal(lid, signal.SIGTERM)  # it hands in its last deltas and says it left
 
@@ -491,11 +550,26 @@ class RunSupervisor:
             self._down(name, now, cfg.run.restart_backoff_s * 2 ** n, f"exited with {rc}")
 
     def _restart_due(self, now: float) -> None:
+        """Start again (or hand to a spare) each process due, a learner once its resume point is known."""
         for name, at in list(self.restart_at.items()):
-            if now >= at:
-                del self.restart_at[name]
+            if now < at:
+                continue
+            step = None
+            if name not in self.syncers:
+                step = self.resume_point(name, now, wait=name not in self.deferred_starts)
+                if step is None:
+                    continue  # asked again on the next pass
+            del self.restart_at[name]
+            if name in self.to_spare:
+                why, delay = self.to_spare.pop(name)
+                if not self._hand_to_spare(name, why, step):
+                    self._restart_later(name, now, delay, why)
+                continue
+            if name in self.deferred_starts:
+                self.deferred_starts.discard(name)
+            else:
                 self.restarts[name] = self.restarts.get(name, 0) + 1
-                self.start(name)
+            self.start(name, step)
 
     def _learners_done(self, now: float) -> bool:
         """True once this runner's learners are done (and no other runner is waited for) and the syncer

@@ -193,6 +193,15 @@ class SyncerState:
         """Every merge record, oldest first; with `last`, only the newest `last` of them."""
         return [json.loads(m) for m in self.r.lrange(self.k + "merges", -last if last else 0, -1)]
 
+    def merges_since(self, start: int) -> list[dict]:
+        """The merge records from the `start`-th on (0 = the oldest): what a reader that has seen
+        `start` of them has not."""
+        return [json.loads(m) for m in self.r.lrange(self.k + "merges", start, -1)]
+
+    def pending(self, fragments: int) -> list[dict]:
+        """The metas of every contribution accepted into an open round (not merged or rejected yet)."""
+        return [json.loads(m) for p in range(fragments) for m in self.r.hvals(f"{self.k}round:{p}")]
+
     def registry(self) -> dict[str, dict]:
         return {k: json.loads(v) for k, v in self.r.hgetall(self.k + "registry").items()}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diloco import coverage, messages
+from diloco import coverage, messages, resume
 from diloco.messages import WireError
 from diloco.progress import Progress, check_heartbeat_claims
 
@@ -77,13 +77,30 @@ def test_the_cursor_travels_in_the_manifest_and_is_checked():
             messages.Manifest.from_header(_manifest(cursor=bad))
 
 
-def test_a_restart_resumes_past_what_it_handed_in_and_its_last_beat():
+def test_a_restart_resumes_past_the_furthest_cursor_the_syncer_accepted_pending_or_merged():
+    merges = [_merge(0, ("us-0", 500, [0, 5]), ("eu-0", 500, [0, 6])), _merge(1, ("us-0", 700, [0, 7]))]
+    pending = [{"learner": "us-0", "fragment": 0, "cursor": [5, 9]},   # accepted, not merged yet: it will be
+               {"learner": "eu-0", "fragment": 1, "cursor": None}]     # kept before cursors existed: moves nothing
+    ends = resume.furthest_ends(coverage.merged_contributions(merges))
+    assert ends == {"us-0": 7, "eu-0": 6}
+    assert resume.furthest_ends(pending, into=dict(ends)) == {"us-0": 9, "eu-0": 6} and ends["us-0"] == 7
+    assert resume.resume_step(9, schedule_end=50) == 9
+    assert resume.resume_step(None, default=3, schedule_end=50) == 3          # a joiner with no record yet
+    assert resume.resume_step(60, schedule_end=50) == 50
+
+
+def test_a_record_with_a_malformed_cursor_moves_no_resume_point():
+    bad = [{"learner": "us-0", "cursor": c} for c in ([9, 3], [0, 2 ** 60], "0-9", [0.0, 9.0], [True, 9], [1, 2, 3])]
+    assert resume.furthest_ends([*bad, {"learner": 7, "cursor": [0, 9]}, {"cursor": [0, 9]}]) == {}
+
+
+def test_what_a_beat_says_it_handed_in_only_makes_a_restart_wait_for_the_records():
     prog = Progress()
     prog.apply(messages.parse_event(messages.event("heartbeat", run="r", source="learner", learner="us-0",
                                                    incarnation="a", step=7, handed_in_to=5, handed_in_tokens=900)))
-    assert prog.resume_step("us-0") == 7
-    prog.handed_in["us-0"] = 9   # a contribution through step 9 acked after that beat
-    assert prog.resume_step("us-0") == 9 and prog.resume_step("eu-0", 3) == 3
+    claimed = prog.handed_in["us-0"]
+    assert claimed == 5 and not resume.settled(None, claimed) and not resume.settled(4, claimed)
+    assert resume.settled(5, claimed) and resume.settled(None, 0)
 
 
 def test_a_beat_cannot_claim_it_handed_in_past_its_step():
@@ -96,15 +113,27 @@ def test_a_beat_cannot_claim_it_handed_in_past_its_step():
         check_heartbeat_claims(cfg, {"learner": lid, "step": 5, "handed_in_to": 9})
 
 
-def test_a_forged_acceptance_cannot_move_a_restart_past_the_schedule():
+def test_a_forged_acceptance_moves_no_resume_point():
+    """An acceptance with cursor [0, learner_steps] is well formed, so the runner takes it in (the table,
+    the counts): it made the learner's next restart start at its last step and train nothing. It is
+    only a claim: the resume point comes from the syncer's records, which hold nothing of it."""
     from diloco.config import build_config
     from diloco.progress import check_accepted_cursor
 
     cfg = build_config({})
     lid = cfg.learner_ids()[0]
-    check_accepted_cursor(cfg, {"learner": lid, "cursor": [0, cfg.learner_steps(lid)]})
+    end = cfg.learner_steps(lid)
+    forged = messages.parse_event(messages.event("contribution_accepted", run="r", source="syncer", id="f", learner=lid,
+                                                 fragment=0, cursor=[0, end]))
+    check_accepted_cursor(cfg, forged)
+    prog = Progress()
+    prog.apply(forged)
+    assert prog.handed_in[lid] == end and prog.accepted == 1
+    records = resume.furthest_ends([{"learner": lid, "cursor": [0, 12]}]).get(lid)  # what the syncer accepted
+    assert resume.resume_step(records, schedule_end=end) == 12 and not resume.settled(records, prog.handed_in[lid])
     for bad in ([0, cfg.learner_steps(lid) + 1], [5, 3], [-1, 2], "0-5", [0.0, 5.0], [True, 5]):
         with pytest.raises(ValueError, match="cursor"):
             check_accepted_cursor(cfg, {"learner": lid, "cursor": bad})
     with pytest.raises(ValueError, match="not one of this run's"):
         check_accepted_cursor(cfg, {"learner": "mars-0", "cursor": [0, 1]})
+

@@ -107,8 +107,12 @@ def _beat(run: RunSupervisor, lid: str, tokens: int) -> None:
                     "tokens": tokens, "step": tokens // 10})
 
 
-def _budget_run(tmp_path: Path, jobs) -> RunSupervisor:
-    cfg = build_config({**BUDGET, "run": {**BUDGET["run"], "id": "budget"}, "store": {"url": f"file://{tmp_path}/store"}})
+def _budget_run(tmp_path: Path, jobs, redis_url: str | None = None) -> RunSupervisor:
+    """A runner of the BUDGET run on `jobs`; with `redis_url`, on that Redis under a run id of its own."""
+    tree = {**BUDGET, "run": {**BUDGET["run"], "id": "budget"}, "store": {"url": f"file://{tmp_path}/store"}}
+    if redis_url:
+        tree |= {"run": {**tree["run"], "id": f"budget-{time.time_ns()}"}, "state": {"redis_url": redis_url}}
+    cfg = build_config(tree)
     return RunSupervisor(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), jobs, None, Console(quiet=True), [])
 
 
@@ -173,10 +177,13 @@ def test_only_merges_the_store_holds_count_towards_the_budget_never_claimed_toke
     assert not jobs.signals and len(run.members) == 4  # 10%: no join due, nobody stopped
 
 
-def test_a_heartbeat_past_its_learners_schedule_or_claiming_absurd_tokens_is_skipped(tmp_path):
+@pytest.mark.integration
+def test_a_heartbeat_past_its_learners_schedule_or_claiming_absurd_tokens_is_skipped(tmp_path, redis_url):
     """A forged heartbeat at step 10^12 made the next restart of that learner train nothing, and
-    one claiming 2^52 tokens counted in the summary; the runner skips both (counted as bad events)."""
-    run = _budget_run(tmp_path, _Jobs())
+    one claiming 2^52 tokens counted in the summary; the runner skips both (counted as bad events).
+    One at the schedule's very end passes those checks and made the restart train nothing all the same:
+    it is taken in as news, and moves no resume point."""
+    run = _budget_run(tmp_path, _Jobs(), redis_url)
     good = {"kind": "heartbeat", "eid": "a", "learner": "us-0", "incarnation": "1", "step": 10, "tokens": 640,
             "time": 0.0}
     run.apply_event(good)
@@ -185,6 +192,13 @@ def test_a_heartbeat_past_its_learners_schedule_or_claiming_absurd_tokens_is_ski
         with pytest.raises(ValueError, match="schedule ends|claims"):
             run.apply_event({**good, "eid": f"b{i}", **bad})
     assert run.prog.learners["us-0"]["step"] == 10 and run.prog.tokens() == 640
+    # a beat at its schedule's very end (within the bound) that says it handed in everything is taken in
+    # as the learner's news, but it is a claim: us-0 starts where the syncer's records leave it (none)
+    end = run.cfg.learner_steps("us-0")
+    run.apply_event({**good, "eid": "c", "step": end, "handed_in_to": end})
+    assert run.prog.learners["us-0"]["step"] == end and run.prog.handed_in["us-0"] == end
+    run.start("us-0")
+    assert run.jobs.jobs["us-0"][-2:] == ["--start-step", "0"]
 
 
 def test_a_runner_started_again_on_a_live_run_keeps_who_left_down_and_takes_on_the_joiners(tmp_path):
@@ -478,3 +492,57 @@ def test_the_runner_remembers_a_bounded_number_of_event_ids_and_refuses_ids_that
     for i in range(REMEMBERED_EIDS + 10):
         prog.apply({"kind": "learner_left", "eid": f"e-{i}", "learner": "us-0", "time": 0.0})
     assert len(prog.eids) == REMEMBERED_EIDS and "m-1" not in prog.eids and f"e-{REMEMBERED_EIDS + 9}" in prog.eids
+
+
+@pytest.mark.integration
+def test_a_forged_heartbeat_or_acceptance_on_the_events_topic_moves_no_resume_point(tiny_config):
+    """Issue 53 H2: one heartbeat {step: end, handed_in_to: end} or one contribution_accepted with cursor
+    [0, end], sent by a plain Kafka client, made us-0's next restart (or the spare taking its place)
+    start at its last step and train nothing. The runner reads both (they are well formed), and
+    resumes us-0 where the syncer's records leave it: past the furthest cursor the syncer accepted,
+    merged (step 20 on fragment 1) or pending (step 24 on fragment 0); the forged claims only hold the
+    restart for resume.SETTLE_S while the records do not reach them."""
+    from diloco import messages, resume
+    from diloco.infra import kafka as kafka_io
+    from diloco.run import events_from_start
+    from helpers import Harness
+
+    run_id = f"forged-resume-{time.time_ns() % 10 ** 8}"
+    cfg = tiny_config(run={"id": run_id}, regions=[{"name": "us", "learners": 1}, {"name": "eu", "learners": 1}])
+    h = Harness(cfg, run_id, in_process=False)
+    contribution = {"learner": "us-0", "region": "us", "base_version": 0, "tokens": 100, "steps": 4, "step_time": 0.1,
+                    "bytes": 10, "arrival": 0.0, "topic": h.topics.fragments["us"], "partition": 0, "offset": 0,
+                    "created": 0.0}
+    h.state.accept(0, "a-24", {**contribution, "id": "a-24", "fragment": 0, "cursor": [20, 24]}, {})
+    h.state.commit_merge(1, from_version=0, ids=[], late=0, offsets={}, sync_time_s=0.0,
+                         record={"fragment": 1, "version": 1, "ids": ["m-20"], "learners": ["us-0", "eu-0"],
+                                 "tokens": 200, "tokens_each": [100, 100], "cursors": [[0, 20], [0, 30]]})
+    end = cfg.learner_steps("us-0")
+    forged = [messages.event("heartbeat", run=run_id, source="learner", learner="us-0", incarnation="x", step=end,
+                             handed_in_to=end, tokens=end, state="running"),
+              messages.event("contribution_accepted", run=run_id, source="syncer", id="f", learner="us-0",
+                             region="us", fragment=0, base_version=0, version=1, tokens=1, bytes=1, cursor=[0, end])]
+    for value in forged:
+        h.producer.send(h.topics.events, value, partition=0)
+    h.producer.flush()
+    jobs = _Jobs()
+    jobs.jobs["us-0"] = []  # started before: its restart is what the forged events aimed at
+    run = RunSupervisor(cfg, Path("config.yaml"), SimpleNamespace(dir=Path("corpus")), jobs, events_from_start(cfg),
+                        Console(quiet=True), [], syncer=False, state=h.state)
+    try:
+        deadline = time.time() + 30
+        while run.prog.accepted < 1 or "us-0" not in run.prog.learners:
+            assert time.time() < deadline, "the forged events did not arrive"
+            run._pump(200)
+    finally:
+        run.events.close()
+    assert run.bad_events == 0 and run.prog.handed_in["us-0"] == end    # well formed: read as news
+    assert run.accepted_end("us-0") == 24 and run.accepted_end("eu-0") == 30
+    assert run.resume_point("us-0", 0.0, wait=False) == 24
+    now = time.time()
+    run._down("us-0", now, 0.0, "killed")
+    run._restart_due(now)                                     # the claims are past the records: it waits
+    assert jobs.jobs["us-0"] == [] and "us-0" in run.restart_at
+    run._restart_due(now + resume.SETTLE_S)                   # and then resumes where the records say
+    assert jobs.jobs["us-0"][-2:] == ["--start-step", "24"] and run.restarts == {"us-0": 1}
+    assert run.resume_point("eu-0", now, wait=True) == 30     # no claim past its records: no wait
