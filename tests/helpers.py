@@ -70,6 +70,17 @@ def assert_exact_accounting(cfg, run_id, forged: Collection[str] = ()):
     return state, published, status
 
 
+class NoRecords:
+    """The syncer's records of a run that has accepted nothing yet, for runner logic tested without
+    services: where a learner resumes is read from these (diloco.resume), and there is nothing."""
+
+    def pending(self, fragments: int) -> list[dict]:
+        return []
+
+    def merges_since(self, start: int) -> list[dict]:
+        return []
+
+
 OPEN_HARNESSES: list[Harness] = []  # closed after each test by conftest.py
 
 

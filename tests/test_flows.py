@@ -19,7 +19,7 @@ os.environ["DO_NOT_TRACK"] = "1"
 
 import pytest
 import yaml
-from helpers import assert_exact_accounting, run_events, run_processes
+from helpers import NoRecords, assert_exact_accounting, run_events, run_processes
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.deployments import run_deployment
@@ -587,7 +587,7 @@ def test_adding_and_removing_learners_of_a_live_run_applies_and_deletes_their_jo
     def region_runner(region):  # what a region's flow run drives: its region's backend alone
         jobs = tpu.jobs_for(cfg, region, tmp_path / "config.yaml", tmp_path / "logs", run=fake)
         return jobs, RunSupervisor(cfg, tmp_path / "config.yaml", type("Corpus", (), {"dir": Path("/x")})(), jobs, None,
-                              Console(quiet=True), [], regions=(region,), syncer=False)
+                              Console(quiet=True), [], regions=(region,), syncer=False, state=NoRecords())
     _, run = region_runner("eu")
     assert run.carry_out({"op": "add", "region": "eu"}, 0.0) == {"added": ["eu-1"], "start_step": 0}
     applied = [m for a, m in calls if a[3:4] == ["apply"] and m["kind"] == "JobSet"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_exact_accounting, run_events
+from helpers import NoRecords, assert_exact_accounting, run_events
 from rich.console import Console
 
 from diloco import membership
@@ -113,7 +113,8 @@ def _budget_run(tmp_path: Path, jobs, redis_url: str | None = None) -> RunSuperv
     if redis_url:
         tree |= {"run": {**tree["run"], "id": f"budget-{time.time_ns()}"}, "state": {"redis_url": redis_url}}
     cfg = build_config(tree)
-    return RunSupervisor(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), jobs, None, Console(quiet=True), [])
+    return RunSupervisor(cfg, tmp_path / "config.yaml", SimpleNamespace(dir=tmp_path), jobs, None, Console(quiet=True), [],
+                         state=None if redis_url else NoRecords())
 
 
 def _merge(run: RunSupervisor, tokens: int) -> None:
