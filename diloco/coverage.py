@@ -8,10 +8,12 @@ fragment, and the figures below are averages over the fragments (as tokens are i
 - merged: tokens of the learner's merged contributions / fragments;
 - twice: tokens of steps that more than one merged contribution of the same fragment covers (a
   restart that re-read windows it had handed in), the copies past the first, / fragments;
-- missed: tokens of the steps before the furthest merged cursor that no merged contribution of a
-  fragment covers (a kill before the fragment's next send, a rejected contribution, steps an
-  `overwrite` apply threw away), at the learner's mean tokens per step, / fragments: the part of
-  the shard it read that the model never learned from. Exact, from the merge records alone;
+- missed: tokens of the steps of the learner's schedule that no merged contribution of a fragment
+  covers (a kill before the fragment's next send, a rejected contribution, steps an `overwrite`
+  apply threw away, steps a restart skipped), at the learner's mean tokens per step, / fragments:
+  the part of its data stream the model never learned from. The schedule is the runner's own
+  (from the step a joiner entered at to the schedule's end), never what an event claims; without
+  one, the steps from 0 to the furthest merged cursor. Exact, from the merge records alone;
 - handed_in: tokens of the contributions it published / fragments;
 - lost: trained - merged (trained as the heartbeats say: the steps a killed learner took after its
   last beat are in no event, so this is a lower bound by at most a beat per kill), split into not handed in (killed before the fragment's next send, or
@@ -58,14 +60,24 @@ def is_cursor(v) -> bool:
                                                                       and 0 <= x < 2**53 for x in v))
 
 
-def gaps(intervals: list[tuple[int, int, float]], start: int = 0) -> list[tuple[int, int]]:
-    """The stretches of steps in [start, furthest end) that no interval covers."""
+def gaps(intervals: list[tuple[int, int, float]], start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
+    """The stretches of steps in [start, end) that no interval covers (end None: the furthest interval end)."""
     out, reach = [], start
     for a, b, _ in sorted(intervals):
+        if end is not None and a >= end:
+            break
         if a > reach:
             out.append((reach, a))
         reach = max(reach, b)
+    if end is not None and reach < end:
+        out.append((reach, end))
     return out
+
+
+def mean_density(intervals: list[tuple[int, int, float]]) -> float:
+    """Tokens per step over intervals (first, end, tokens per step), weighted by their lengths; 0 for none."""
+    steps = sum(b - a for a, b, _ in intervals)
+    return sum(d * (b - a) for a, b, d in intervals) / steps if steps else 0.0
 
 
 def merged_contributions(merges: Iterable[dict]) -> Iterable[dict]:
@@ -88,10 +100,13 @@ def merged_contributions(merges: Iterable[dict]) -> Iterable[dict]:
 
 
 def ledger(merges: Iterable[dict], *, fragments: int, trained: dict[str, int],
-           handed_in: dict[str, int] | None = None, epochs: Callable[[str, int], float | None] | None = None) -> dict:
+           handed_in: dict[str, int] | None = None, epochs: Callable[[str, int], float | None] | None = None,
+           schedule: dict[str, tuple[int, int | None]] | None = None) -> dict:
     """The ledger per learner and in total. `trained`: tokens each learner trained (all its
     incarnations); `handed_in`: tokens of the contributions each published, summed over fragments;
-    `epochs(learner, cursor_end)`: epochs of its shard that many steps read (None: unknown)."""
+    `epochs(learner, cursor_end)`: epochs of its shard that many steps read (None: unknown);
+    `schedule`: per learner the steps [first, end) its data stream spans (end None: up to its
+    furthest merged cursor, for one asked to stop early), each measured in full on every fragment."""
     P = max(fragments, 1)
     merged: dict[str, float] = defaultdict(float)
     spans: dict[tuple[str, int], list] = defaultdict(list)
@@ -111,11 +126,18 @@ def ledger(merges: Iterable[dict], *, fragments: int, trained: dict[str, int],
     reach: dict[str, int] = {}
     for (lid, _), iv in spans.items():
         twice[lid] += extra_coverage(iv)
-        per_step = sum(d * (b - a) for a, b, d in iv) / sum(b - a for a, b, _ in iv)
-        missed[lid] += per_step * sum(b - a for a, b in gaps(iv))
         reach[lid] = max(reach.get(lid, 0), max(b for _, b, _ in iv))
+    for (lid, _), iv in spans.items():
+        if schedule is None or lid not in schedule:
+            missed[lid] += mean_density(iv) * sum(b - a for a, b in gaps(iv))
+    for lid, (first, end) in (schedule or {}).items():
+        mine = [x for (who, _), iv in spans.items() if who == lid for x in iv]
+        per_step = mean_density(mine or [x for iv in spans.values() for x in iv])
+        for p in range(P):
+            uncovered = gaps(spans.get((lid, p), []), first, reach.get(lid, first) if end is None else end)
+            missed[lid] += per_step * sum(b - a for a, b in uncovered)
     rows = {}
-    for lid in sorted(set(trained) | set(merged) | set(handed_in or {})):
+    for lid in sorted(set(trained) | set(merged) | set(handed_in or {}) | set(schedule or {})):
         t, m = trained.get(lid, 0), merged.get(lid, 0.0) / P
         row = {"tokens_trained": t, "tokens_merged": round(m), "tokens_twice": round(twice.get(lid, 0.0) / P),
                "tokens_missed": round(missed.get(lid, 0.0) / P),

@@ -615,8 +615,8 @@ class RunSupervisor:
         }
 
     def coverage(self, state: state_mod.SyncerState) -> dict:
-        """The coverage ledger (diloco.coverage) from the merge records and the learners' beats; the
-        epoch each shard reached when the built-in model reads it (shard_batches, one window per sequence)."""
+        """The coverage ledger (diloco.coverage) from the merge records, measured against each learner's
+        schedule, and the learners' beats (trained and handed-in tokens); the epoch each shard reached when the built-in model reads it (shard_batches, one window per sequence)."""
         cfg = self.cfg
         epochs = None
         if cfg.model.entry == BUILTIN_MODEL:
@@ -631,7 +631,17 @@ class RunSupervisor:
             epochs = shard_epochs
         return coverage.ledger(state.merges(), fragments=cfg.fragments.count,
                                trained=self.prog.per_learner(self.prog.trained),
-                               handed_in=self.prog.per_learner(self.prog.handed_in_tokens), epochs=epochs)
+                               handed_in=self.prog.per_learner(self.prog.handed_in_tokens), epochs=epochs,
+                               schedule=self.schedules())
+
+    def schedules(self) -> dict[str, tuple[int, int | None]]:
+        """Per learner of this runner, the steps its data stream was to span, as the runner set them (never
+        as an event says): from its join step to its schedule's end; up to what it handed in for one the
+        runner asked to stop (the token budget, an operator's remove) or one on a time budget
+        (inner.max_seconds), which stops on its own."""
+        early = set(self.removing) if not self.cfg.inner.max_seconds else set(self.members)
+        return {lid: (self.join_step.get(lid, 0), None if lid in early else self.cfg.learner_steps(lid))
+                for lid in self.members}
 
     def _time_in_run(self, lid: str, end: float) -> float:
         """Seconds `lid` was a member: from the first heartbeat of the run (a starting learner) or

@@ -137,3 +137,34 @@ def test_a_forged_acceptance_moves_no_resume_point():
     with pytest.raises(ValueError, match="not one of this run's"):
         check_accepted_cursor(cfg, {"learner": "mars-0", "cursor": [0, 1]})
 
+
+def test_the_ledger_counts_every_step_of_the_schedule_no_contribution_covers_as_missed():
+    """A forged beat at its schedule's end made us-0's restart skip steps 10..50; the ledger measured up to
+    the furthest merged cursor, so none of it showed. Measured against the schedule, whatever any event
+    claimed: 40 steps of 100 tokens on each fragment, and a fragment with nothing merged misses all 50."""
+    merges = [_merge(0, ("us-0", 1000, [0, 10])), _merge(1, ("us-0", 1000, [0, 10]))]
+    led = coverage.ledger(merges, fragments=2, trained={"us-0": 5000}, schedule={"us-0": (0, 50)})
+    assert led["learners"]["us-0"]["tokens_missed"] == 40 * 100
+    led = coverage.ledger(merges[:1], fragments=2, trained={"us-0": 5000}, schedule={"us-0": (0, 50)})
+    assert led["learners"]["us-0"]["tokens_missed"] == (40 + 50) * 100 // 2
+    # without a schedule (diloco report), as before: up to the furthest merged cursor
+    assert coverage.ledger(merges, fragments=2, trained={"us-0": 5000})["learners"]["us-0"]["tokens_missed"] == 0
+
+
+def test_a_joiners_schedule_starts_at_its_join_step_and_one_asked_to_stop_ends_at_its_hand_in():
+    # eu-2 joined at step 30 and trained to 50 cleanly (issue 53 M10: counted from 0, it missed 30 steps)
+    merges = [_merge(p, ("eu-2", 2000, [30, 50])) for p in range(2)]
+    led = coverage.ledger(merges, fragments=2, trained={"eu-2": 2000}, schedule={"eu-2": (30, 50)})
+    assert led["learners"]["eu-2"]["tokens_missed"] == 0 and led["learners"]["eu-2"]["tokens_merged"] == 2000
+    # one the runner asked to stop (end None) is measured up to what it handed in; a gap before still counts
+    merges = [_merge(0, ("us-0", 500, [0, 5]), ), _merge(0, ("us-0", 500, [10, 15])), _merge(1, ("us-0", 1500, [0, 15]))]
+    led = coverage.ledger(merges, fragments=2, trained={"us-0": 1500}, schedule={"us-0": (0, None)})
+    assert led["learners"]["us-0"]["tokens_missed"] == 5 * 100 // 2
+
+
+def test_gaps_within_a_span():
+    iv = [(2, 4, 1.0), (6, 8, 1.0)]
+    assert coverage.gaps(iv) == [(0, 2), (4, 6)]
+    assert coverage.gaps(iv, 3, 10) == [(4, 6), (8, 10)]
+    assert coverage.gaps(iv, 0, 5) == [(0, 2), (4, 5)]
+    assert coverage.gaps([], 30, 50) == [(30, 50)]
