@@ -547,3 +547,19 @@ def test_a_forged_heartbeat_or_acceptance_on_the_events_topic_moves_no_resume_po
     run._restart_due(now + resume.SETTLE_S)                   # and then resumes where the records say
     assert jobs.jobs["us-0"][-2:] == ["--start-step", "24"] and run.restarts == {"us-0": 1}
     assert run.resume_point("eu-0", now, wait=True) == 30     # no claim past its records: no wait
+
+
+def test_the_coverage_ledger_measures_each_learner_against_the_schedule_the_runner_set(tmp_path):
+    """Joiners from the step they entered at; those the runner asked to stop up to what they handed in;
+    the rest to their schedule's end, whatever their beats say."""
+    run = _budget_run(tmp_path, _Jobs())
+    end = run.cfg.learner_steps("us-0")
+    for lid, step in (("us-0", 30), ("us-1", 30), ("eu-0", 10)):
+        run.apply_event({"kind": "heartbeat", "eid": lid, "learner": lid, "incarnation": "1", "step": step, "time": 0.0})
+    assert run.carry_out({"op": "add", "region": "us", "count": 1}, 0.0) == {"added": ["us-2"], "start_step": 30}
+    assert run.jobs.jobs["us-2"][-2:] == ["--start-step", "30"]
+    run.apply_event({"kind": "heartbeat", "eid": "f", "learner": "eu-0", "incarnation": "x", "step": end,
+                     "handed_in_to": end, "time": 0.0})   # a claim: eu-0's schedule is still [0, end)
+    run.carry_out({"op": "remove", "learner": "us-1"}, 1.0)
+    assert run.schedules() == {"us-0": (0, end), "us-1": (0, None), "eu-0": (0, end), "eu-1": (0, end),
+                               "us-2": (30, run.cfg.learner_steps("us-2"))}
