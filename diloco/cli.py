@@ -414,4 +414,15 @@ def learners_remove(config: RunConfigOpt,
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as err:  # a command of a role whose extra is not installed
+        from rich.markup import escape
+
+        from diloco.extras import install_hint
+
+        hint = install_hint(err)
+        if hint is None:
+            raise
+        console.print(f"[red]error:[/] {escape(hint)}")
+        raise SystemExit(1) from None

