@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from diloco.config import Config
+from diloco.syncer.records import rejections_by_reason
 from diloco.syncer.state import SyncerState
 
 ROUNDS = 10       # last merges shown
@@ -65,7 +66,7 @@ def build(cfg: Config, run_id: str, snap: dict, events: list[dict], now: float) 
     return {"run": run_id, "time": now, "members": members, "fragments": fragments, "rounds": rounds,
             "counters": {k: c.get(k, 0) for k in ("accepted", "applied", "rejected", "merges", "late")}
             | {"outbox": snap["outbox"]},
-            "rejections": {"by_reason": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("rejected:")},
+            "rejections": {"by_reason": dict(sorted(rejections_by_reason(c).items())),
                            "recent": recent}}
 
 

@@ -16,6 +16,7 @@ from diloco.infra.store import FragmentStore
 from diloco.progress import Progress
 from diloco.sim.capacity import dp_allreduce_bytes  # the plan counts data-parallel's bytes the same way
 from diloco.syncer import state as state_mod
+from diloco.syncer.records import rejections_by_reason
 
 
 def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int, dict[tuple[str, str, int], int]]:
@@ -125,7 +126,7 @@ def build_summary(cfg: Config, run_id: str, state: state_mod.SyncerState, prog: 
             "duplicate_records": counters.get("duplicate_records", 0),
             "rejected_records": counters.get("rejected_records", 0),
         },
-        "rejections": {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")},
+        "rejections": rejections_by_reason(counters),
         "versions": versions,
         "merges": {str(p): sum(1 for m in merges if m["fragment"] == p) for p in range(cfg.fragments.count)},
         "learners": learners,

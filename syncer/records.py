@@ -4,6 +4,7 @@ splits these strings inline, and nothing reads a contribution by string key."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -55,6 +56,11 @@ class Status:
     def rejected(reason: str) -> str:
         return f"rejected:{reason}"
 
+    @staticmethod
+    def kind_of(text: str) -> str:
+        """The kind a status text names (`pending`, `applied`, `rejected`), whatever follows it."""
+        return text.partition(":")[0]
+
     @classmethod
     def parse(cls, text: str) -> Status | None:
         """The status `text` spells, or None for an empty or unknown one."""
@@ -68,6 +74,16 @@ class Status:
         if kind == "rejected" and rest:
             return cls(kind, reason=rest)
         return None
+
+
+def rejection_counter(reason: str) -> str:
+    """The counter of rejections for `reason`: `rejected:<reason>` in the run's `counters`."""
+    return f"rejected:{reason}"
+
+
+def rejections_by_reason(counters: Mapping[str, int]) -> dict[str, int]:
+    """The rejection counters among a run's `counters`, by reason."""
+    return {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")}
 
 
 def pending_fragment(text: str) -> int | None:

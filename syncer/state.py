@@ -48,7 +48,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from diloco.config import StateConfig, redact_url, resolve_secret
-from diloco.syncer.records import TP, Status, parse_partition_key, partition_key
+from diloco.syncer.records import TP, Status, Where, parse_partition_key, partition_key, rejection_counter
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class SyncerState:
     def status_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for s in self.r.hvals(self.k + "status"):
-            kind = s.split(":", 1)[0]
+            kind = Status.kind_of(s)
             out[kind] = out.get(kind, 0) + 1
         return out
 
@@ -230,18 +230,18 @@ class SyncerState:
 
     def reject(self, cid: str | None, reason: str, offsets: dict[TP, int],
                fragment: int | None = None, outbox: list[dict] = (), *, fence: Fence = None,
-               where: tuple[str, int, int | None] | None = None) -> None:
-        """Record a rejection; `cid` None for a record that names no contribution. `where` (topic,
-        partition, offset of its first record) lets the status be forgotten once replay is past it."""
+               where: Where | None = None) -> None:
+        """Record a rejection; `cid` None for a record that names no contribution. `where` (of its first
+        record) lets the status be forgotten once replay is past it."""
         def build(p):
             if cid is not None:
                 p.hset(self.k + "status", cid, Status.rejected(reason))
-                if where is not None and where[2] is not None:
-                    p.zadd(self._finished(where[:2]), {cid: int(where[2])})
+                if where is not None and where.offset is not None:
+                    p.zadd(self._finished(where.tp), {cid: int(where.offset)})
                 if fragment is not None:
                     p.hdel(f"{self.k}round:{fragment}", cid)
             p.hincrby(self.k + "counters", "rejected" if cid is not None else "rejected_records", 1)
-            p.hincrby(self.k + "counters", f"rejected:{reason}", 1)
+            p.hincrby(self.k + "counters", rejection_counter(reason), 1)
             self._offsets(p, offsets)
             self._outbox(p, outbox)
         self._transact(fence, build)
@@ -287,8 +287,9 @@ class SyncerState:
             if ids:
                 p.hdel(f"{self.k}round:{fragment}", *ids)
                 p.hset(self.k + "status", mapping={cid: Status.applied(fragment, from_version + 1) for cid in ids})
-                for cid, (topic, partition, offset) in zip(ids, record.get("where", ())):
-                    p.zadd(self._finished((topic, partition)), {cid: int(offset)})
+                for cid, where in zip(ids, record.get("where", ())):  # a JSON list each: Where's fields
+                    where = Where(*where)
+                    p.zadd(self._finished(where.tp), {cid: int(where.offset)})
             p.hincrby(self.k + "counters", "applied", len(ids))
             p.hincrby(self.k + "counters", "late", late)
             p.hincrby(self.k + "counters", "merges", 1)
@@ -408,7 +409,7 @@ class SyncerState:
             p.rpush(self.k + "outbox", *(json.dumps(r) for r in records))
             self.outbox_writes += 1  # tells the relay there may be something new (a failed EXEC: one idle look)
 
-    def _finished(self, tp: tuple[str, int]) -> str:
+    def _finished(self, tp: TP) -> str:
         return self.k + f"finished:{partition_key(tp)}"
 
     def _offsets(self, p, offsets: dict[TP, int]) -> None:

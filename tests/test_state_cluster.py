@@ -14,6 +14,7 @@ from rich.console import Console
 from diloco.config import build_config
 from diloco.run import train
 from diloco.syncer import state as state_mod
+from diloco.syncer.records import Where
 from diloco.syncer.state import Fenced, StaleVersion, StateError, SyncerState, connect
 
 pytestmark = pytest.mark.integration
@@ -52,7 +53,7 @@ def _exercise(st: SyncerState) -> None:
     assert st.lease_holder(0) is None
     mine, _ = st.claim(1, shard=1, member="1:b", ttl_s=5)
     st.accept(1, "c2", {"id": "c2"}, {("frag", 1): 1}, fence={1: mine})      # stays pending
-    st.reject("c3", "stale", {("frag", 1): 2}, fragment=1, fence={1: mine}, where=("frag", 1, 1))
+    st.reject("c3", "stale", {("frag", 1): 2}, fragment=1, fence={1: mine}, where=Where("frag", 1, 1))
     assert st.prune_statuses(("frag", 1), below=2, keep=1, fence={1: mine}) == []        # the newest is kept
     assert st.round(1) == {"c2": {"id": "c2"}} and st.status_counts() == {"applied": 1, "pending": 1, "rejected": 1}
     assert st.counters() == {"accepted": 2, "applied": 1, "late": 0, "merges": 1, "rejected": 1, "rejected:stale": 1}

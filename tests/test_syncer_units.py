@@ -24,7 +24,7 @@ from diloco.syncer.ownership import LeaseKeeper, Ownership
 from diloco.syncer.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.records import (Contribution, Status, Where, parse_partition_key, partition_key,
-                                   replay_mismatch)
+                                   rejection_counter, rejections_by_reason, replay_mismatch)
 from diloco.syncer.registry import LearnerRegistry
 from diloco.syncer.rounds import FragmentState, Pending
 
@@ -213,6 +213,10 @@ def test_statuses_and_partition_keys_have_one_spelling():
     assert Status.parse(Status.applied(1, 7)) == Status("applied", fragment=1, version=7)
     assert Status.parse(Status.rejected(Reason.STALE)) == Status("rejected", reason="stale")
     assert Status.parse("") is None and Status.parse("pending:x") is None
+    assert [Status.kind_of(s) for s in (Status.pending(3), Status.applied(1, 7), Status.rejected("stale"))] == [
+        "pending", "applied", "rejected"]
+    counters = {"rejected": 3, rejection_counter(Reason.STALE): 2, rejection_counter("norm_outlier"): 1, "applied": 4}
+    assert rejections_by_reason(counters) == {"stale": 2, "norm_outlier": 1}
     assert parse_partition_key(partition_key(("diloco.r.fragments.us-east", 12))) == ("diloco.r.fragments.us-east", 12)
 
 

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from diloco.infra.store import FragmentStore, StoreError, committed_of
 from diloco.ops import OpsError
+from diloco.syncer.records import Status
 from diloco.syncer.state import SyncerState
 
 
@@ -51,18 +52,19 @@ def repair(state: SyncerState, store: FragmentStore, run: str, *, shards: int, d
         if missing := sorted(set(range(v + 1)) - set(metas[p])):
             raise OpsError(f"{store.url}: fragment {p} committed version {v}, but versions {missing} are missing "
                            "from the store: it cannot tell what was applied")
-        ids = {cid: f"applied:{p}:{u}" for u in range(1, v + 1) for cid in metas[p][u].get("ids", [])}
+        ids = {cid: Status.applied(p, u) for u in range(1, v + 1) for cid in metas[p][u].get("ids", [])}
         applied |= ids
         records += [store.record_of(metas[p][u]) for u in range(1, v + 1)]
         fragments.append({"fragment": p, "redis_version": before.get(p), "version": v, "applied": len(ids),
                           "orphans": sorted(u for u in metas[p] if u > v),
                           "epoch": max([state.epoch(p), *(m.get("epoch", 0) for m in metas[p].values())])})
     records.sort(key=lambda r: r.get("time", 0))
-    kept = {cid: s for cid, s in statuses.items() if s.startswith("rejected:") and cid not in applied}
+    kept = {cid: s for cid, s in statuses.items() if Status.kind_of(s) == "rejected" and cid not in applied}
     dropped: dict[str, int] = {}
     for cid, s in statuses.items():
         if cid not in applied and cid not in kept:
-            dropped[s.split(":", 1)[0]] = dropped.get(s.split(":", 1)[0], 0) + 1
+            kind = Status.kind_of(s)
+            dropped[kind] = dropped.get(kind, 0) + 1
     counters = {"applied": len(applied), "accepted": len(applied), "merges": len(records),
                 "late": sum(r.get("late", 0) for r in records)}
     if not dry_run:

@@ -19,6 +19,7 @@ from diloco import messages
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
 from diloco.ops import OpsError
+from diloco.syncer.records import partition_key
 
 
 def _new_learner() -> dict:
@@ -43,8 +44,8 @@ class TopicMonitor:
         except Exception:
             self.consumer.close()
             raise
-        self.totals = {f"{tp.topic}|{tp.partition}": {"messages": 0, "bytes": 0, "newest_ms": None, "malformed": 0}
-                       for tp in self.tps}
+        self.totals = {partition_key((tp.topic, tp.partition)):
+                       {"messages": 0, "bytes": 0, "newest_ms": None, "malformed": 0} for tp in self.tps}
         self.learners: dict[str, dict[str, dict]] = {t: {} for t in self.topics.fragments.values()}
         self.kinds: dict[str, dict[str, int]] = {self.topics.events: {}, self.topics.outer: {}}
         self.announced: dict[str, int] = {}      # fragment -> newest version announced on the outer topic
@@ -66,13 +67,13 @@ class TopicMonitor:
                 break
         parts = copy.deepcopy(self.totals)
         for tp, hw in hws.items():
-            parts[f"{tp.topic}|{tp.partition}"]["high_watermark"] = hw
+            parts[partition_key((tp.topic, tp.partition))]["high_watermark"] = hw
         return {"run": self.run_id, "time": time.time(), "caught_up": caught_up, "partitions": parts,
                 "learners": copy.deepcopy(self.learners), "kinds": copy.deepcopy(self.kinds),
                 "announced": dict(self.announced)}
 
     def _account(self, tp: TopicPartition, rec) -> None:
-        t = self.totals[f"{tp.topic}|{tp.partition}"]
+        t = self.totals[partition_key((tp.topic, tp.partition))]
         size = max(rec.serialized_key_size, 0) + max(rec.serialized_value_size, 0)
         t["messages"] += 1
         t["bytes"] += size
@@ -135,7 +136,7 @@ def report(topics: kafka_io.Topics, prev: dict | None, cur: dict, committed: dic
     for topic, n in topics.all().items():
         parts = []
         for p in range(n):
-            key = f"{topic}|{p}"
+            key = partition_key((topic, p))
             c, before = cur["partitions"][key], prev["partitions"][key] if prev else None
             pos = committed.get((topic, p))
             hw = c["high_watermark"]
