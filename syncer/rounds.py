@@ -9,8 +9,11 @@ arrive, and the rebuild replays `close_round` from a merge record to reproduce a
 - `round_share`'s denominator (`members`): the live learners, those that finished (the last rounds of a
   run are partial), and the round's contributors;
 - `norm_outliers`: which contributions are too far above the round's median norm;
+- `partial_share`: the share of a full round a partial one carries (syncer.scale_partial_rounds);
 - `close_round`: token (and staleness) weights, the merge (mean, or RDA over learners), the outer
-  step and the encoded update learners fetch.
+  step and the encoded update learners fetch;
+- `close`: all of the above for one round, its whole outcome as a value (`Outcome`): the syncer's
+  merge only writes it down (its commit protocol).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,14 +106,31 @@ def in_canonical_order(contribs: Collection[Pending]) -> list[Pending]:
     return sorted(contribs, key=lambda c: (c.contribution.learner, c.contribution.base_version, c.contribution.id))
 
 
-def norm_outliers(contribs: Sequence[Pending], factor: float) -> list[tuple[Pending, float, float]]:
-    """(contribution, its norm, the round's median) of each delta more than `factor` times the median
-    norm; none with factor 0 or fewer than 3 contributions."""
+class Outlier(NamedTuple):
+    """A contribution whose delta's norm is more than `factor` times its round's median norm."""
+    pending: Pending
+    norm: float
+    median: float
+
+
+def norm_outliers(contribs: Sequence[Pending], factor: float) -> list[Outlier]:
+    """The contributions whose delta is more than `factor` times the median norm; none with factor 0 or
+    fewer than 3 contributions."""
     if factor <= 0 or len(contribs) < 3:
         return []
     norms = [c.deltas.norm for c in contribs]
     median = float(np.median(norms))
-    return [(c, n, median) for c, n in zip(contribs, norms) if median > 0 and n > factor * median]
+    return [Outlier(c, n, median) for c, n in zip(contribs, norms) if median > 0 and n > factor * median]
+
+
+def partial_share(contribs: Collection[Pending], live: Collection[str], registry: Mapping[str, dict], *,
+                  scale: bool) -> float:
+    """The share of a full round that `contribs` carry (merge.round_share over the round's `members`);
+    1 without `scale` (syncer.scale_partial_rounds)."""
+    if not scale:
+        return 1.0
+    return merge_math.round_share(len(contribs), len(members(live, {c.contribution.learner for c in contribs},
+                                                             registry)))
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,36 @@ def close_round(cfg: Config, plan: Plan, st: FragmentState, p: int, contribs: Se
         old, st.opt_state, delta, st.residual, lr=o.lr, momentum=momentum, nesterov=o.nesterov,
         scheme=sc.broadcast, threads=sc.merge_threads, base=None if base is st.params else base)
     return Closed(weights, params, opt_state, update, residual)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The whole outcome of closing a round: the norm outliers it rejects, the contributions it merges
+    (in canonical order) and the share of a full round they carry, and what the merge computed, or the
+    error it raised instead (then the merged ones are rejected as merge_failed and nothing is written)."""
+    outliers: list[Outlier]
+    merged: list[Pending]
+    share: float
+    closed: Closed | None = None
+    failure: Exception | None = None
+
+
+def close(cfg: Config, plan: Plan, st: FragmentState, p: int, *, live: Collection[str],
+          registry: Mapping[str, dict]) -> Outcome:
+    """Close fragment p's open round: set its norm outliers aside, then merge the rest with their share
+    of a full round counted among the round's members (`close_round`). With nothing left, or a merge
+    that fails, `closed` is None."""
+    ordered = in_canonical_order(st.round.values())
+    outliers = norm_outliers(ordered, cfg.syncer.norm_outlier_factor)
+    set_aside = {id(o.pending) for o in outliers}
+    merged = [c for c in ordered if id(c) not in set_aside]
+    if not merged:
+        return Outcome(outliers, merged, 1.0)
+    share = partial_share(merged, live, registry, scale=cfg.syncer.scale_partial_rounds)
+    try:
+        return Outcome(outliers, merged, share, close_round(cfg, plan, st, p, merged, share))
+    except Exception as err:  # what a round holds may break the merge: the syncer rejects it, never crashes on it
+        return Outcome(outliers, merged, share, failure=err)
 
 
 def merge_record(p: int, current: int, contribs: Sequence[Pending], weights, *, reason: str, share: float,

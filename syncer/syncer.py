@@ -391,18 +391,18 @@ class Syncer:
         """Close fragment p's round: merge and outer step, store write, one Redis commit (the protocol's
         steps 2-6, in the module docstring), each crash point between two of them."""
         t0 = time.perf_counter()
-        st = self.fragments[p]
-        contribs = self._drop_norm_outliers(p, rounds.in_canonical_order(st.round.values()))
+        st, sc, live = self.fragments[p], self.cfg.syncer, self.registry.live()
+        outcome = rounds.close(self.cfg, self.run_plan, st, p, live=live, registry=self.registry)
+        for c, norm, median in outcome.outliers:
+            self._reject(c.contribution.id, Reason.NORM_OUTLIER,
+                         f"norm {norm:.3g} > {sc.norm_outlier_factor} x median {median:.3g}")
+        contribs, share, closed = outcome.merged, outcome.share, outcome.closed
         if not contribs:
             return
-        sc, ids = self.cfg.syncer, [c.contribution.id for c in contribs]
-        live = self.registry.live()
-        members = rounds.members(live, {c.contribution.learner for c in contribs}, self.registry)
-        share = merge_math.round_share(len(contribs), len(members)) if sc.scale_partial_rounds else 1.0
-        try:
-            closed = rounds.close_round(self.cfg, self.run_plan, st, p, contribs, share)
-        except Exception as err:  # never write, announce or crash on what a round holds: reject it, say why
-            log.exception("merge failed; rejecting the round", extra={"fragment": p, "ids": ids})
+        ids = [c.contribution.id for c in contribs]
+        if closed is None:  # never write, announce or crash on what a round holds: reject it, say why
+            err = outcome.failure
+            log.error("merge failed; rejecting the round", extra={"fragment": p, "ids": ids}, exc_info=err)
             for cid in ids:
                 self._reject(cid, Reason.MERGE_FAILED, f"fragment {p} round of {len(ids)}: {type(err).__name__}: {err}")
             return
@@ -443,14 +443,6 @@ class Syncer:
         self.metrics.merged(p, len(ids), sync_time, [committed_at - c.contribution.arrival for c in contribs])
         log.info("merged", extra={"shard": self.shard, "fragment": p, "version": version, "contributions": len(ids),
                                   "late": late, "reason": reason, "seconds": round(sync_time, 4)})
-
-    def _drop_norm_outliers(self, p: int, contribs: list[Pending]) -> list[Pending]:
-        outliers = rounds.norm_outliers(contribs, self.cfg.syncer.norm_outlier_factor)
-        for c, n, median in outliers:
-            self._reject(c.contribution.id, Reason.NORM_OUTLIER,
-                         f"norm {n:.3g} > {self.cfg.syncer.norm_outlier_factor} x median {median:.3g}")
-        dropped = {id(c) for c, _, _ in outliers}
-        return [c for c in contribs if id(c) not in dropped]
 
     # --- offsets and bookkeeping ---------------------------------------------------------------
     def replay_offsets(self, fragments=None) -> dict[TP, int]:

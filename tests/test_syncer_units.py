@@ -189,6 +189,9 @@ def test_a_rounds_share_counts_finished_learners_but_not_silent_ones():
     members = rounds.members({"eu-0", "eu-1"}, {"eu-0"}, registry)
     assert members == {"us-0", "eu-0", "eu-1"}
     assert merge_math.round_share(1, len(members)) == pytest.approx(1 / 3)
+    one = [_pending("eu-0", 3, 0.0)]
+    assert rounds.partial_share(one, {"eu-0", "eu-1"}, registry, scale=True) == pytest.approx(1 / 3)
+    assert rounds.partial_share(one, {"eu-0", "eu-1"}, registry, scale=False) == 1.0
 
 
 def test_norm_outliers_are_those_far_above_the_median():
@@ -197,6 +200,38 @@ def test_norm_outliers_are_those_far_above_the_median():
     assert [c.contribution.learner for c, _, _ in out] == ["eu-0"]
     assert out[0][2] == pytest.approx(1.2, rel=1e-4)                        # the median
     assert rounds.norm_outliers(contribs, factor=0.0) == [] and rounds.norm_outliers(contribs[:2], 1.0) == []
+
+
+OUTLIERS_CFG = build_config({"fragments": {"count": 2}, "syncer": {"norm_outlier_factor": 10.0},
+                             "regions": [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2}]})
+
+
+def _round(*contribs: Pending) -> FragmentState:
+    st = _fragment()
+    st.round.update({c.contribution.id: c for c in contribs})
+    return st
+
+
+def test_closing_a_round_sets_its_norm_outliers_aside_and_merges_the_rest_with_their_share():
+    st = _round(_pending("us-1", 3, 0, 1.2), _pending("eu-0", 3, 0, 50.0), _pending("us-0", 3, 0, 1.0))
+    live = {"us-0", "us-1", "eu-0", "eu-1"}
+    out = rounds.close(OUTLIERS_CFG, PLAN, st, 0, live=live, registry={})
+    assert [(o.pending.contribution.learner, round(o.median, 3)) for o in out.outliers] == [("eu-0", 1.2)]
+    assert [c.contribution.learner for c in out.merged] == ["us-0", "us-1"]          # in canonical order
+    assert out.share == pytest.approx(2 / 4) and out.failure is None                 # 2 of the 4 live learners
+    alone = rounds.close_round(OUTLIERS_CFG, PLAN, st, 0, out.merged, out.share)
+    assert out.closed.update == alone.update and list(out.closed.weights) == list(alone.weights)
+
+
+def test_a_round_of_nothing_but_outliers_or_whose_merge_fails_closes_without_a_version(monkeypatch):
+    st = _round(_pending("us-0", 3, 0, 1.0), _pending("us-1", 3, 0, 1.0), _pending("eu-0", 3, 0, 2.0))
+    spare = build_config({"fragments": {"count": 2}, "syncer": {"norm_outlier_factor": 0.5},
+                          "regions": [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2}]})
+    out = rounds.close(spare, PLAN, st, 0, live=set(), registry={})                  # every norm > 0.5 x median
+    assert len(out.outliers) == 3 and out.merged == [] and out.closed is None and out.failure is None
+    monkeypatch.setattr(fused, "merge", lambda *a, **kw: {"w": np.full((2, 3), np.nan, np.float32)})
+    out = rounds.close(CFG, PLAN, st, 0, live=set(), registry={})
+    assert out.closed is None and isinstance(out.failure, FloatingPointError) and len(out.merged) == 3
 
 
 def test_a_round_merges_in_one_order_whatever_order_it_arrived_in():
