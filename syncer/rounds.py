@@ -5,7 +5,8 @@ arrive, and the rebuild replays `close_round` from a merge record to reproduce a
 - `FragmentState`: what a shard holds of a fragment, its open round of `Pending` contributions (each
   a `records.Contribution` and its encoded deltas);
 - `due`: the quorum and grace-window decision (syncer/policy.py) over the learners whose deltas
-  count towards K (with `syncer.quorum_of_fresh`, only those trained from the current version);
+  count towards K (with `syncer.quorum_of_fresh`, only those trained from the current version), on
+  the syncer's contributions and the goodput simulator's alike;
 - `round_share`'s denominator (`members`): the live learners, those that finished (the last rounds of a
   run are partial), and the round's contributors;
 - `norm_outliers`: which contributions are too far above the round's median norm;
@@ -19,18 +20,22 @@ arrive, and the rebuild replays `close_round` from a merge record to reproduce a
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
 from diloco.config import Config
 from diloco.plan import Plan
-from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
 from diloco.syncer.policy import Decision, QuorumPolicy, decide
 from diloco.syncer.records import Contribution
+
+if TYPE_CHECKING:
+    # The merge kernels need numba (the syncer extra): the functions that merge import them, so the
+    # simulator, which runs `due` on a base install (`diloco simulate`), can import this module.
+    from diloco.syncer import fused
 
 
 @dataclass
@@ -53,6 +58,15 @@ class FragmentState:
     snapshot: dict[str, np.ndarray] | None = None  # its parameters, the base of every next update (None: params)
     _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
 
+    def arrivals(self) -> list[Contribution]:
+        """The open round's contributions, as `due` reads them."""
+        return [c.contribution for c in self.round.values()]
+
+    def awaiting_payloads(self) -> bool:
+        """Whether a contribution of the open round waits for its payload (a replay brings it back):
+        until then the round cannot close."""
+        return any(c.deltas is None for c in self.round.values())
+
     def update_base(self) -> dict[str, np.ndarray]:
         """The parameters the next version's update is encoded against: the newest snapshot's."""
         return self.params if self.snapshot is None else self.snapshot
@@ -70,6 +84,7 @@ class FragmentState:
         self.snapshot_at, self._scale = snapshot_at, None
 
     def budget_scale(self) -> float:
+        from diloco.syncer import fused  # numba: see the imports
         if self._scale is None:
             norm = math.sqrt(sum(fused.squared_norm(a) for a in self.params.values()))
             self._scale = max(norm, math.sqrt(sum(a.size for a in self.params.values())))
@@ -82,20 +97,27 @@ def members(live: Collection[str], contributors: Collection[str], registry: Mapp
     return set(live) | set(contributors) | {lid for lid, hb in registry.items() if hb["status"] == "finished"}
 
 
-def due(policy: QuorumPolicy, st: FragmentState, *, live: set[str], present: set[str], now: float,
+class Arrival(Protocol):
+    """What `due` reads of a contribution in an open round: the syncer's `Contribution`, or the
+    simulator's own record of one (diloco/sim/goodput.py)."""
+    learner: Hashable
+    base_version: int
+    arrival: float
+
+
+def due(policy: QuorumPolicy, version: int, arrivals: Collection[Arrival], *, live: Set, present: Set, now: float,
         step_time_s: float, sync_time_s: float, quorum_of_fresh: bool) -> Decision | None:
-    """Whether fragment `st`'s open round closes now (None: nothing to close, or a payload a replay has
-    not brought back yet). With `quorum_of_fresh`, late contributions ride with the next fresh ones
-    instead of making a round; with nobody left to train, late ones close it."""
-    if not st.round or any(c.deltas is None for c in st.round.values()):
+    """Whether the open round of `arrivals` of a fragment at `version` closes now (None: nothing to
+    close). With `quorum_of_fresh`, late contributions ride with the next fresh ones instead of making
+    a round; with nobody left to train, late ones close it. Each learner counts once, at its first."""
+    if not arrivals:
         return None
     fresh_only = quorum_of_fresh and bool(live)
-    first_by_learner: dict[str, float] = {}
-    for pending in st.round.values():
-        c = pending.contribution
-        if fresh_only and c.base_version < st.version:
+    first_by_learner: dict[Hashable, float] = {}
+    for a in arrivals:
+        if fresh_only and a.base_version < version:
             continue
-        first_by_learner[c.learner] = min(first_by_learner.get(c.learner, math.inf), c.arrival)
+        first_by_learner[a.learner] = min(first_by_learner.get(a.learner, math.inf), a.arrival)
     return decide(policy, list(first_by_learner.values()), now=now, expected=len(live | set(first_by_learner)),
                   step_time_s=step_time_s, sync_time_s=sync_time_s, members=len(present | set(first_by_learner)))
 
@@ -148,6 +170,7 @@ def close_round(cfg: Config, plan: Plan, st: FragmentState, p: int, contribs: Se
                 share: float) -> Closed:
     """Merge one round of fragment p and take the outer step. Raises FloatingPointError if any
     value is not finite (int8 codes would launder a NaN), so a non-finite version is never written."""
+    from diloco.syncer import fused  # numba: see the imports
     sc, cs = cfg.syncer, [c.contribution for c in contribs]
     steps = [c.steps for c in cs]
     tokens = merge_math.bounded_tokens([c.tokens for c in cs], steps, sc.tokens_per_step_spread)

@@ -381,9 +381,11 @@ class Syncer:
     # --- rounds --------------------------------------------------------------------------------
     def maybe_close(self, p: int, *, final: bool = False) -> None:
         st = self.fragments[p]
-        d = rounds.due(self.policy, st, live=self.registry.live(), present=self.registry.present(), now=self.clock(),
-                       step_time_s=self.registry.step_time_s(), sync_time_s=self.sync_time_s,
-                       quorum_of_fresh=self.cfg.syncer.quorum_of_fresh)
+        if st.awaiting_payloads():
+            return
+        d = rounds.due(self.policy, st.version, st.arrivals(), live=self.registry.live(),
+                       present=self.registry.present(), now=self.clock(), step_time_s=self.registry.step_time_s(),
+                       sync_time_s=self.sync_time_s, quorum_of_fresh=self.cfg.syncer.quorum_of_fresh)
         if d is not None and (d.close or final):
             self.merge(p, reason=d.reason if d.close else "final_flush")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,12 +15,15 @@ from diloco.sim.checkpointing import best_checkpoint_interval, dp_goodput
 from diloco.sim.goodput import (
     SCHEMES,
     YEAR_S,
+    Arrival,
     Cluster,
     Diloco,
     learner_slices,
     simulate,
     simulate_diloco,
 )
+from diloco.syncer import rounds
+from diloco.syncer.policy import Decision, QuorumPolicy
 
 
 def steady(**kw) -> Cluster:
@@ -218,6 +223,28 @@ def test_without_the_fresh_quorum_the_numbers_are_those_of_the_syncer_before_it(
                            hold_deltas=hold)
             r = simulate("diloco", c, setup)
             assert (r.goodput, r.rounds, r.late) == (goodput, rounds, late)
+
+
+def test_the_simulated_syncer_judges_its_arrivals_by_the_syncers_own_due():
+    """Learner 0's delta is a version late and does not count towards K = 2; learner 1 counts once, at
+    its first arrival: quorum at 4.0, 2 s after the first, grace = 0.5 x (8 x 1 s - 2 s) = 3 s."""
+    arrivals = [Arrival(0, 1.0, 1.0, 1.0, 2), Arrival(1, 2.0, 1.0, 1.0, 3), Arrival(1, 2.5, 1.0, 1.0, 3),
+                Arrival(2, 4.0, 1.0, 1.0, 3)]
+    policy, learners = QuorumPolicy(2, 8, 0.5, 3.0), {0, 1, 2, 3}
+
+    def due(now, arrivals=arrivals, fresh=True):
+        return rounds.due(policy, 3, arrivals, live=learners, present=learners, now=now, step_time_s=1.0,
+                          sync_time_s=0.0, quorum_of_fresh=fresh)
+    assert due(4.0) == Decision(False, "grace", 7.0) and due(7.0) == Decision(True, "grace_expired", 7.0)
+    assert due(4.0, arrivals[:2]) == Decision(False, "waiting_for_quorum") and due(4.0, []) is None
+    assert due(2.0, arrivals[:2], fresh=False) == Decision(False, "grace", 2.0 + 3.0)  # grace_max_s: 3 s
+
+
+def test_the_simulator_imports_without_the_syncer_extra():
+    """`diloco simulate` runs on a base install: the round rule it shares with the syncer must not
+    pull numba (the merge kernels) in."""
+    probe = "import sys, diloco.sim.goodput; print(sorted(m for m in sys.modules if m.split('.')[0] == 'numba'))"
+    assert subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout == "[]\n"
 
 
 def test_late_deltas_no_longer_close_rounds_alone():

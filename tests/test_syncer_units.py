@@ -158,8 +158,8 @@ POLICY = QuorumPolicy(quorum=2, overlap_steps=8, grace_gamma=0.5, grace_max_s=3.
 
 
 def _due(st, live, now=10.0, fresh=True):
-    return rounds.due(POLICY, st, live=live, present=live, now=now, step_time_s=0.1, sync_time_s=0.0,
-                      quorum_of_fresh=fresh)
+    return rounds.due(POLICY, st.version, st.arrivals(), live=live, present=live, now=now, step_time_s=0.1,
+                      sync_time_s=0.0, quorum_of_fresh=fresh)
 
 
 def test_late_deltas_do_not_make_a_quorum_of_fresh_ones():
@@ -180,8 +180,11 @@ def test_late_deltas_do_not_make_a_quorum_of_fresh_ones():
 
 def test_a_round_waits_for_a_payload_a_replay_has_not_brought_back():
     st = _fragment()
+    assert _due(st, {"us-0"}) is None and not st.awaiting_payloads()        # nothing to close
     st.round["a"] = dataclasses.replace(_pending("us-0", 3, 1.0), deltas=None)
-    assert _due(st, {"us-0"}) is None
+    assert st.awaiting_payloads()
+    st.round["a"].deltas = _pending("us-0", 3, 1.0).deltas
+    assert not st.awaiting_payloads() and _due(st, {"us-0"}).close
 
 
 def test_a_rounds_share_counts_finished_learners_but_not_silent_ones():

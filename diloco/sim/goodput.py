@@ -11,13 +11,14 @@ what lets a day of 1.2M chips run in about a second.
 - elastic-dp: one synchronous job that re-forms (reconfig_s, everyone paused) without a failed
   slice, runs smaller, and re-forms again when the slice is back after recovery_s.
 - diloco: M learners, each an elastic job over its own slices, so a failure pauses only its learner.
-  Contributions go to a simulated syncer whose rounds close by `diloco.syncer.policy.decide`, the
-  code the real syncer runs, over the contributions `syncer/rounds.py` counts: with quorum_of_fresh
-  only those trained from the current version. A learner needs the merged value `overlap_steps` after
-  sending and waits for it only if it has not come: with K = M and no grace this is synchronous
-  DiLoCo. Without that wait (the runner's default, fragments.wait_for_merge = False) it applies each
-  version as it is published and never idles, and a delta due before the version it last sent from
-  has moved is held (fragments.one_delta_per_version) until one has, or HOLD_PERIODS periods.
+  Contributions go to a simulated syncer whose rounds close by `diloco.syncer.rounds.due`, the
+  code the real syncer runs, on its own record of each arrival: with quorum_of_fresh only those
+  trained from the current version count towards K. A learner needs the merged value
+  `overlap_steps` after sending and waits for it only if it has not come: with K = M and no grace
+  this is synchronous DiLoCo. Without that wait (the runner's default, fragments.wait_for_merge =
+  False) it applies each version as it is published and never idles, and a delta due before the
+  version it last sent from has moved is held (fragments.one_delta_per_version) until one has, or
+  HOLD_PERIODS periods.
   With spares (the local runner's `run.spares`), a failure kills the whole learner instead and a warm
   spare learner with its own slices takes its place after `spare_s`: no second pause when the slice
   comes back, but the steps since its last contribution are lost (the spare joins from the latest
@@ -38,12 +39,14 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from diloco.fragments import HOLD_PERIODS, must_hold
 from diloco.sim.checkpointing import best_checkpoint_interval
-from diloco.syncer.policy import QuorumPolicy, decide
+from diloco.syncer import rounds
+from diloco.syncer.policy import QuorumPolicy
 
 SCHEMES = ("dp", "elastic-dp", "diloco")
 YEAR_S = 365.25 * 24 * 3600
@@ -247,13 +250,22 @@ class Churn:
     graceful: bool = False          # a leaver sends its unsent work first; otherwise that work is lost
 
 
+class Arrival(NamedTuple):
+    """A contribution in the simulated syncer's open round: what `rounds.due` reads (learner, base
+    version, arrival time) and what a merge counts (productive chip-seconds, tokens)."""
+    learner: int
+    arrival: float
+    chip_s: float
+    tokens: float
+    base_version: int
+
+
 @dataclass
 class _Syncer:
     """One rolling round, as the real syncer keeps per fragment: late contributions join the next."""
     policy: QuorumPolicy
     step_time_s: float
-    # the open round: (learner, arrival, chip-s, tokens, base version) of each contribution
-    open: list[tuple[int, float, float, float, int]] = field(default_factory=list)
+    open: list[Arrival] = field(default_factory=list)  # the open round's contributions
     version: int = 0      # rounds closed
     published: int = 0    # latest version learners can read
     deadline: float | None = None
@@ -502,31 +514,26 @@ class _EventSim:
         job.base = job.adopted
         if job.base < s.version - self.setup.max_staleness:
             return  # rejected as stale, as the real syncer does: these tokens never enter a merge
-        s.open.append((j, t, chip_s, tokens, job.base))
+        s.open.append(Arrival(j, t, chip_s, tokens, job.base))
         if s.batch_at != t:  # judge after everything that arrives at this instant, like a polled batch
             s.batch_at = t
             self.push(t, "deadline")
 
     def evaluate(self, t: float, final: bool = False) -> None:
-        """syncer/rounds.py `due`, then `decide`: with quorum_of_fresh only contributions trained from
-        the current version count (unless nobody is left to train); each learner's first arrival."""
+        """Close the open round if syncer/rounds.py `due` says so (or this is the final flush), else
+        wake up at the grace deadline it gives."""
         s = self.syncer
-        if not s.open:
-            return
         live = {i for i, job in enumerate(self.jobs) if job.slices and not job.left}
         present = {i for i, job in enumerate(self.jobs) if not job.left}
-        fresh_only = self.setup.quorum_of_fresh and bool(live)
-        first: dict[int, float] = {}
-        for j, at, _, _, base in s.open:  # in arrival order, so setdefault keeps each learner's first
-            if not (fresh_only and base < s.version):
-                first.setdefault(j, at)
-        d = decide(s.policy, list(first.values()), now=t, expected=len(live | set(first)),
-                   step_time_s=s.step_time_s, sync_time_s=self.setup.sync_s, members=len(present | set(first)))
+        d = rounds.due(s.policy, s.version, s.open, live=live, present=present, now=t, step_time_s=s.step_time_s,
+                       sync_time_s=self.setup.sync_s, quorum_of_fresh=self.setup.quorum_of_fresh)
+        if d is None:
+            return
         if d.close or final:
-            s.late += sum(1 for *_, base in s.open if base < s.version)
+            s.late += sum(1 for a in s.open if a.base_version < s.version)
             s.contributions += len(s.open)
-            s.merged += sum(chip_s for _, _, chip_s, _, _ in s.open)
-            s.merged_tokens += sum(tokens for _, _, _, tokens, _ in s.open)
+            s.merged += sum(a.chip_s for a in s.open)
+            s.merged_tokens += sum(a.tokens for a in s.open)
             s.version += 1
             s.rounds += 1
             s.open, s.deadline = [], None
