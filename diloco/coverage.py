@@ -31,6 +31,8 @@ import bisect
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
+from diloco.messages import is_count
+
 
 def extra_coverage(intervals: list[tuple[int, int, float]]) -> float:
     """Tokens counted more than once by intervals (first, end, tokens per step): on each stretch of
@@ -56,8 +58,7 @@ def _number(v) -> bool:
 
 def is_cursor(v) -> bool:
     """None or a [first, end] pair of step numbers (a data-stream cursor as JSON holds it; first <= end unchecked)."""
-    return v is None or (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                      and 0 <= x < 2**53 for x in v))
+    return v is None or (isinstance(v, list) and len(v) == 2 and all(is_count(x) and 0 <= x < 2**53 for x in v))
 
 
 def gaps(intervals: list[tuple[int, int, float]], start: int = 0, end: int | None = None) -> list[tuple[int, int]]:

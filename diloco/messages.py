@@ -131,14 +131,14 @@ class Manifest:
             if not isinstance(t, dict):
                 raise WireError(f"manifest tensors[{i}] must be an object")
             shape = t.get("shape")
-            if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            if not isinstance(shape, list) or not all(is_count(s) and s >= 0 for s in shape):
                 raise WireError(f"manifest tensors[{i}].shape must be a list of non-negative ints, got {short(shape)}")
             # numpy refuses these even when a dim is 0: more than 32 dims, or too many elements in the others
             if len(shape) > MAX_DIMS or math.prod(max(s, 1) for s in shape) >= MAX_COUNT:
                 raise WireError(f"manifest tensors[{i}].shape is no array's shape: {short(shape)}")
             if t.get("scheme") not in quantize.SCHEMES:
                 raise WireError(f"manifest tensors[{i}].scheme must be one of {quantize.SCHEMES}, got {short(t.get('scheme'))}")
-            if not isinstance(t.get("name"), str) or not isinstance(t.get("nbytes"), int) or isinstance(t["nbytes"], bool):
+            if not isinstance(t.get("name"), str) or not is_count(t.get("nbytes")):
                 raise WireError(f"manifest tensors[{i}] needs a string name and an int nbytes")
             if t["name"] in names:  # two payload slices for one name: which one would merge?
                 raise WireError(f"manifest tensors[{i}].name {short(t['name'])} is repeated")
@@ -170,7 +170,7 @@ def _cursor(v, steps) -> tuple[int, int] | None:
     if v is None:
         return None
     if (not isinstance(v, list) or len(v) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_CURSOR for x in v)):
+            or not all(is_count(x) and 0 <= x < MAX_CURSOR for x in v)):
         raise WireError(f"manifest cursor must be [first, end], two integers in 0..2**53, got {short(v)}")
     if v[1] - v[0] != steps:
         raise WireError(f"manifest cursor {v} spans {v[1] - v[0]} steps, the manifest claims {short(steps, 40)}")
@@ -457,8 +457,7 @@ class ChunkAssembler:
             part.manifest = manifest
         else:
             index, count = header.get("index"), header.get("count")
-            if (not isinstance(index, int) or not isinstance(count, int) or isinstance(index, bool)
-                    or isinstance(count, bool) or not 0 <= index < count):
+            if not is_count(index) or not is_count(count) or not 0 <= index < count:
                 return self._drop(key, Reason.MALFORMED, f"chunk index {short(index, 40)} of {short(count, 40)}")
             expected = part.manifest.n_chunks if part.manifest is not None else part.count
             if expected is not None and count != expected:
@@ -571,8 +570,14 @@ def parse_event(raw: bytes) -> dict | None:
     return ev if isinstance(ev, dict) and ev.get("schema") == EVENT_SCHEMA and isinstance(ev.get("kind"), str) else None
 
 
+def is_count(v) -> bool:
+    """Whether a decoded JSON value is an integer: an int and not a bool (true and false decode to
+    bools, which Python counts as ints)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNT
+    return is_count(v) and 0 <= v < MAX_COUNT
 
 
 def _real(v) -> bool:

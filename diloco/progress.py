@@ -56,8 +56,7 @@ def check_event_fields(ev: dict) -> None:
         if not isinstance(reason, str) or not 0 < len(reason) <= REASON_CHARS:
             raise ValueError(f"rejection reason {messages.short(reason, 40)} is not a short string")
     elif kind == "merge":
-        if not all(isinstance(ev.get(k), int) and not isinstance(ev.get(k), bool) and ev[k] >= 0
-                   for k in ("fragment", "version")) or not isinstance(ev.get("ids"), list):
+        if not all(messages.is_count(ev.get(k)) and ev[k] >= 0 for k in ("fragment", "version")) or not isinstance(ev.get("ids"), list):
             raise ValueError("merge event without integer fragment and version and a list of ids")
 
 
@@ -84,7 +83,7 @@ def check_accepted_cursor(cfg: Config, ev: dict) -> None:
     lid, cur = ev.get("learner"), ev.get("cursor")
     if not isinstance(lid, str) or not cfg.is_member_id(lid):
         raise ValueError(f"acceptance of learner {messages.short(lid, 40)}, not one of this run's")
-    if (not isinstance(cur, list) or len(cur) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in cur)
+    if (not isinstance(cur, list) or len(cur) != 2 or not all(messages.is_count(x) for x in cur)
             or not 0 <= cur[0] <= cur[1] <= cfg.learner_steps(lid)):
         raise ValueError(f"acceptance of {lid} with cursor {messages.short(cur, 40)}: not [first, end] steps within "
                          f"its schedule of {cfg.learner_steps(lid)}")

@@ -47,7 +47,7 @@ def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int, dict[tuple[
             name = lambda v: v if messages.is_name(v) else "?"  # noqa: E731  (from outside)
             fragment = header.get("fragment")
             owner[cid] = (name(header.get("learner")), name(header.get("region")),
-                          fragment if isinstance(fragment, int) and not isinstance(fragment, bool) else -1)
+                          fragment if messages.is_count(fragment) else -1)
     up = dict(loose)
     for cid, n in by_id.items():
         where = owner.get(cid, ("?", "?", -1))

@@ -294,7 +294,7 @@ class RunSupervisor:
                                    f"{messages.bounded(str(err), 120)}") from None
                 time.sleep(0.2 * 2 ** attempt)
         tokens = meta.get("tokens")
-        if meta.get("ids") != ev["ids"] or not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        if meta.get("ids") != ev["ids"] or not messages.is_count(tokens) or tokens < 0:
             raise KeyError(f"merge event of fragment {p} v{v} does not match the stored version")
         return tokens
 
@@ -304,7 +304,7 @@ class RunSupervisor:
         if not isinstance(versions, dict):
             raise KeyError("syncer_started without a versions object")
         for p, v in versions.items():
-            if not (isinstance(v, int) and not isinstance(v, bool) and str(p).isdigit()
+            if not (messages.is_count(v) and str(p).isdigit()
                     and int(p) < self.cfg.fragments.count and v >= 0 and (v == 0 or self.store.has(int(p), v))):
                 raise KeyError(f"syncer_started names fragment {messages.short(p, 20)} v{messages.short(v, 20)}, "
                                "which the store does not hold")
@@ -386,7 +386,7 @@ class RunSupervisor:
             if region is None:
                 raise membership.RequestError(f"region {messages.short(op.get('region'), 40)} is not one of "
                                               f"{[r.name for r in self.cfg.regions]}")
-            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            if not messages.is_count(count) or count < 1:
                 raise membership.RequestError(f"count must be a positive integer, got {messages.short(count, 40)}")
             free = membership.free_ids(region, self.members)
             if len(free) < count:

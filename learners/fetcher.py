@@ -193,8 +193,8 @@ class Fetcher(threading.Thread):
         if not ev or ev["kind"] != "version" or ev.get("run") != self.run_id:
             return None, -1
         p, v = ev.get("fragment"), ev.get("version")
-        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (p, v))
-        if not ok or not 0 <= p < self.plan.fragments or not 0 <= v < messages.MAX_COUNT:
+        if not (messages.is_count(p) and messages.is_count(v) and 0 <= p < self.plan.fragments
+                and 0 <= v < messages.MAX_COUNT):
             log.warning("announcement ignored: fragment %s version %s", messages.short(p, 40), messages.short(v, 40))
             return None, -1
         return p, v

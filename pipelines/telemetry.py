@@ -26,7 +26,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from diloco import coverage, membership
+from diloco import coverage, membership, messages
 from diloco.pipelines.corpus import (
     WriteJsonLines,
     read_json_lines,
@@ -44,7 +44,7 @@ TABLES = ("learners", "regions", "merges", "staleness", "latency", "rejections",
 
 def _count(v) -> int:
     """A count a beat claims, or 0 when it is not one."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 else 0
+    return v if messages.is_count(v) and 0 <= v < 2**63 else 0
 
 
 # --- the Kafka edge ----------------------------------------------------------------------------------

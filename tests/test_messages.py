@@ -209,6 +209,14 @@ def test_manifest_fields_are_type_checked():
             messages.Manifest.from_header({**h, field: bad})
 
 
+def test_a_count_is_an_int_that_json_did_not_decode_from_true_or_false():
+    assert [messages.is_count(json.loads(t)) for t in ("3", "0", "-2", "true", "false", "1.0", '"1"', "null")] == [
+        True, True, True, False, False, False, False, False]
+    h = messages.parse_frame(contribution()[2][0])[0]
+    with pytest.raises(WireError, match="nbytes"):                         # a bool is no tensor's byte count
+        messages.Manifest.from_header({**h, "tensors": [{**h["tensors"][0], "nbytes": True}]})
+
+
 def test_events_are_json_with_a_schema():
     ev = messages.parse_event(messages.event("merge", fragment=np.int64(2), version=3))
     assert ev["kind"] == "merge" and ev["fragment"] == 2 and ev["schema"] == messages.EVENT_SCHEMA

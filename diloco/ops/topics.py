@@ -116,7 +116,7 @@ class TopicMonitor:
         kinds[ev["kind"]] = kinds.get(ev["kind"], 0) + 1
         version = ev.get("version")
         if tp.topic == self.topics.outer and ev["kind"] == "version":
-            if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < messages.MAX_COUNT:
+            if not messages.is_count(version) or not 0 <= version < messages.MAX_COUNT:
                 t["malformed"] += 1      # a forged or broken announcement: counted, not believed
                 return
             p = str(ev.get("fragment"))[:20]
