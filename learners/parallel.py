@@ -72,11 +72,6 @@ class LearnerMesh:
     def devices(self) -> int:
         return self.mesh.size
 
-    @property
-    def is_leader(self) -> bool:
-        """One host per learner publishes deltas and heartbeats, not one per device or host."""
-        return jax.process_index() == 0
-
     def shard(self, tree, specs=None):
         """Host values (NumPy or JAX arrays) placed on the mesh by `specs`, a tree of PartitionSpecs
         like `tree` (default: `fsdp_specs`). Each device receives only its block."""
