@@ -100,7 +100,7 @@ class LearnerRegistry(Mapping[str, dict]):
             if self.coordinator and lid not in self.refused and len(self.refused) < MAX_REFUSED:
                 self.refused.add(lid)
                 self.state.count("refused_learners")
-                self.emit("learner_refused", learner=lid[:64], reason=self.cfg._not_a_member(lid[:64]))
+                self.emit("learner_refused", learner=lid[:64], reason=self.cfg.not_a_member(lid[:64]))
                 log.warning("learner refused", extra={"learner": lid[:64]})
             return False
         self.members.add(lid)

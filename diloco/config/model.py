@@ -136,13 +136,14 @@ class Config(_Section):
         try:
             return self._members[learner_id][0]
         except (KeyError, TypeError):
-            raise ConfigError(self._not_a_member(learner_id)) from None
+            raise ConfigError(self.not_a_member(learner_id)) from None
 
     def is_member_id(self, learner_id: str) -> bool:
         """Whether `learner_id` names a learner this run has or may admit."""
         return isinstance(learner_id, str) and learner_id in self._members
 
-    def _not_a_member(self, learner_id: str) -> str:
+    def not_a_member(self, learner_id: str) -> str:
+        """Why `learner_id` is refused: not one of this run's ids, and which ids may join."""
         joins = {r.name: r.capacity for r in self.regions if r.capacity > r.learners}
         may = f"; ids <region>-<k> below {joins} may join" if joins else "; no region takes joins (regions[].max_learners)"
         return f"unknown learner {learner_id!r}; this run starts with {self.learner_ids()}{may}"
@@ -169,7 +170,7 @@ class Config(_Section):
         try:
             return self._members[learner_id][1]
         except (KeyError, TypeError):
-            raise ConfigError(self._not_a_member(learner_id)) from None
+            raise ConfigError(self.not_a_member(learner_id)) from None
 
 
 @lru_cache(maxsize=256)
