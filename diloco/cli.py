@@ -50,6 +50,15 @@ def _config(path: Optional[Path], overrides: Optional[list[str]]) -> Config:
         raise typer.Exit(2) from None
 
 
+def _run_config(path: Path, overrides: Optional[list[str]], command: str) -> Config:
+    """The config of an existing run (`_config`); exit status 2 if it names no run (run.id)."""
+    cfg = _config(path, overrides)
+    if not cfg.run.id:
+        console.print(f"[red]error:[/] {command} needs run.id: give the run's config (RUN_DIR/config.yaml has it)")
+        raise typer.Exit(2)
+    return cfg
+
+
 @infra.command("up")
 def infra_up(config: ConfigOpt = None, set_: SetOpt = None, state_dir: StateDir = Path(".diloco/services"),
              durable: Annotated[bool, typer.Option(help="broker on the s3 engine (local moto S3): survives restarts")] = False,
@@ -181,10 +190,7 @@ def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run'
     from diloco.syncer.service import main as syncer_main
 
     overrides = [*(set_ or []), *([f"syncer.shards={shards}"] if shards else [])]
-    cfg = _config(config, overrides)
-    if not cfg.run.id:
-        console.print("[red]error:[/] the syncer needs run.id (the run's config.yaml has it)")
-        raise typer.Exit(2)
+    cfg = _run_config(config, overrides, "the syncer")
     if shard is None and cfg.syncer.shards > 1:
         raise typer.Exit(_run_shards(config, overrides, cfg.syncer.shards))
     shard = shard or 0
@@ -230,10 +236,7 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
     from diloco import logs
     from diloco.learners.learner import main as learner_main
 
-    cfg = _config(config, set_)
-    if not cfg.run.id:
-        console.print("[red]error:[/] the learner needs run.id (the run's config.yaml has it)")
-        raise typer.Exit(2)
+    cfg = _run_config(config, set_, "the learner")
     if spare:
         raise typer.Exit(_spare(cfg, corpus, learner_id))
     if learner_id is None:
@@ -284,10 +287,7 @@ def lag(config: RunConfigOpt, set_: SetOpt = None):
 
     from diloco.infra import kafka as kafka_io
 
-    cfg = _config(config, set_)
-    if not cfg.run.id:
-        console.print("[red]error:[/] lag needs run.id (the run's config.yaml has it)")
-        raise typer.Exit(2)
+    cfg = _run_config(config, set_, "lag")
     topics = kafka_io.Topics.for_run(cfg, cfg.run.id)
     tps = [tp for t in topics.fragments.values() for tp in kafka_io.partitions_of(t, topics.partitions)]
     try:
@@ -332,10 +332,7 @@ def status(config: RunConfigOpt, set_: SetOpt = None,
     from diloco.infra import kafka as kafka_io
     from diloco.syncer import state as state_mod
 
-    cfg = _config(config, set_)
-    if not cfg.run.id:
-        console.print(f"[red]error:[/] {config} has no run.id: give the run's RUN_DIR/config.yaml")
-        raise typer.Exit(2)
+    cfg = _run_config(config, set_, "status")
     try:
         state = state_mod.SyncerState(state_mod.connect(cfg.state, timeout_s=5), cfg.state.key_prefix, cfg.run.id)
         snap = status_mod.snapshot(state, cfg.fragments.count)
