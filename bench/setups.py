@@ -135,9 +135,9 @@ SCENARIOS: dict[str, dict] = {
 }
 
 
-# A joining learner trains only ~15-30 s after it was added on this machine (JAX start-up and
-# compilation beside the running learners): at the quick size's 240 steps (~12 s of training) the run
-# was over before any joiner's first step (2026-12-01), so scavenge trains longer.
+# A joining learner needs a while to start (JAX start-up and compilation beside the running
+# learners): at the quick size's 240 steps the run is over before any joiner's first step, so scavenge
+# trains longer (docs/bench.md, "scavenge", has the figures).
 SCAVENGE_STEPS = 2000
 
 

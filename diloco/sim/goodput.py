@@ -111,9 +111,8 @@ class Diloco:
     sync_s: float = 5.0          # from a round's close to its merged value being readable
     max_staleness: int = 4
     spares: bool = False         # a failed learner is replaced whole by a warm spare learner
-    # Outage of a learner kill until the spare's first heartbeat with run.spares = 2 on the local
-    # runner: mean of 1.79, 2.06, 2.15 and 2.43 s (docs/operations.md, "Learner failures": diloco chaos
-    # on configs/local.yaml, 300 steps, seed 0, a 2-core machine, 2026-12-01).
+    # a learner kill's outage until the spare's first heartbeat: the mean measured with run.spares = 2
+    # on the local runner (docs/operations.md, "Learner failures")
     spare_s: float = 2.1
     quorum_of_fresh: bool = True  # only contributions trained from the current version count towards K
     wait_for_merge: bool = True   # the paper's learners: idle if no newer version overlap_steps after sending
