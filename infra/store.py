@@ -1,8 +1,12 @@
 """TensorStore adapter: global fragment parameters and outer-optimizer state, one version per merge.
 
-Layout under `<store.url>/<run>/`:
+Layout `diloco-store/1` (LAYOUT) under `<store.url>/<run>/`:
     plan.json                                the run's plan (diloco.plan): tensor names, shapes, dtypes,
-                                             fragments, merge rules; written once at provisioning
+                                             fragments, merge rules, and the store's layout version
+                                             (`"layout": "diloco-store/1"`); written once at provisioning.
+                                             A run whose plan.json names another layout, or none (written
+                                             before layouts were versioned), is refused by name
+                                             (`LayoutError`), never guessed at
     fragments/<ppp>/v<vvvvvvvv>/e<eeeeee>/params/<tensor>   zarr3 arrays in the plan's dtype (bf16 stays bf16);
                                              one object per tensor, in blocks along its longest axis
                                              (zarr3 sharding) so that a host of a sharded learner
@@ -23,8 +27,9 @@ writes it, then commits it in Redis; a crash or a fenced owner in between leaves
 announced, overwritten by the next merge). Readers (evals, `restore`, `diloco ckpt`) take the newest
 committed version (`committed`): the marker, or a version whose successor is stored (nobody writes
 v+1 before v is committed); a crash between the commit and the marker only makes them one version
-conservative until the next merge or claim. A fragment without a marker was written before markers
-existed (or by hand): its newest complete version counts, as it always did.
+conservative until the next merge or claim. A fragment without a marker yet (provisioning writes
+version 0 of every fragment, then marks them; or versions written by hand) counts its newest
+complete version.
 
 Snapshots: params, opt and residual are written only at snapshot versions (version 0 and every
 `store.snapshot_every`-th one); a version between two snapshots stores its update alone, the only
@@ -33,10 +38,11 @@ after version 0 is relative to the newest snapshot before its version (meta `upd
 snapshot's own update is relative to the snapshot before it), so one update takes a reader holding
 that snapshot to any version, however many were committed in between, and a reader holding an
 older snapshot walks the snapshots' updates first. A version's parameters are its base's with its
-one update applied, bit for bit what every learner holds (`read_params`); stores written with
-updates from version - 1 (`from` = v - 1) read the same way, one link per version;
-its outer state and residual are rebuilt by the syncer by replaying the merges since the snapshot
-(syncer.Syncer._rebuild). So a version costs its update's bytes, not 13 bytes per parameter.
+one update applied, bit for bit what every learner holds (`read_params`); with
+`syncer.update_base: previous` each update is from version - 1 (`from` = v - 1) and reads the same
+way, one link per version; its outer state and residual are rebuilt by the syncer by replaying the
+merges since the snapshot (syncer/rebuild.py). So a version costs its update's bytes, not 13 bytes
+per parameter.
 Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at an emulator).
 
 Fencing: the epoch is the writer's ownership epoch of the fragment (a counter in Redis that each
@@ -100,27 +106,49 @@ class StoreError(RuntimeError):
     pass
 
 
+LAYOUT = "diloco-store/1"  # the layout this module writes and reads (the module docstring)
+
+
+class LayoutError(StoreError):
+    """The run's store has another layout than this build's (LAYOUT), or none."""
+
+
+def check_layout(layout: object, where: str) -> None:
+    """Refuse a store whose plan.json names another layout than LAYOUT, by name."""
+    if layout != LAYOUT:
+        named = "no layout version (written before store layouts were versioned)" if layout is None \
+            else f"store layout {layout!r}"
+        raise LayoutError(f"{where}: {named} is not supported; this build reads {LAYOUT!r}")
+
+
+def parse_plan(raw: bytes, run_url: str) -> Plan:
+    """The plan in a run's plan.json; LayoutError unless it names this build's layout."""
+    try:
+        d = json.loads(raw)
+    except ValueError as err:
+        raise StoreError(f"{run_url}/plan.json: not JSON: {err}") from None
+    check_layout(d.get("layout") if isinstance(d, dict) else None, run_url)
+    try:
+        return Plan.from_json(raw)
+    except PlanError as err:
+        raise StoreError(f"{run_url}/plan.json: {err}") from None
+
+
 def is_snapshot(meta: dict) -> bool:
-    """Whether a version holds its parameters, outer state and residual (versions written before
-    snapshots existed all do)."""
-    return meta.get("snapshot", True)
+    """Whether a version holds its parameters, outer state and residual."""
+    return meta["snapshot"]
 
 
 def update_base(meta: dict) -> int:
-    """The version a version's update is relative to: the snapshot before it (stores written with
-    updates from version - 1 say so too)."""
-    info = meta.get("update") or {}
-    return info["from"] if isinstance(info.get("from"), int) else meta["version"] - 1
+    """The version a version's update is relative to (the snapshot before it, or with
+    syncer.update_base: previous the version before it)."""
+    return meta["update"]["from"]
 
 
-def stored_update_bytes(meta: dict, shapes: dict[str, tuple[int, ...]]) -> int:
-    """The bytes a reader of a version's update reads: its packed tensors as stored (the codes
-    themselves in stores written before packing)."""
+def stored_update_bytes(meta: dict) -> int:
+    """The bytes a reader of a version's update reads: its packed tensors as stored."""
     info = meta["update"]
-    stored = info.get("stored")
-    if isinstance(stored, dict) and all(isinstance(stored.get(n), int) for n in info["tensors"]):
-        return sum(stored[n] for n in info["tensors"])
-    return sum(quantize.encoded_nbytes(tuple(shapes[n]), info["scheme"]) for n in info["tensors"])
+    return sum(info["stored"][n] for n in info["tensors"])
 
 
 def marker_version(raw: bytes) -> int:
@@ -130,7 +158,7 @@ def marker_version(raw: bytes) -> int:
 
 def committed_of(marker: int | None, complete: list[int]) -> int | None:
     """The newest committed version, from the commit marker and the complete versions (ascending)."""
-    if marker is None:  # written before commit markers existed, or by hand
+    if marker is None:  # not marked yet: provisioning marks version 0 once it is written (or written by hand)
         return complete[-1] if complete else None
     held = set(complete)
     return max([marker, *(v for v in complete if v + 1 in held)])
@@ -198,7 +226,7 @@ class FragmentStore:
         return spec
 
     def data_dir(self, fragment: int, version: int, meta: dict) -> str:
-        return self._dir(fragment, version) + meta.get("data", "")
+        return self._dir(fragment, version) + meta["data"]
 
     def write(self, fragment: int, version: int, params: dict[str, np.ndarray], opt: dict[str, np.ndarray],
               meta: dict, *, epoch: int = 0, residual: dict[str, np.ndarray] | None = None,
@@ -281,7 +309,7 @@ class FragmentStore:
         d = self.data_dir(fragment, version, meta)
         out = {}
         for group in ("params", "opt", "residual") if with_opt else ("params",):
-            stores = {n: ts.open(self._array_spec(f"{d}{group}/{n}"), open=True) for n in meta.get(group, [])}
+            stores = {n: ts.open(self._array_spec(f"{d}{group}/{n}"), open=True) for n in meta[group]}
             try:
                 reads = {n: s.result().read() for n, s in stores.items()}
                 out[group] = {n: np.asarray(r.result()) for n, r in reads.items()}
@@ -336,7 +364,7 @@ class FragmentStore:
                          ) -> dict[str, dict[Region, np.ndarray]]:
         meta = self.read_meta(fragment, version)
         d = self.data_dir(fragment, version, meta)
-        if missing := sorted(set(blocks) - set(meta.get("params", []))):
+        if missing := sorted(set(blocks) - set(meta["params"])):
             raise StoreError(f"{self.url}: fragment {fragment} v{version} has no params {missing[:4]}")
         stores = {n: ts.open(self._array_spec(f"{d}params/{n}"), open=True) for n in blocks}
         try:
@@ -363,7 +391,7 @@ class FragmentStore:
         if not info or not isinstance(info.get("from"), int) or not 0 <= info["from"] < version:
             raise StoreError(f"{self.url}: fragment {fragment} v{version} has no update")
         d = self.data_dir(fragment, version, meta) + "update/"
-        how = info.get("packing") or {}  # per tensor; stores written before packing hold the codes as they are
+        how = info["packing"]  # per tensor
         reads = {n: self._kv.read(d + n) for n in info["tensors"]}
         out, nbytes = {}, 0
         for n, f in reads.items():
@@ -372,28 +400,31 @@ class FragmentStore:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} update/{n} is missing")
             nbytes += len(r.value)
             try:
-                out[n] = packing.unpack(r.value, how.get(n, "none"),
+                out[n] = packing.unpack(r.value, how[n],
                                         quantize.encoded_nbytes(self._shape_of(n), info["scheme"]))
             except (packing.PackingError, quantize.CodecError) as err:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} update/{n}: {err}") from None
         return info["scheme"], out, nbytes
 
     def write_plan(self, plan: Plan) -> None:
-        """Store the run's plan (once, at provisioning; a rewrite must say the same)."""
-        key, body = "plan.json", plan.to_json().encode()
+        """Store the run's plan with the store's layout version (once, at provisioning; a rewrite must
+        say the same)."""
+        key = "plan.json"
+        body = json.dumps({**json.loads(plan.to_json()), "layout": LAYOUT}, indent=1).encode()
         cur = self._kv.read(key).result()
-        if cur.state == "value" and Plan.from_json(cur.value) != plan:
+        if cur.state == "value" and parse_plan(cur.value, self.url) != plan:
             raise StoreError(f"{self.url}/plan.json already holds a different plan for this run")
         self._kv.write(key, body).result()
 
     def read_plan(self) -> Plan:
+        """The run's plan; LayoutError if its store has another layout than this build's. Every reader
+        (learners, the syncer, evals, `restore`, `diloco ckpt`) reads it first."""
         r = self._kv.read("plan.json").result()
-        if r.state != "value":
-            raise StoreError(f"{self.url}: no plan.json; the run is not provisioned (`diloco train` provisions it)")
-        try:
-            return Plan.from_json(r.value)
-        except PlanError as err:
-            raise StoreError(f"{self.url}/plan.json: {err}") from None
+        if r.state == "value":
+            return parse_plan(r.value, self.url)
+        if self._kv.list(ts.KvStore.KeyRange("fragments/", "fragments/\xff")).result():
+            check_layout(None, self.url)  # versions without a plan: a run from before plans were stored
+        raise StoreError(f"{self.url}: no plan.json; the run is not provisioned (`diloco train` provisions it)")
 
     def _marker(self, fragment: int) -> str:
         return f"fragments/{fragment:03d}/committed.json"

@@ -211,7 +211,7 @@ class Fetcher(threading.Thread):
         except (StoreError, OSError, ValueError):
             return True                        # cannot tell now: the fetch decides
         if marker is None:
-            return True                        # a store written before commit markers
+            return True                        # not marked yet (provisioning marks version 0 before announcing it)
         self.markers[p] = marker
         if v <= marker + 1:
             return True
@@ -250,10 +250,10 @@ class Fetcher(threading.Thread):
         # and apply the links after it
         options = []
         if u in have:
-            options.append((sum(stored_update_bytes(m, self.plan.shapes) for _, m in chain), len(chain)))
+            options.append((sum(stored_update_bytes(m) for _, m in chain), len(chain)))
         for i, (_, meta) in enumerate(chain):
             if is_snapshot(meta):
-                options.append((whole_bytes + sum(stored_update_bytes(m, self.plan.shapes) for _, m in chain[:i]), i))
+                options.append((whole_bytes + sum(stored_update_bytes(m) for _, m in chain[:i]), i))
         if not options:  # nothing held nor stored whole within reach: the store walks it
             params, nbytes = self.store.read_params(p, v)
             return Fetched(nbytes, base=params)

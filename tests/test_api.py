@@ -4,6 +4,7 @@ leaves), bad specs failing with the leaf or pattern named, and bf16 kept bit for
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import diloco
 from diloco import quantize
 from diloco.checkpoint import restore
 from diloco.config import ConfigError, build_config
-from diloco.infra.store import FragmentStore
+from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import Corpus
 from diloco.plan import Plan, PlanError, check_tree, flatten, make_plan, unflatten
 from diloco.run import provision_run
@@ -113,6 +114,34 @@ def test_bf16_round_trips_bit_exactly_through_the_store_and_restore(tmp_path):
     assert back["embed"].dtype == jnp.bfloat16 and isinstance(back["embed"], jax.Array)
     assert np.array_equal(np.asarray(back["embed"]).view(np.uint16), t["embed"].view(np.uint16))
     assert np.array_equal(np.asarray(back["w"]), t["w"]) and int(back["step"]) == 1  # local leaves kept
+
+
+def test_a_store_of_another_layout_is_refused_by_name(tmp_path):
+    """Provisioning records the store's layout version in plan.json; a reader of a run written with
+    another layout, or before layouts were versioned (versions and no plan.json, or a plan.json without
+    a layout), is refused naming both layouts instead of reading paths it may not understand."""
+    from diloco.infra.store import LAYOUT, LayoutError
+
+    t = {"w": np.ones((4, 4), np.float32)}
+    store = FragmentStore(f"file://{tmp_path}", "run")
+    store.write_plan(make_plan(t, fragments=1))
+    store.write(0, 0, t, {}, {})
+    raw = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert raw["layout"] == LAYOUT == "diloco-store/1" and store.read_plan() == make_plan(t, fragments=1)
+    assert np.array_equal(restore(f"file://{tmp_path}", "run", {"w": jnp.zeros((4, 4))})["w"], t["w"])
+    for layout, words in (("diloco-store/0", "store layout 'diloco-store/0' is not supported"),
+                          (None, "no layout version (written before store layouts were versioned)")):
+        (tmp_path / "run" / "plan.json").write_text(json.dumps(raw | {"layout": layout} if layout else
+                                                               {k: v for k, v in raw.items() if k != "layout"}))
+        with pytest.raises(LayoutError, match=re.escape(words) + ".*this build reads 'diloco-store/1'"):
+            restore(f"file://{tmp_path}", "run", {"w": jnp.zeros((4, 4))})
+        with pytest.raises(LayoutError):
+            store.write_plan(make_plan(t, fragments=1))  # provisioning again does not paper over it
+    (tmp_path / "run" / "plan.json").unlink()  # a run from before plans were stored: versions alone
+    with pytest.raises(LayoutError, match="written before store layouts were versioned"):
+        store.read_plan()
+    with pytest.raises(StoreError, match="not provisioned"):
+        FragmentStore(f"file://{tmp_path}", "nothing").read_plan()
 
 
 def test_bf16_globals_stay_bf16_through_the_outer_step_and_the_broadcast_update():

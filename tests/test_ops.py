@@ -22,10 +22,10 @@ from diloco.checkpoint import read_global
 from diloco.cli import app
 from diloco.config import build_config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore
+from diloco.infra.store import LAYOUT, FragmentStore
 from diloco.ops import OpsError
 from diloco.ops.ckpt import nest, open_checkpoint, pick_versions, split_url
-from diloco.plan import make_plan
+from diloco.plan import Plan, Tensor, make_plan
 from diloco.run import train
 from diloco.syncer import state as state_mod
 
@@ -276,27 +276,40 @@ def test_ckpt_ls_of_a_store_root_lists_its_runs(done):
     assert res.exit_code == 0 and "Traceback" not in res.output
 
 
-def test_ckpt_ls_root_notes_runs_without_a_plan(tmp_path):
+def test_ckpt_ls_root_refuses_runs_of_another_store_layout_by_name(tmp_path):
+    """The store layout is versioned in plan.json (infra.store.LAYOUT): a run written before layouts
+    were versioned (no plan.json) or with another layout is listed as not read, and opening it fails
+    naming the layout, never guessing at its paths."""
     bf16_store(tmp_path / "store", "b-planned")
     legacy = FragmentStore(f"file://{tmp_path}/store", "a-legacy")  # written before runs stored plan.json
     for v in (0, 1):
         legacy.write(0, v, {"e": np.ones(3, np.float32)}, {}, {})
     legacy.write(1, 0, {"f": np.ones(2, np.float32)}, {}, {})
     FragmentStore(f"file://{tmp_path}/store", "c-new").write_plan(make_plan({"x": np.ones(4, np.float32)}, fragments=1))
+    other = tmp_path / "store" / "d-other" / "plan.json"
+    other.parent.mkdir()
+    plan = json.loads((tmp_path / "store" / "c-new" / "plan.json").read_text())
+    assert plan["layout"] == LAYOUT == "diloco-store/1"
+    other.write_text(json.dumps(plan | {"layout": "diloco-store/0"}))
     rep = invoke_json("ckpt", "ls", tmp_path / "store")  # a plain path is a file:// URL
     assert rep["url"] == f"file://{tmp_path}/store"
-    a, b, c = rep["runs"]
+    a, b, c, d = rep["runs"]
     assert (a["run"], a["fragments"], a["tensors"], a["parameters"], a["dtypes"], a["latest"]) == \
-        ("a-legacy", 2, None, None, [], {"0": 1, "1": 0}) and "no plan.json" in a["note"]
+        ("a-legacy", None, None, None, [], {}) and "written before store layouts were versioned" in a["note"]
     assert (b["run"], b["fragments"], b["tensors"], b["parameters"], b["dtypes"], b["latest"], b["note"]) == \
         ("b-planned", 1, 2, 17, ["bfloat16", "float32"], {"0": 0}, None)
     assert (c["run"], c["latest"], c["note"]) == ("c-new", {"0": None}, "provisioned; no version written yet")
-    assert invoke_json("ckpt", "ls", f"file://{tmp_path}/store/a-legacy")["run"] == "a-legacy"
+    assert (d["run"], d["latest"]) == ("d-other", {}) and "'diloco-store/0' is not supported" in d["note"]
+    fails_clearly(["ckpt", "ls", f"file://{tmp_path}/store/a-legacy"], "written before store layouts were versioned",
+                  "diloco-store/1")
+    fails_clearly(["ckpt", "ls", f"file://{tmp_path}/store/d-other"], "'diloco-store/0' is not supported")
     fails_clearly(["ckpt", "ls", f"file://{tmp_path}/nothing"], "no checkpoint here", "no runs")
 
 
 def test_ckpt_on_gcs_through_the_emulator(gcs_emulator):
     store = FragmentStore(f"{gcs_emulator}/ops", "gsrun")
+    store.write_plan(Plan((Tensor("b", (4,), "float32", 0, "rda"), Tensor("w", (8, 4), "float32", 0, "rda"),
+                           Tensor("e", (6,), "float32", 1, "rda")), 2))
     rng = np.random.default_rng(0)
     arrays = {v: {"w": rng.normal(size=(8, 4)).astype(np.float32), "b": np.ones(4, np.float32) * v} for v in (0, 1)}
     for v, params in arrays.items():
@@ -311,7 +324,7 @@ def test_ckpt_on_gcs_through_the_emulator(gcs_emulator):
     assert f["params"]["b"]["mean"] == 1.0 and f["opt"]["0.trace.w"]["max"] == pytest.approx(arrays[1]["w"].max() * 0.1)
     fails_clearly(["ckpt", "show", url, "-p", 1, "--version", 1], "fragment 1 has no version 1", "v0")
     [row] = invoke_json("ckpt", "ls", f"{gcs_emulator}/ops")["runs"]  # the store root, listed on gs:// too
-    assert (row["run"], row["fragments"], row["latest"]) == ("gsrun", 2, {"0": 1, "1": 0}) and "no plan.json" in row["note"]
+    assert (row["run"], row["fragments"], row["latest"], row["note"]) == ("gsrun", 2, {"0": 1, "1": 0}, None)
 
 
 def test_bad_url_missing_version_and_corrupted_chunk_fail_clearly(done, tmp_path):
@@ -420,7 +433,7 @@ def test_a_packed_update_is_stored_smaller_read_bit_for_bit_and_refused_when_dam
     assert info["packing"] == {"w": "zstd", "b": "none"} and info["stored"]["b"] == len(update["b"])
     scheme, codes, read = store.read_update(0, 1)
     assert scheme == "int4" and codes == update
-    assert read == sum(info["stored"].values()) == stored_update_bytes(store.read_meta(0, 1), store.read_plan().shapes)
+    assert read == sum(info["stored"].values()) == stored_update_bytes(store.read_meta(0, 1))
     assert read < sum(len(b) for b in update.values())
     params, nbytes = store.read_params(0, 1)
     assert all(np.array_equal(params[n], held[n]) for n in held) and nbytes == sum(a.nbytes for a in v0.values()) + read

@@ -128,7 +128,7 @@ def test_learners_fetch_compact_updates_and_hold_the_exact_global(harness):
     stored = h.store.read(0, 3)                                    # however many versions came between
     for n, a in stored.params.items():
         np.testing.assert_array_equal(v3[n], a)
-    per_update = stored_update_bytes(h.store.read_meta(0, 3), h.run_plan.shapes)  # as stored: packed
+    per_update = stored_update_bytes(h.store.read_meta(0, 3))  # as stored: packed
     codes = sum(quantize.encoded_nbytes(a.shape, "int8") for a in v0.values())
     assert update_bytes == per_update < codes < 0.3 * whole_bytes  # under 1 byte per parameter, not 4
     assert h.store.read_meta(0, 3)["update"]["from"] == 0

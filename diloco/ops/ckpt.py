@@ -23,10 +23,9 @@ import numpy as np
 import tensorstore as ts
 
 from diloco.config import redact_url
-from diloco.infra.store import (FragmentStore, FragmentVersion, StoreError, committed_of, is_snapshot, kvstore_spec,
-                                 marker_version)
+from diloco.infra.store import (LAYOUT, FragmentStore, FragmentVersion, LayoutError, StoreError, committed_of,
+                                 is_snapshot, kvstore_spec, marker_version, parse_plan)
 from diloco.ops import OpsError
-from diloco.plan import Plan, PlanError
 
 _KEY = re.compile(r"fragments/(\d+)/v(\d+)/(.+)")
 _RUN_KEY = re.compile(r"([^/]+)/(?:plan\.json|fragments/(\d+)/v(\d+)/(.+))")  # keys of a store root
@@ -81,8 +80,9 @@ def _normalize(url: str) -> str:
 
 
 def open_url(url: str) -> Checkpoint | StoreRoot:
-    """A run folder (it holds plan.json, or fragments/ for a run from before plans were stored) opens as a
-    Checkpoint; a store root (folders <run>/ holding plan.json or fragments/) as a StoreRoot.
+    """A run folder (it holds plan.json, or fragments/) opens as a Checkpoint, refused by name unless
+    its plan.json names this build's store layout; a store root (folders <run>/ holding plan.json or
+    fragments/) as a StoreRoot.
 
     A root is read with one listing of every key under it: TensorStore's kvstore lists by key range,
     without a delimiter, so the cost grows with the number of stored arrays, as for `ls` of each run.
@@ -133,16 +133,17 @@ def runs(root: StoreRoot) -> dict:
         plan, note = None, None
         if run in reads:
             try:
-                plan = Plan.from_json(reads[run].result().value)
-            except (PlanError, ValueError) as err:
-                note = f"plan.json unreadable: {err}"
+                plan = parse_plan(reads[run].result().value, f"{root.url}/{run}")
+            except StoreError as err:
+                note = f"not read: {err}"
         else:
-            note = "no plan.json (an older run): versions from the keys"
+            note = ("not read: no plan.json (written before store layouts were versioned); this build reads "
+                    f"{LAYOUT!r}")
         found = frags[run]
         if plan and not any(found.values()):
             note = "provisioned; no version written yet"
-        fragments = range(plan.fragments) if plan else sorted(found)
-        rows.append({"run": run, "fragments": plan.fragments if plan else len(found),
+        fragments = range(plan.fragments) if plan else ()
+        rows.append({"run": run, "fragments": plan.fragments if plan else None,
                      "tensors": len(plan.tensors) if plan else None,
                      "parameters": plan.num_params if plan else None,
                      "dtypes": sorted({t.dtype for t in plan.tensors}) if plan else [],
@@ -155,6 +156,15 @@ def open_checkpoint(url: str) -> Checkpoint:
     store_url, run = split_url(url)
     try:
         store = FragmentStore(store_url, run)
+    except (ValueError, StoreError) as err:
+        raise OpsError(f"{redact_url(url)}: cannot list the store: {err}") from None
+    try:
+        store.read_plan()  # refuses a store of another layout, by name
+    except LayoutError as err:
+        raise OpsError(str(err)) from None
+    except (ValueError, StoreError):
+        pass  # no plan.json: said below (no checkpoint here)
+    try:
         kv = ts.KvStore.open(kvstore_spec(store.url)).result()
         raw = kv.list(ts.KvStore.KeyRange("fragments/", "fragments/\xff")).result()
     except (ValueError, StoreError) as err:

@@ -204,7 +204,7 @@ def _runs_table(rep: dict) -> Table:
     for col in ("fragments", "tensors", "parameters", "dtype", "latest"):
         t.add_column(col, justify="right" if col in ("fragments", "tensors", "parameters") else "left")
     for r in rep["runs"]:
-        t.add_row(r["run"] + (" *" if r["note"] else ""), str(r["fragments"]), _num(r["tensors"]),
+        t.add_row(r["run"] + (" *" if r["note"] else ""), _num(r["fragments"]), _num(r["tensors"]),
                   _num(r["parameters"]), " ".join(r["dtypes"]) or "-",
                   " ".join(f"p{p}:" + ("-" if v is None else f"v{v}") for p, v in r["latest"].items()) or "-")
     t.caption = " | ".join(f"* {r['run']}: {r['note']}" for r in rep["runs"] if r["note"]) or None
