@@ -41,9 +41,16 @@ older snapshot walks the snapshots' updates first. A version's parameters are it
 one update applied, bit for bit what every learner holds (`read_params`); with
 `syncer.update_base: previous` each update is from version - 1 (`from` = v - 1) and reads the same
 way, one link per version; its outer state and residual are rebuilt by the syncer by replaying the
-merges since the snapshot (syncer/rebuild.py). So a version costs its update's bytes, not 13 bytes
-per parameter.
-Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at an emulator).
+merges since the snapshot (syncer.rebuild.rebuild). So a version costs its update's bytes, not 13
+bytes per parameter.
+
+Readers ask the store, never its paths: which versions there are (`versions`, `committed`,
+`committed_versions`, `catalog`; the runs under a store root: `run_ids`), what a version is made of
+(`chain`: its snapshot and the updates from there; `path`: the updates that take a reader holding
+some versions to it), a version's update (`read_update`) and its arrays (`read`, `read_params`,
+`read_blocks`). The fetcher, `restore`, `diloco ckpt`, `diloco state repair` and the syncer's
+rebuild all do. Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at
+an emulator).
 
 Fencing: the epoch is the writer's ownership epoch of the fragment (a counter in Redis that each
 takeover bumps). Each writer puts its arrays in its own epoch folder, so a stale owner never
@@ -59,6 +66,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -73,6 +81,8 @@ from diloco.plan import Plan, PlanError, Region
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 BLOCK_BYTES = 1 << 18   # a params tensor above 2x this is stored in blocks of at least this size
 MAX_BLOCKS = 64
+_VERSION_KEY = re.compile(r"fragments/(\d+)/v(\d+)/(.+)")                  # a key of a version's folder
+_RUN_KEY = re.compile(r"([^/]+)/(?:plan\.json|fragments/\d+/v\d+/.+)")     # a run's key, under a store root
 
 
 def block_shape(shape: tuple[int, ...], itemsize: int) -> list[int] | None:
@@ -181,6 +191,46 @@ def kvstore_spec(url: str) -> dict:
             raise StoreError(f"{url}: GCS bucket names need at least 3 characters")
         return {"driver": "gcs", "bucket": u.netloc, "path": u.path.strip("/") + "/" if u.path.strip("/") else ""}
     raise StoreError(f"unsupported store URL {url!r}: use file://PATH or gs://BUCKET/PATH")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One version on the way to another, with its meta.json: whether it is a snapshot, and the version
+    its update comes from."""
+    version: int
+    meta: dict
+
+    @property
+    def snapshot(self) -> bool:
+        return is_snapshot(self.meta)
+
+    @property
+    def base(self) -> int | None:
+        """The version its update comes from (None: it has no update, as version 0)."""
+        return update_base(self.meta) if self.meta.get("update") else None
+
+    @property
+    def update_nbytes(self) -> int:
+        """The bytes a reader of its update reads."""
+        return stored_update_bytes(self.meta)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What a version is made of: the snapshot it is built on, and the versions from there to it, each
+    an update of the one before, oldest first (empty for a snapshot)."""
+    snapshot: int
+    links: list[Link]
+
+
+@dataclass(frozen=True)
+class Versions:
+    """A fragment's versions as stored: `complete` (with meta.json, ascending), `incomplete` (folders
+    without meta.json: a write that crashed), `committed` (the newest committed version; a complete
+    version above it is an orphan)."""
+    complete: list[int]
+    incomplete: list[int]
+    committed: int | None
 
 
 @dataclass(frozen=True)
@@ -320,37 +370,61 @@ class FragmentStore:
     def read_params(self, fragment: int, version: int, meta: dict | None = None) -> tuple[dict[str, np.ndarray], int]:
         """(a version's parameters, bytes read): at a snapshot its arrays, else its update's base with
         the update applied, as a learner applies it (the same bits)."""
-        links, snapshot = self._links(fragment, version, meta)
-        params = self.read(fragment, snapshot, with_opt=False).params
+        chain = self.chain(fragment, version, meta)
+        params = self.read(fragment, chain.snapshot, with_opt=False).params
         nbytes = sum(a.nbytes for a in params.values())
-        for v, m in links:
-            scheme, update, read = self.read_update(fragment, v, m)
+        for link in chain.links:
+            scheme, update, read = self.read_update(fragment, link.version, link.meta)
             params = quantize.apply_update(params, update, scheme)
             nbytes += read
         return params, nbytes
 
-    def _links(self, fragment: int, version: int, meta: dict | None = None) -> tuple[list[tuple[int, dict]], int]:
-        """(the versions from the snapshot a version is built on to it, oldest first, with their metas;
-        that snapshot). A loop, not a recursion: with updates from the previous version a chain is as
-        long as the snapshot interval."""
-        meta = meta or self.read_meta(fragment, version)
-        links = []
-        while not is_snapshot(meta):
-            base = update_base(meta)
+    def _walk(self, fragment: int, version: int, meta: dict | None = None) -> Iterator[Link]:
+        """`version`, then the version its update comes from, and so on to one without an update
+        (version 0); each meta.json is read only when the walk gets there. A loop, not a recursion:
+        with updates from the previous version a chain is as long as the snapshot interval."""
+        while True:
+            link = Link(version, meta or self.read_meta(fragment, version))
+            yield link
+            base = link.base
+            if base is None:
+                return
             if not 0 <= base < version:
                 raise StoreError(f"{self.url}: fragment {fragment} v{version} is an update from v{base}")
-            links.append((version, meta))
-            version, meta = base, self.read_meta(fragment, base)
-        return links[::-1], version
+            version, meta = base, None
+
+    def chain(self, fragment: int, version: int, meta: dict | None = None) -> Chain:
+        """What a version is made of: the snapshot it is built on and the updates from there to it."""
+        links = []
+        for link in self._walk(fragment, version, meta):
+            if link.snapshot:
+                return Chain(link.version, links[::-1])
+            links.append(link)
+        raise StoreError(f"{self.url}: fragment {fragment} v{version} is built on no snapshot")
+
+    def path(self, fragment: int, version: int, *, held: Collection[int] = (), limit: int | None = None
+             ) -> list[Link]:
+        """The versions a reader holding the versions `held` reads to reach `version`, newest first:
+        `version`, the version its update comes from, and so on, through the snapshots' own updates.
+        It stops before a version in `held` (then its last link's `base` is that version), at a version
+        without an update (version 0), or after `limit` links; empty if `version` is held."""
+        out: list[Link] = []
+        if version in held:
+            return out
+        for link in self._walk(fragment, version):
+            out.append(link)
+            if link.base is None or link.base in held or len(out) == limit:
+                break
+        return out
 
     def read_blocks(self, fragment: int, version: int, blocks: dict[str, list[Region]]
                     ) -> dict[str, dict[Region, np.ndarray]]:
         """Only the named blocks of a version's params: what one host of a sharded learner holds
         (between snapshots: the snapshot's blocks plus each update's, one tensor at a time)."""
-        links, snapshot = self._links(fragment, version)
-        out = self._snapshot_blocks(fragment, snapshot, blocks)
-        for v, m in links:
-            scheme, update, _ = self.read_update(fragment, v, m)
+        chain = self.chain(fragment, version)
+        out = self._snapshot_blocks(fragment, chain.snapshot, blocks)
+        for link in chain.links:
+            scheme, update, _ = self.read_update(fragment, link.version, link.meta)
             for n, rs in out.items():
                 dtype = next(iter(rs.values())).dtype
                 step = quantize.decode(update[n], self._shape_of(n), scheme)
@@ -422,7 +496,7 @@ class FragmentStore:
         r = self._kv.read("plan.json").result()
         if r.state == "value":
             return parse_plan(r.value, self.url)
-        if self._kv.list(ts.KvStore.KeyRange("fragments/", "fragments/\xff")).result():
+        if self._has_versions():
             check_layout(None, self.url)  # versions without a plan: a run from before plans were stored
         raise StoreError(f"{self.url}: no plan.json; the run is not provisioned (`diloco train` provisions it)")
 
@@ -452,11 +526,56 @@ class FragmentStore:
 
     def versions(self, fragment: int) -> list[int]:
         """Complete versions of a fragment (those with meta.json), ascending."""
-        prefix = f"fragments/{fragment:03d}/"
+        return self._listing(f"fragments/{fragment:03d}/").get(fragment, (set(), []))[1]
+
+    def committed_versions(self, fragment: int) -> list[int]:
+        """The fragment's committed versions, ascending (never an orphan above the newest)."""
+        complete = self.versions(fragment)
+        newest = committed_of(self.read_committed(fragment), complete)
+        return [v for v in complete if newest is not None and v <= newest]
+
+    def catalog(self) -> dict[int, Versions]:
+        """Every stored fragment's versions (one listing of the run's fragments/, one read of each
+        fragment's commit marker)."""
+        found = self._listing("fragments/")
+        markers = {p: self._kv.read(self._marker(p)) for p in found}  # all in flight at once
+        out = {}
+        for p, (folders, complete) in sorted(found.items()):
+            r = markers[p].result()
+            try:
+                marker = marker_version(r.value) if r.state == "value" else None
+            except (ValueError, KeyError, TypeError) as err:
+                raise StoreError(f"{self.url}/{self._marker(p)} is unreadable: {err}") from None
+            out[p] = Versions(complete, sorted(folders - set(complete)), committed_of(marker, complete))
+        return out
+
+    def _listing(self, prefix: str) -> dict[int, tuple[set[int], list[int]]]:
+        """fragment -> (its version folders, its complete versions ascending), from the keys under prefix."""
         keys = self._kv.list(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()
-        found = set()
+        found: dict[int, tuple[set[int], set[int]]] = {}
         for k in keys:
-            m = re.fullmatch(rf"{prefix}v(\d+)/meta\.json", k.decode() if isinstance(k, bytes) else k)
-            if m:
-                found.add(int(m.group(1)))
-        return sorted(found)
+            if m := _VERSION_KEY.fullmatch(k.decode() if isinstance(k, bytes) else k):
+                folders, complete = found.setdefault(int(m.group(1)), (set(), set()))
+                folders.add(int(m.group(2)))
+                if m.group(3) == "meta.json":
+                    complete.add(int(m.group(2)))
+        return {p: (folders, sorted(complete)) for p, (folders, complete) in found.items()}
+
+    def exists(self) -> bool:
+        """Whether anything of the run is stored (its plan.json or versions)."""
+        return self._kv.read("plan.json").result().state == "value" or self._has_versions()
+
+    def _has_versions(self) -> bool:
+        return bool(self._kv.list(ts.KvStore.KeyRange("fragments/", "fragments/\xff")).result())
+
+
+
+def run_ids(url: str) -> list[str]:
+    """The runs under a store root (the config's store.url): its folders that hold a plan.json or
+    versions, sorted. One listing of every key under the root (TensorStore lists without a delimiter)."""
+    kv = ts.KvStore.open(kvstore_spec(url.rstrip("/"))).result()
+    found = set()
+    for k in kv.list().result():
+        if m := _RUN_KEY.fullmatch(k.decode() if isinstance(k, bytes) else k):
+            found.add(m.group(1))
+    return sorted(found)

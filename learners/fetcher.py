@@ -14,7 +14,7 @@ from kafka import TopicPartition
 from diloco import messages, quantize
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore, StoreError, is_snapshot, stored_update_bytes, update_base
+from diloco.infra.store import FragmentStore, Link, StoreError
 from diloco.learners.publisher import Counters
 from diloco.plan import Plan, Region, is_whole, whole
 
@@ -237,23 +237,17 @@ class Fetcher(threading.Thread):
         have = {u: a for u, a in (self.held.get(p, (-1, None)), self.snapshots.get(p, (-1, None))) if a is not None}
         names = self.plan.fragment_names[p]
         whole_bytes = sum(self.plan.by_name[n].size * self.plan.by_name[n].np_dtype.itemsize for n in names)
-        chain: list[tuple[int, dict]] = []  # (version, meta) from v back, none of them held
-        u = v
-        while u not in have and len(chain) < self.MAX_LINKS:
-            meta = self.store.read_meta(p, u)
-            chain.append((u, meta))
-            if not meta.get("update"):
-                break  # version 0 (or a store without updates): read whole
-            u = update_base(meta)
+        chain = self.store.path(p, v, held=have.keys(), limit=self.MAX_LINKS)  # from v back, none of them held
+        u = chain[-1].base if chain else v  # the held version it starts from, if it reached one
 
         # choices: start from what is held (every link's update), or read chain[i] whole (a snapshot)
         # and apply the links after it
         options = []
         if u in have:
-            options.append((sum(stored_update_bytes(m) for _, m in chain), len(chain)))
-        for i, (_, meta) in enumerate(chain):
-            if is_snapshot(meta):
-                options.append((whole_bytes + sum(stored_update_bytes(m) for _, m in chain[:i]), i))
+            options.append((sum(link.update_nbytes for link in chain), len(chain)))
+        for i, link in enumerate(chain):
+            if link.snapshot:
+                options.append((whole_bytes + sum(later.update_nbytes for later in chain[:i]), i))
         if not options:  # nothing held nor stored whole within reach: the store walks it
             params, nbytes = self.store.read_params(p, v)
             return Fetched(nbytes, base=params)
@@ -261,19 +255,19 @@ class Fetcher(threading.Thread):
         if start == len(chain):
             params, nbytes = have[u], 0
         else:
-            params, nbytes = self.store.read_params(p, chain[start][0], chain[start][1])
-            self._reached(p, chain[start][0], chain[start][1], params)
+            params, nbytes = self.store.read_params(p, chain[start].version, chain[start].meta)
+            self._reached(p, chain[start], params)
         got = Fetched(nbytes, base=params)
-        for version, meta in reversed(chain[:start]):
-            scheme, update, read = self.store.read_update(p, version, meta)
+        for link in reversed(chain[:start]):
+            scheme, update, read = self.store.read_update(p, link.version, link.meta)
             got = Fetched(got.nbytes + read, base=got.whole, update=update, scheme=scheme)
-            if is_snapshot(meta):  # the base of later versions: its values, decoded here
-                self._reached(p, version, meta, got.whole)
+            if link.snapshot:  # the base of later versions: its values, decoded here
+                self._reached(p, link, got.whole)
         return got
 
-    def _reached(self, p: int, version: int, meta: dict, arrays: dict[str, np.ndarray]) -> None:
-        if is_snapshot(meta) and version > self.snapshots.get(p, (-1,))[0]:
-            self.snapshots[p] = (version, arrays)
+    def _reached(self, p: int, link: Link, arrays: dict[str, np.ndarray]) -> None:
+        if link.snapshot and link.version > self.snapshots.get(p, (-1,))[0]:
+            self.snapshots[p] = (link.version, arrays)
 
     def start_from(self, p: int, v: int, arrays: dict[str, np.ndarray], *, ready: bool = True) -> None:
         """Hold version v of fragment p (a snapshot: version 0) as `arrays` (whole, exact) without

@@ -14,7 +14,7 @@ from kafka.errors import KafkaError
 from diloco import messages
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.store import FragmentStore, StoreError, is_snapshot
+from diloco.infra.store import FragmentStore, StoreError
 from diloco.messages import Assembled, ChunkAssembler, Manifest, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
@@ -86,8 +86,8 @@ def rebuild(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, mer
     """(fragment p's state at version v, None), or, if a contribution cannot be read back (retention)
     or a replay does not reproduce its stored update, (its exact parameters with the snapshot's outer
     state and no residual, why). `merges` are the run's merge records."""
-    meta = store.read_meta(p, v)
-    s = meta.get("snapshot_at", v) if not is_snapshot(meta) else v
+    chain = store.chain(p, v)
+    s, metas = chain.snapshot, {link.version: link.meta for link in chain.links}
     st = snapshot_state(store, plan, opt, p, s)
     if cfg.syncer.updates_from == "previous":  # each update from the version before: no base kept
         st.snapshot = None
@@ -110,12 +110,12 @@ def rebuild(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, mer
                 contribs.append(Pending(Contribution.accepted(m, Where(*wanted[cid]), arrival=0.0),
                                         fused.encoded_delta(m, payload)))
             closed = close_round(cfg, plan, st, p, contribs, rec["share"])
-            if closed.update != store.read_update(p, u)[1]:
+            if closed.update != store.read_update(p, u, metas.get(u))[1]:
                 raise RebuildError(f"replaying v{u} does not reproduce its stored update")
             st.version, st.params, st.opt_state, st.residual = u, closed.params, closed.opt_state, closed.residual
         return st, None
     except (RebuildError, StoreError, WireError, KafkaError, KeyError, ValueError) as err:
-        params, _ = store.read_params(p, v, meta)
+        params, _ = store.read_params(p, v, metas.get(v))
         return FragmentState(v, params, st.opt_state, residual={}, snapshot_at=s, snapshot=snapshot), str(err)
 
 

@@ -1,9 +1,10 @@
 """Checkpoint inspection: the fragment versions the syncer wrote to TensorStore, as plain dicts.
 
 A checkpoint URL is the store URL with the run id as its last path element:
-`file:///data/store/<run>` or `gs://bucket/path/<run>`. One key listing of `fragments/` tells which
-fragments and versions exist; arrays are read through `FragmentStore`. The store URL itself (the
-config's `store.url`) is a store root: `open_url` tells the two apart and `runs` lists a root's runs.
+`file:///data/store/<run>` or `gs://bucket/path/<run>`. The store (`FragmentStore`, the one owner of
+its layout) says which fragments and versions exist and reads their arrays; nothing here parses its
+paths. The store URL itself (the config's `store.url`) is a store root: `open_url` tells the two
+apart and `runs` lists a root's runs.
 
 Statistics (norm, min, max, mean) are over the finite entries, so one NaN does not hide the rest;
 `nonfinite` counts the others.
@@ -13,23 +14,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
-import tensorstore as ts
 
 from diloco.config import redact_url
-from diloco.infra.store import (LAYOUT, FragmentStore, FragmentVersion, LayoutError, StoreError, committed_of,
-                                 is_snapshot, kvstore_spec, marker_version, parse_plan)
+from diloco.infra.store import FragmentStore, FragmentVersion, LayoutError, StoreError, is_snapshot, run_ids
 from diloco.ops import OpsError
 
-_KEY = re.compile(r"fragments/(\d+)/v(\d+)/(.+)")
-_RUN_KEY = re.compile(r"([^/]+)/(?:plan\.json|fragments/(\d+)/v(\d+)/(.+))")  # keys of a store root
-_MARKER_KEY = re.compile(r"([^/]+)/fragments/(\d+)/committed\.json")  # a run's commit markers, in a store root
 EXPORT_FORMATS = ("safetensors", "npz", "orbax")
 
 
@@ -54,19 +49,16 @@ class Checkpoint:
     url: str
     run: str
     store: FragmentStore
-    kv: ts.KvStore                                            # the run's root, for listing and zarr.json
     versions: dict[int, list[int]]                            # complete versions (with meta.json)
     committed: dict[int, int]                                 # newest committed version (infra/store.py); a
                                                               # complete version above it is an orphan
     incomplete: dict[int, list[int]]                          # written without meta.json: a crash
-    keys: frozenset[str]
 
 
 @dataclass
 class StoreRoot:
     url: str
-    kv: ts.KvStore
-    keys: frozenset[str]                                      # every key under the root
+    runs: list[str]                                           # the run ids under the root
 
 
 def _normalize(url: str) -> str:
@@ -84,71 +76,54 @@ def open_url(url: str) -> Checkpoint | StoreRoot:
     its plan.json names this build's store layout; a store root (folders <run>/ holding plan.json or
     fragments/) as a StoreRoot.
 
-    A root is read with one listing of every key under it: TensorStore's kvstore lists by key range,
-    without a delimiter, so the cost grows with the number of stored arrays, as for `ls` of each run.
+    A root is read with one listing of every key under it (TensorStore's kvstore lists by key range,
+    without a delimiter), then each run's versions as `ls` reads them: the cost grows with the number
+    of stored arrays, about twice that of `ls` of each run.
     """
     url = _normalize(url)
     try:
-        kv = ts.KvStore.open(kvstore_spec(url)).result()
-        if kv.read("plan.json").result().state == "value":
+        if _is_run(url):
             return open_checkpoint(url)
-        keys = frozenset(k.decode() if isinstance(k, bytes) else k for k in kv.list().result())
+        found = run_ids(url)
     except (ValueError, StoreError) as err:
         raise OpsError(f"{redact_url(url)}: cannot list the store: {err}") from None
-    if any(k.startswith("fragments/") for k in keys):
-        return open_checkpoint(url)
-    if any(_RUN_KEY.fullmatch(k) for k in keys):
-        return StoreRoot(url, kv, keys)
+    if found:
+        return StoreRoot(url, found)
     raise OpsError(f"{url}: no checkpoint here (no fragments/<p>/v<n>/meta.json) and no runs (no <run>/plan.json "
                    f"or <run>/fragments/); check the store URL and run id")
 
 
+def _is_run(url: str) -> bool:
+    try:
+        store_url, run = split_url(url)
+    except OpsError:  # names no run: a root, if anything
+        return False
+    return FragmentStore(store_url, run).exists()
+
+
 def runs(root: StoreRoot) -> dict:
     """One row per run of a store root: fragments, tensors, parameters and dtypes from its plan.json, and
-    each fragment's newest committed version. A run without a readable plan.json gets a note instead."""
-    frags: dict[str, dict[int, set[int]]] = {}
-    planned = set()
-    for k in root.keys:
-        if m := _RUN_KEY.fullmatch(k):
-            run, p, v, rest = m.groups()
-            versions = frags.setdefault(run, {})
-            if p is None:
-                planned.add(run)
-            else:
-                complete = versions.setdefault(int(p), set())
-                if rest == "meta.json":
-                    complete.add(int(v))
-    reads = {run: root.kv.read(f"{run}/plan.json") for run in sorted(planned)}  # all in flight at once
-    marks = {(m.group(1), int(m.group(2))): root.kv.read(k) for k in root.keys if (m := _MARKER_KEY.fullmatch(k))}
-
-    def marker(run: str, p: int) -> int | None:
-        if (read := marks.get((run, p))) is None:
-            return None
-        try:
-            return marker_version(read.result().value)
-        except (ValueError, KeyError) as err:
-            raise OpsError(f"{root.url}/{run}/fragments/{p:03d}/committed.json is unreadable: {err}") from None
+    each fragment's newest committed version. A run of another store layout (or of none) gets a note instead."""
     rows = []
-    for run in sorted(frags):
-        plan, note = None, None
-        if run in reads:
+    for run in root.runs:
+        store, plan, note, latest = FragmentStore(root.url, run), None, None, {}
+        try:
+            plan = store.read_plan()
+        except StoreError as err:
+            note = f"not read: {err}"
+        if plan:
             try:
-                plan = parse_plan(reads[run].result().value, f"{root.url}/{run}")
-            except StoreError as err:
-                note = f"not read: {err}"
-        else:
-            note = ("not read: no plan.json (written before store layouts were versioned); this build reads "
-                    f"{LAYOUT!r}")
-        found = frags[run]
-        if plan and not any(found.values()):
-            note = "provisioned; no version written yet"
-        fragments = range(plan.fragments) if plan else ()
+                catalog = store.catalog()
+            except (ValueError, StoreError) as err:
+                raise OpsError(f"{root.url}/{run}: {err}") from None
+            if not any(v.complete for v in catalog.values()):
+                note = "provisioned; no version written yet"
+            latest = {p: catalog[p].committed if p in catalog else None for p in range(plan.fragments)}
         rows.append({"run": run, "fragments": plan.fragments if plan else None,
                      "tensors": len(plan.tensors) if plan else None,
                      "parameters": plan.num_params if plan else None,
                      "dtypes": sorted({t.dtype for t in plan.tensors}) if plan else [],
-                     "latest": {p: committed_of(marker(run, p), sorted(found.get(p, ()))) for p in fragments},
-                     "note": note})
+                     "latest": latest, "note": note})
     return {"url": root.url, "runs": rows}
 
 
@@ -156,40 +131,24 @@ def open_checkpoint(url: str) -> Checkpoint:
     store_url, run = split_url(url)
     try:
         store = FragmentStore(store_url, run)
-    except (ValueError, StoreError) as err:
-        raise OpsError(f"{redact_url(url)}: cannot list the store: {err}") from None
-    try:
-        store.read_plan()  # refuses a store of another layout, by name
+        try:
+            store.read_plan()  # refuses a store of another layout, by name
+        except LayoutError:
+            raise
+        except StoreError:
+            pass  # no plan.json: said below (no checkpoint here)
+        catalog = store.catalog()
     except LayoutError as err:
         raise OpsError(str(err)) from None
-    except (ValueError, StoreError):
-        pass  # no plan.json: said below (no checkpoint here)
-    try:
-        kv = ts.KvStore.open(kvstore_spec(store.url)).result()
-        raw = kv.list(ts.KvStore.KeyRange("fragments/", "fragments/\xff")).result()
     except (ValueError, StoreError) as err:
         raise OpsError(f"{redact_url(url)}: cannot list the store: {err}") from None
-    keys = frozenset(k.decode() if isinstance(k, bytes) else k for k in raw)
-    dirs: dict[int, set[int]] = {}
-    complete: dict[int, set[int]] = {}
-    for k in keys:
-        if m := _KEY.fullmatch(k):
-            p, v = int(m.group(1)), int(m.group(2))
-            dirs.setdefault(p, set()).add(v)
-            if m.group(3) == "meta.json":
-                complete.setdefault(p, set()).add(v)
-    if not complete:
+    versions = {p: c.complete for p, c in catalog.items() if c.complete}
+    if not versions:
         raise OpsError(f"{url}: no checkpoint here (no fragments/<p>/v<n>/meta.json); check the store URL and run id")
-    missing = sorted(set(dirs) - set(complete))
-    if missing:
+    if missing := sorted(set(catalog) - set(versions)):
         raise OpsError(f"{url}: fragment(s) {missing} have no complete version")
-    versions = {p: sorted(vs) for p, vs in sorted(complete.items())}
-    try:
-        committed = {p: committed_of(store.read_committed(p), vs) for p, vs in versions.items()}
-    except (ValueError, KeyError) as err:
-        raise OpsError(f"{url}: a commit marker (fragments/<p>/committed.json) is unreadable: {err}") from None
-    return Checkpoint(url, run, store, kv, versions, committed,
-                      {p: sorted(dirs[p] - complete[p]) for p in sorted(dirs) if dirs[p] - complete[p]}, keys)
+    return Checkpoint(url, run, store, versions, {p: catalog[p].committed for p in versions},
+                      {p: c.incomplete for p, c in catalog.items() if c.incomplete})
 
 
 def span(versions: list[int]) -> str:
@@ -229,36 +188,10 @@ def pick_versions(ck: Checkpoint, want: int | None, fragment: int | None = None)
 
 
 
-def _check_chunks(ck: Checkpoint, fragment: int, version: int, meta: dict, groups: tuple[str, ...]) -> None:
-    """Every array needs its zarr.json; every `params` array needs all its chunks. TensorStore reads a
-    missing chunk as the fill value (0) without complaint, and parameters are never all zero, so a
-    missing parameter chunk means lost data. Optimizer chunks may legitimately be absent (zeros)."""
-    d = ck.store.data_dir(fragment, version, meta)
-    for group in groups:
-        for name in meta.get(group, []):
-            base = f"{d}{group}/{name}/"
-            if base + "zarr.json" not in ck.keys:
-                raise OpsError(f"{ck.url}: fragment {fragment} v{version}: {base}zarr.json is missing")
-            if group != "params":
-                continue
-            r = ck.kv.read(base + "zarr.json").result()
-            zmeta = json.loads(r.value)
-            enc = zmeta.get("chunk_key_encoding", {})
-            if enc.get("name") != "default":
-                continue
-            sep = enc.get("configuration", {}).get("separator", "/")
-            chunk = zmeta["chunk_grid"]["configuration"]["chunk_shape"]
-            grid = [math.ceil(s / c) if c else 0 for s, c in zip(zmeta["shape"], chunk)]
-            for idx in np.ndindex(*grid):
-                key = base + "c" + "".join(f"{sep}{i}" for i in idx)
-                if key not in ck.keys:
-                    raise OpsError(f"{ck.url}: fragment {fragment} v{version}: chunk {key} of params/{name} is missing")
-
-
 def read_version(ck: Checkpoint, fragment: int, version: int, *, with_opt: bool = True) -> FragmentVersion:
+    """A version's arrays (infra.store reads a missing or damaged chunk as an error naming it, never as
+    the zarr fill value)."""
     try:
-        meta = ck.store.read_meta(fragment, version)
-        _check_chunks(ck, fragment, version, meta, ("params", "opt") if with_opt else ("params",))
         return ck.store.read(fragment, version, with_opt=with_opt)
     except (StoreError, ValueError, KeyError) as err:
         # ValueError covers a meta.json that is not JSON; KeyError one that lacks its array lists
@@ -306,7 +239,7 @@ def show(ck: Checkpoint, version: int | None = None, fragment: int | None = None
                       "opt": {n: tensor_stats(a) for n, a in sorted(fv.opt.items())},
                       "residual": {n: tensor_stats(a) for n, a in sorted(fv.residual.items())},
                       "update": fv.meta.get("update", {}).get("scheme"),
-                      "snapshot": is_snapshot(fv.meta), "snapshot_at": fv.meta.get("snapshot_at", v)})
+                      "snapshot": is_snapshot(fv.meta), "snapshot_at": fv.meta["snapshot_at"]})
     return {"url": ck.url, "run": ck.run, "fragments": frags}
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from diloco.infra.store import FragmentStore, StoreError, committed_of
+from diloco.infra.store import FragmentStore, StoreError, Versions
 from diloco.ops import OpsError
 from diloco.syncer.records import Status
 from diloco.syncer.state import SyncerState
@@ -38,8 +38,10 @@ def repair(state: SyncerState, store: FragmentStore, run: str, *, shards: int, d
                        "(a stopped shard's membership lapses after syncer.lease_ttl_s)")
     try:
         plan = store.read_plan()
-        metas = {p: _metas(store, p) for p in range(plan.fragments)}
-        committed = {p: committed_of(store.read_committed(p), sorted(metas[p])) for p in metas}
+        catalog = store.catalog()
+        held = {p: catalog[p] if p in catalog else Versions([], [], None) for p in range(plan.fragments)}
+        metas = {p: _metas(store, p, held[p].complete) for p in held}
+        committed = {p: held[p].committed for p in held}
     except (StoreError, ValueError, KeyError) as err:
         raise OpsError(f"{store.url}: {err}") from None
     before, statuses = state.versions(), state.statuses()
@@ -75,8 +77,7 @@ def repair(state: SyncerState, store: FragmentStore, run: str, *, shards: int, d
             "merge_records": len(records), "counters": counters}
 
 
-def _metas(store: FragmentStore, fragment: int) -> dict[int, dict]:
-    """Every complete version's meta.json, read in parallel (one small read each: overlap them on gs://)."""
-    versions = store.versions(fragment)
+def _metas(store: FragmentStore, fragment: int, versions: list[int]) -> dict[int, dict]:
+    """These versions' meta.json, read in parallel (one small read each: overlap them on gs://)."""
     with ThreadPoolExecutor(16) as pool:
         return dict(zip(versions, pool.map(lambda v: store.read_meta(fragment, v), versions)))
