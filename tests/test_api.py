@@ -164,3 +164,19 @@ def test_the_public_api_is_one_module_reachable_from_the_package():
         assert getattr(diloco, name) is getattr(api, name)
     cfg = diloco.configure(None, model={"entry": "examples.flax_nnx_lm:spec"}, inner={"steps": 5})
     assert cfg.model.entry == "examples.flax_nnx_lm:spec" and cfg.inner.steps == 5
+
+
+def test_every_config_key_the_api_page_names_exists():
+    """docs/api.md names config keys as `section.key`; each must be a field of that section (it once
+    documented `fragments.catch_up_versions`, which never existed)."""
+    from pathlib import Path
+
+    from diloco.config import Config
+
+    text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    named = set(re.findall(r"`([a-z_]+)\.([a-z_]+)`", text))
+    sections = {name: field.annotation for name, field in Config.model_fields.items()}
+    keys = [(section, key) for section, key in sorted(named) if section in sections]
+    assert len(keys) >= 10, keys                                   # the page names config keys at all
+    missing = [f"{section}.{key}" for section, key in keys if key not in sections[section].model_fields]
+    assert missing == [], missing
