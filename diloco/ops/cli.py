@@ -274,7 +274,7 @@ def ckpt_show(url: UrlArg = None,
         head = (f"fragment {f['fragment']} v{f['version']}: {f['tokens']:,} tokens from "
                 f"{' '.join(f['contributors']) or 'nobody'} ({f['reason']}, {_when(f['time'])})"
                 + (f"; learners fetch it as a {f['update']} update" if f.get("update") else "")
-                + ("" if f.get("snapshot", True) else f"; not a snapshot: parameters from v{f['snapshot_at']} "
+                + ("" if f["snapshot"] else f"; not a snapshot: parameters from v{f['snapshot_at']} "
                                                       "plus the updates since, no outer state stored")
                 + ("" if f["committed"] else f"; [red]{NOT_COMMITTED}[/]"))
         out.print(_stats_table(head, {**{f"params/{n}": s for n, s in f["params"].items()},
