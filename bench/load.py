@@ -36,7 +36,7 @@ from diloco import messages
 from diloco.config import Config, build_config, dump_config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
-from diloco.infra.store import FragmentStore
+from diloco.infra.store import FragmentStore, Link
 from diloco.plan import make_plan
 from diloco.sim import capacity
 from diloco.syncer import state as state_mod
@@ -268,14 +268,13 @@ def _run_one(base: Config, tmp: str, jobs: LocalJobs, *, params: int, learners: 
     # contributions sent in the last two periods may wait for a quorum that stopped coming: left out
     latency = [merged_at[c] - t for c, t in sent.items() if c in merged_at and t < stop_at - 2 * period_s]
     counters = state.counters()
-    root = Path(tmp) / "store" / run_id / "fragments"
-    version_dirs = [d for d in root.glob("*/v*") if not d.name.endswith("00000000")]
-    def size(d: Path) -> int:
-        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-
-    between = [d for d in version_dirs if not json.loads((d / "meta.json").read_text()).get("snapshot", True)]
-    store_bytes = sum(size(d) for d in version_dirs)
-    update_bytes = sum(f.stat().st_size for d in version_dirs for f in d.glob("e*/update/*"))
+    store = FragmentStore(cfg.store.url, run_id)
+    merged = [Link(v, store.read_meta(p, v)) for p, held in store.catalog().items() for v in held.complete if v > 0]
+    sizes = {(link.meta["fragment"], link.version): store.stored_nbytes(link.meta["fragment"], link.version)
+             for link in merged}
+    between = [(link.meta["fragment"], link.version) for link in merged if not link.snapshot]
+    store_bytes = sum(sizes.values())
+    update_bytes = sum(link.update_nbytes for link in merged)
     merged_bytes = sum(len(encoded[m["fragment"]][1]) * len(m["ids"]) for m in window)
     return {
         "mode": "live", "run": run_id, "params_per_fragment": max(1, params // COLS) * COLS, "learners": learners, "shards": shards, "fragments": fragments,
@@ -287,10 +286,10 @@ def _run_one(base: Config, tmp: str, jobs: LocalJobs, *, params: int, learners: 
         "lag_records_start": lag_start, "lag_records_end": lag_end,
         "latency_p50_s": float(np.percentile(latency, 50)) if latency else math.nan,
         "latency_p99_s": float(np.percentile(latency, 99)) if latency else math.nan,
-        "store_bytes_per_version": store_bytes / max(len(version_dirs), 1),
-        "update_bytes_per_version": update_bytes / max(len(version_dirs), 1),
-        "store_bytes_between_snapshots": sum(size(d) for d in between) / max(len(between), 1),
-        "versions": len(version_dirs),
+        "store_bytes_per_version": store_bytes / max(len(merged), 1),
+        "update_bytes_per_version": update_bytes / max(len(merged), 1),
+        "store_bytes_between_snapshots": sum(sizes[pv] for pv in between) / max(len(between), 1),
+        "versions": len(merged),
         "syncer_peak_rss_mb": max(peak.values()),
         "cores": {k: round(v, 2) for k, v in cores.items()}, "machine_busy": round(machine_busy, 3),
         "cpu_count": os.cpu_count(),

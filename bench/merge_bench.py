@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -75,12 +74,6 @@ def merge_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_st
     return sum(len(b) for b in update.values())
 
 
-def version_bytes(root: Path, version: int) -> int:
-    """Bytes a version occupies in a file:// store (all its files)."""
-    d = root / "merge-bench" / "fragments" / "000" / f"v{version:08d}"
-    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-
-
 def reference_once(contribs: list[tuple], params: dict[str, np.ndarray], opt, opt_state, broadcast: str = "int8"
                    ) -> None:
     """The same math on the NumPy reference path (decode every contribution, stack, merge.merge_deltas,
@@ -123,8 +116,8 @@ def run(model: TransformerOptions, k: int = 4, scheme: str = "int8", repeats: in
         snap: dict[str, float] = {}
         merge_once(contribs, params, opt, opt_state, store, snapshot_every, threads=threads, times=snap,
                    snapshot_every=snapshot_every)
-        stored = {"between_snapshots": version_bytes(Path(tmp) / "store", 1),
-                  "snapshot": version_bytes(Path(tmp) / "store", snapshot_every), "update": update_bytes}
+        stored = {"between_snapshots": store.stored_nbytes(0, 1), "snapshot": store.stored_nbytes(0, snapshot_every),
+                  "update": update_bytes}
     out = {"params": sum(a.size for a in params.values()), "contributions": k, "scheme": scheme, "threads": threads,
            "payload_mb": nbytes / 1e6, "merge_s": seconds, "merge_mb_per_s": nbytes / 1e6 / seconds,
            "phases_s": {p: times.get(p, 0.0) / repeats for p in PHASES}}

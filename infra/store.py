@@ -47,8 +47,8 @@ bytes per parameter.
 Readers ask the store, never its paths: which versions there are (`versions`, `committed`,
 `committed_versions`, `catalog`; the runs under a store root: `run_ids`), what a version is made of
 (`chain`: its snapshot and the updates from there; `path`: the updates that take a reader holding
-some versions to it), a version's update (`read_update`) and its arrays (`read`, `read_params`,
-`read_blocks`). The fetcher, `restore`, `diloco ckpt`, `diloco state repair` and the syncer's
+some versions to it), a version's update (`read_update`), its arrays (`read`, `read_params`,
+`read_blocks`) and the bytes it occupies (`stored_nbytes`). The fetcher, `restore`, `diloco ckpt`, `diloco state repair` and the syncer's
 rebuild all do. Works on `file://` and `gs://` (the `gcs` driver; point TENSORSTORE_GCS_HTTP_URL at
 an emulator).
 
@@ -560,6 +560,14 @@ class FragmentStore:
                 if m.group(3) == "meta.json":
                     complete.add(int(m.group(2)))
         return {p: (folders, sorted(complete)) for p, (folders, complete) in found.items()}
+
+    def stored_nbytes(self, fragment: int, version: int) -> int:
+        """The bytes a version occupies in the store: every object of its folder (meta.json, its arrays,
+        its update), read back."""
+        prefix = self._dir(fragment, version)
+        keys = self._kv.list(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()
+        reads = [self._kv.read(k.decode() if isinstance(k, bytes) else k) for k in keys]
+        return sum(len(r.result().value) for r in reads)
 
     def exists(self) -> bool:
         """Whether anything of the run is stored (its plan.json or versions)."""

@@ -71,3 +71,12 @@ def test_an_update_that_does_not_come_from_an_earlier_version_is_refused(tmp_pat
     for walk in (lambda: store.chain(0, 4), lambda: store.path(0, 4), lambda: store.read_params(0, 4)):
         with pytest.raises(StoreError, match="fragment 0 v4 is an update from v4"):
             walk()
+
+
+def test_the_store_says_how_many_bytes_a_version_occupies(tmp_path):
+    """What the benchmarks report as store bytes, on any store (they once summed a file:// folder's files)."""
+    store, _ = _store(tmp_path)
+    for v in (1, 3):
+        folder = tmp_path / "r" / "fragments" / "000" / f"v{v:08d}"
+        assert store.stored_nbytes(0, v) == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert store.path(0, 1)[0].update_nbytes < store.stored_nbytes(0, 1) < store.stored_nbytes(0, 3)  # a snapshot holds more
