@@ -16,6 +16,8 @@ The protocol, over a Unix socket, one connection per job:
   runner -> server: JSON {"module": "diloco", "argv": [...], "cwd": "..."}, with the child's stdin and output descriptors
   server -> runner: "<pid>\\n" once forked, "<exit code>\\n" when it ends (negative: killed by that signal)
 The server stops when its standard input closes (the runner closed it, or the runner died).
+The server forks one job at a time, so a client that sends no request within `request_timeout_s` of
+connecting is dropped rather than waited on.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ import setproctitle
 
 PRELOAD = ("diloco.cli", "diloco.learners.learner", "diloco.syncer.service")
 READY = b"ready\n"
+# The runner sends its request as soon as it connects: a client that has sent none after this long is
+# dropped, since the server is single-threaded and every spawn behind it would wait.
+REQUEST_TIMEOUT_S = 10.0
 
 
 class ForkedProcess:
@@ -110,12 +115,14 @@ def read_pid(conn: socket.socket) -> tuple[int, bytes]:
 class ForkServer:
     """The runner's side: start the server with `env`, then `spawn` jobs from it."""
 
-    def __init__(self, env: dict[str, str], log: Path, ready_timeout_s: float = 60.0):
+    def __init__(self, env: dict[str, str], log: Path, ready_timeout_s: float = 60.0,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S):
         self.ready_timeout_s = ready_timeout_s
         self.dir = tempfile.mkdtemp(prefix="diloco-fork-")  # short: a socket path has 107 bytes at most
         self.path = os.path.join(self.dir, "socket")
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "diloco.infra.forkserver", self.path], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "diloco.infra.forkserver", self.path,
+                                          str(request_timeout_s)], env=env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out)
         self._ready: bool | None = None
 
@@ -162,8 +169,9 @@ class ForkServer:
 
 # The server's side.
 
-def serve(path: str) -> dict:
-    """Load, listen and fork until standard input closes. Returns only in a forked child: its request."""
+def serve(path: str, request_timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
+    """Load, listen and fork until standard input closes. Returns only in a forked child: its request.
+    A client that sends no request within `request_timeout_s` of connecting is dropped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the runner, which stops the jobs
     for name in PRELOAD:
         try:
@@ -192,6 +200,7 @@ def serve(path: str) -> dict:
         if listener in readable:
             conn, fds = listener.accept()[0], []
             try:
+                conn.settimeout(request_timeout_s)  # TimeoutError: one silent client must not stall every spawn
                 message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
                 request = json.loads(message)
                 pid = os.fork()
@@ -257,6 +266,6 @@ def become(request: dict) -> None:
 
 
 if __name__ == "__main__":
-    request = serve(sys.argv[1])
+    request = serve(sys.argv[1], *map(float, sys.argv[2:3]))
     become(request)
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

@@ -191,3 +191,27 @@ def test_a_runner_that_hangs_up_during_a_spawn_leaves_the_server_serving(server,
             os.close(fd)
     child, log = _spawn(server, tmp_path, "exit", "4")
     assert child.wait(30) == 4 and server.proc.poll() is None
+
+
+def test_a_client_that_connects_and_sends_nothing_does_not_stall_the_server(tmp_path):
+    """The single-threaded server waited on such a client's request for ever, and every spawn after it
+    with it. A request must come within request_timeout_s of the connection; the client is dropped."""
+    import socket
+    import threading
+
+    forks = ForkServer(_env(), tmp_path / "forkserver.log", request_timeout_s=0.5)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert forks.ready()
+        silent.connect(forks.path)
+        spawned = []
+        spawning = threading.Thread(target=lambda: spawned.append(_spawn(forks, tmp_path, "exit", "5")), daemon=True)
+        spawning.start()
+        spawning.join(30)
+        assert spawned, "the spawn after a silent client got no pid"
+        child, _ = spawned[0]
+        assert child.wait(30) == 5 and forks.proc.poll() is None
+        assert "TimeoutError" in (tmp_path / "forkserver.log").read_text()
+    finally:
+        silent.close()
+        forks.close()
