@@ -58,7 +58,7 @@ def prepare(ctx: typer.Context,
     learner + held-out.
 
     Bad rows of JSON Lines / Parquet files are skipped and counted per reason (not_utf8, not_json,
-    not_an_object, missing_field, not_a_string, empty) under bad_rows in manifest.json; a record file
+    not_an_object, missing_field, not_a_string, empty, too_long) under bad_rows in manifest.json; a record file
     that cannot be read at all (e.g. a corrupt .gz or .parquet) is an error naming it.
     """
     from diloco.learners.data import DataError

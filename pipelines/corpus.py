@@ -277,7 +277,10 @@ class ReadNormalised(beam.DoFn):
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_SUFFIXES = (".parquet",)
 # Why a row is not a document; each is counted as `bad_rows_<reason>` and reported under `bad_rows`.
-BAD_ROW_REASONS = ("not_utf8", "not_json", "not_an_object", "missing_field", "not_a_string", "empty")
+BAD_ROW_REASONS = ("not_utf8", "not_json", "not_an_object", "missing_field", "not_a_string", "empty", "too_long")
+# A JSON Lines row longer than this (its line end aside) is skipped as too_long, read and dropped in pieces:
+# a few kilobytes of .jsonl.zst can hold a line of gigabytes, and one row costs a few times its length in memory.
+MAX_JSON_LINE_BYTES = 32 << 20
 PARQUET_BATCH_ROWS = 1024   # rows per Parquet read: a file streams, it is never read whole
 # What reading or decompressing a record file raises when the file itself is broken.
 READ_ERRORS = (OSError, EOFError, ValueError, zlib.error, zstandard.ZstdError, pa.ArrowException, BeamIOError)
@@ -340,11 +343,27 @@ def _decompressed(path: str, raw):
     return raw
 
 
-def jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str | None, str | None]]:
-    """(line number, text, reason) per non-blank line, streamed (blank lines are not records)."""
+def bounded_lines(f, limit: int) -> Iterator[bytes | None]:
+    """The lines of a binary stream, each read `limit` bytes (and its line end) at most; None for a longer
+    line, whose rest is read and dropped `limit` bytes at a time rather than held."""
+    while line := f.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(limit)
+        yield None
+
+
+def jsonl_rows(path: str, field: str, max_line_bytes: int = MAX_JSON_LINE_BYTES
+               ) -> Iterator[tuple[int, str | None, str | None]]:
+    """(line number, text, reason) per non-blank line, streamed (blank lines are not records); a line
+    longer than `max_line_bytes` is too_long."""
     with FileSystems.open(path, compression_type="uncompressed") as raw, _decompressed(path, raw) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
+        for n, line in enumerate(bounded_lines(f, max_line_bytes), 1):
+            if line is None:
+                yield n, None, "too_long"
+            elif line.strip():
                 yield n, *json_line_text(line, field)
 
 

@@ -90,6 +90,33 @@ def test_jsonl_rows_number_lines_and_skip_blank_ones(tmp_path):
     assert list(cp.jsonl_rows(str(path), "text")) == [(1, "one", None), (4, None, "not_json"), (5, "two", None)]
 
 
+def test_a_json_line_longer_than_the_bound_is_a_bad_row_read_in_bounded_pieces(tmp_path):
+    """A 6.4 KB .jsonl.zst holding one 200 MB line was read whole (a peak of 1 GB for one row): a line is
+    read at most `max_line_bytes` at a time, and a longer one is skipped as too_long."""
+    import tracemalloc
+
+    bound = 1 << 20
+    at_bound = b'{"text": "' + b"y" * (bound - 12) + b'"}'
+    path = tmp_path / "a.jsonl.zst"
+    with open(path, "wb") as raw, zstandard.ZstdCompressor().stream_writer(raw) as f:
+        f.write(_line({"text": "one"}) + b'{"text": "')
+        for _ in range(64):   # one 64 MiB line
+            f.write(b"x" * bound)
+        f.write(b'"}\n' + at_bound + b"\n" + at_bound + b"z\n" + _line({"text": "two"}) + at_bound)
+    assert path.stat().st_size < 64 << 10
+    tracemalloc.start()
+    try:
+        rows = list(cp.jsonl_rows(str(path), "text", max_line_bytes=bound))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(n, text and text[:3], reason) for n, text, reason in rows] == [
+        (1, "one", None), (2, None, "too_long"), (3, "yyy", None), (4, None, "too_long"), (5, "two", None),
+        (6, "yyy", None)]   # a line of exactly the bound, its line end aside, is read (the last has none)
+    assert peak < 16 * bound, peak
+    assert "too_long" in cp.BAD_ROW_REASONS
+
+
 def test_parquet_rows_stream_batches_and_a_missing_column_is_missing_field(tmp_path):
     path = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": [f"doc {i}" for i in range(7)]}), path, row_group_size=3)
