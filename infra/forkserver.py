@@ -14,7 +14,10 @@ TensorStore contexts and every client are made in the child.
 
 The protocol, over a Unix socket, one connection per job:
   runner -> server: JSON {"module": "diloco", "argv": [...], "cwd": "..."}, with the child's stdin and output descriptors
-  server -> runner: "<pid>\\n" once forked, "<exit code>\\n" when it ends (negative: killed by that signal)
+  server -> runner: "<pid>\\n" once forked, with a pidfd of the job where the system has them (Linux 5.3+),
+                    "<exit code>\\n" when it ends (negative: killed by that signal)
+The runner signals a job through its pidfd, never by number: the server reaps a job before it sends
+the exit code, and init reaps it once the server is gone, so its pid may already name another process.
 The server stops when its standard input closes (the runner closed it, or the runner died).
 The server forks one job at a time, so a client that sends no request within `request_timeout_s` of
 connecting is dropped rather than waited on.
@@ -48,9 +51,11 @@ REQUEST_TIMEOUT_S = 10.0
 class ForkedProcess:
     """A job forked by the server, with the part of `subprocess.Popen` the job backend uses."""
 
-    def __init__(self, args: list[str], conn: socket.socket, pid: int, pending: bytes = b""):
-        """`pending`: what the server sent after the pid line (a job that ended at once: its exit code)."""
-        self.args, self.pid, self.returncode = args, pid, None
+    def __init__(self, args: list[str], conn: socket.socket, pid: int, pending: bytes = b"",
+                 pidfd: int | None = None):
+        """`pending`: what the server sent after the pid line (a job that ended at once: its exit code);
+        `pidfd`: the job's, which this object owns (None: signal it by pid)."""
+        self.args, self.pid, self.returncode, self.pidfd = args, pid, None, pidfd
         self.stdin = None  # the writing end of a spare's stdin pipe, set by the job backend
         self._conn, self._pending = conn, pending
         if pending.endswith(b"\n"):
@@ -70,10 +75,7 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:  # exited, its code not read yet
-                pass
+            self._signal(sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -86,30 +88,49 @@ class ForkedProcess:
         if data:
             self._ended(int(self._pending))
         else:  # the server died before the child ended: nobody can read its exit code, so end it
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._signal(signal.SIGKILL)
             self._ended(-signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        """Signal the job, through its pidfd where there is one: by then its pid may name another process."""
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            else:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:  # exited, its code not read yet
+            pass
 
     def _ended(self, code: int) -> None:
         self.returncode = code
         self._conn.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
         if self.stdin is not None:
             self.stdin.close()
 
 
-def read_pid(conn: socket.socket) -> tuple[int, bytes]:
-    """(the forked job's pid, what came after its line): a job that ends at once has its exit code
-    line arrive in the same read."""
-    reply = b""
-    while b"\n" not in reply:
-        data = conn.recv(64)
-        if not data:
-            raise OSError("the fork server closed the connection before forking")
-        reply += data
-    line, _, rest = reply.partition(b"\n")
-    return int(line), rest
+def read_pid(conn: socket.socket) -> tuple[int, bytes, int | None]:
+    """(the forked job's pid, what came after its line, its pidfd or None): a job that ends at once has
+    its exit code line arrive in the same read."""
+    reply, pidfds = b"", []
+    try:
+        while b"\n" not in reply:
+            data, fds, _, _ = socket.recv_fds(conn, 64, 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+            pidfds += fds
+            if not data:
+                raise OSError("the fork server closed the connection before forking")
+            reply += data
+        line, _, rest = reply.partition(b"\n")
+        pid = int(line)
+    except BaseException:
+        for fd in pidfds:
+            os.close(fd)
+        raise
+    for fd in pidfds[1:]:
+        os.close(fd)
+    return pid, rest, (pidfds[0] if pidfds else None)
 
 
 class ForkServer:
@@ -141,11 +162,11 @@ class ForkServer:
         try:
             conn.connect(self.path)
             socket.send_fds(conn, [json.dumps({"module": module, "argv": argv, "cwd": os.getcwd()}).encode()], [stdin, out])
-            pid, rest = read_pid(conn)
+            pid, rest, pidfd = read_pid(conn)
         except BaseException:
             conn.close()
             raise
-        return ForkedProcess([sys.executable, "-m", module, *argv], conn, pid, rest)
+        return ForkedProcess([sys.executable, "-m", module, *argv], conn, pid, rest, pidfd)
 
     def close(self) -> None:
         """Stop the server (the jobs it forked run on); idempotent."""
@@ -221,13 +242,27 @@ def serve(path: str, request_timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
             for fd in fds:
                 os.close(fd)
             try:
-                conn.sendall(f"{pid}\n".encode())
+                _send_pid(conn, pid)
             except OSError:  # the runner hung up while it was forked: nobody tracks the job, so end it
                 print(f"fork server: the runner left during a spawn; ending job {pid}", file=sys.stderr, flush=True)
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this job's
                 conn.close()
                 continue
             children[pid] = conn
+
+
+def _send_pid(conn: socket.socket, pid: int) -> None:
+    """The pid line, with a pidfd of the job where the system has them. The job is not reaped yet (only
+    `_reap` waits), so the pidfd is surely of this job."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfds here (before Linux 5.3, or not Linux)
+        conn.sendall(f"{pid}\n".encode())
+        return
+    try:
+        socket.send_fds(conn, [f"{pid}\n".encode()], [pidfd])
+    finally:
+        os.close(pidfd)
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

@@ -141,8 +141,8 @@ def test_a_job_that_ends_at_once_has_its_pid_and_exit_code_read_from_one_message
     runner, server_end = socket.socketpair()
     try:
         server_end.sendall(b"4242\n3\n")
-        pid, rest = read_pid(runner)
-        job = ForkedProcess(["x"], runner, pid, rest)
+        pid, rest, pidfd = read_pid(runner)
+        job = ForkedProcess(["x"], runner, pid, rest, pidfd)
         assert (job.pid, job.poll(), job.wait(timeout=0)) == (4242, 3, 3)
     finally:
         server_end.close()
@@ -215,3 +215,35 @@ def test_a_client_that_connects_and_sends_nothing_does_not_stall_the_server(tmp_
     finally:
         silent.close()
         forks.close()
+
+
+def test_a_job_is_signalled_through_its_pidfd_never_by_a_pid_that_may_be_reused(server, tmp_path):
+    """When the server died, the runner SIGKILLed the job by number: had the job ended and been reaped
+    by init meanwhile, that pid could name another process by then. The server sends a pidfd with the
+    pid, and the runner signals through it. The test cannot make the kernel reuse a pid: it hands the
+    runner the pid of a live bystander with the pidfd of a job that has ended and been reaped."""
+    import socket
+
+    from diloco.infra.forkserver import ForkedProcess, read_pid
+
+    child, _ = _spawn(server, tmp_path, "sleep")
+    assert child.pidfd is not None   # the server sent one
+    child.kill()
+    assert child.wait(30) == -signal.SIGKILL and child.pidfd is None
+
+    ended = subprocess.Popen(["true"])
+    pidfd = os.pidfd_open(ended.pid)
+    ended.wait()                                  # reaped: its pid is free for another process
+    bystander = subprocess.Popen(["sleep", "60"])  # stands in for the process that took it
+    runner, server_end = socket.socketpair()
+    try:
+        socket.send_fds(server_end, [f"{bystander.pid}\n".encode()], [pidfd])
+        os.close(pidfd)
+        job = ForkedProcess(["x"], runner, *read_pid(runner))
+        server_end.close()                        # the server died
+        assert job.wait(5) == -signal.SIGKILL
+        with pytest.raises(subprocess.TimeoutExpired):   # the bystander lives on
+            bystander.wait(1)
+    finally:
+        bystander.kill()
+        bystander.wait()
