@@ -21,6 +21,10 @@ the exit code, and init reaps it once the server is gone, so its pid may already
 The server stops when its standard input closes (the runner closed it, or the runner died).
 The server forks one job at a time, so a client that sends no request within `request_timeout_s` of
 connecting is dropped rather than waited on.
+Every job has a runner to stop it and read its exit code: if the runner hangs up before the server
+has sent it the pid (it was stopped or died mid-spawn), the server SIGKILLs the job it just forked
+instead of leaving it to train untracked, and serves on; if the server dies, the runner SIGKILLs the
+jobs it forked (their exit codes are lost with it). Jobs outlive a runner that dies, as cold ones do.
 """
 
 from __future__ import annotations

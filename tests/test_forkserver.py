@@ -174,8 +174,9 @@ def test_one_failed_fork_starts_that_job_from_scratch_and_keeps_the_warm_ones(tm
         jobs.stop_all()
 
 
-def test_a_runner_that_hangs_up_during_a_spawn_leaves_the_server_serving(server, tmp_path):
-    """The server's send of the pid to a runner that had gone raised BrokenPipeError and killed it."""
+def test_a_runner_that_hangs_up_during_a_spawn_leaves_the_server_serving_and_no_job_untracked(server, tmp_path):
+    """The server's send of the pid to a runner that had gone raised BrokenPipeError and killed it, and
+    the job just forked trained on with nobody to stop it or read its exit code: the server ends it."""
     import json as json_mod
     import socket
 
@@ -191,6 +192,22 @@ def test_a_runner_that_hangs_up_during_a_spawn_leaves_the_server_serving(server,
             os.close(fd)
     child, log = _spawn(server, tmp_path, "exit", "4")
     assert child.wait(30) == 4 and server.proc.poll() is None
+    deadline = time.monotonic() + 10
+    while _jobs_in(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _jobs_in(tmp_path) == []
+
+
+def _jobs_in(folder: Path) -> list[int]:
+    """The live processes working in `folder`: the jobs forked for requests naming it as their cwd."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "cwd") == str(folder) and _alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
 
 
 def test_a_client_that_connects_and_sends_nothing_does_not_stall_the_server(tmp_path):
