@@ -497,5 +497,5 @@ def test_the_learner_bench_puts_a_session_beside_the_plain_loop_and_counts_what_
     assert row["library_steps"]["sync"] > 0 and row["library_steps"]["apply"] > 0     # the syncer merged and sent back
     assert row["library_ms_per_step"]["sync"] > 0 and row["library_ms_per_step"]["apply"] > 0
     assert row["device_bytes_library"] <= row["largest_fragment_bytes"]   # codes in flight, no copy of the model
-    assert row["param_bytes"] <= row["host_bytes_library"]               # the anchors (float32) are on the host
+    assert row["param_bytes"] <= row["host_bytes_library"]               # the anchors: the fetched snapshot and codes, on the host
     assert learner_bench.table(rows).count("| paper |") == 1
