@@ -15,15 +15,16 @@ TensorStore contexts and every client are made in the child.
 The protocol, over a Unix socket, one connection per job:
   runner -> server: JSON {"module": "diloco", "argv": [...], "cwd": "..."}, with the child's stdin and output descriptors
   server -> runner: "<pid>\\n" once forked, with a pidfd of the job where the system has them (Linux 5.3+),
+  runner -> server: "ok\\n" once it holds the pid (it tracks the job from then on),
                     "<exit code>\\n" when it ends (negative: killed by that signal)
 The runner signals a job through its pidfd, never by number: the server reaps a job before it sends
 the exit code, and init reaps it once the server is gone, so its pid may already name another process.
 The server stops when its standard input closes (the runner closed it, or the runner died).
 The server forks one job at a time, so a client that sends no request within `request_timeout_s` of
 connecting is dropped rather than waited on.
-Every job has a runner to stop it and read its exit code: if the runner hangs up before the server
-has sent it the pid (it was stopped or died mid-spawn), the server SIGKILLs the job it just forked
-instead of leaving it to train untracked, and serves on; if the server dies, the runner SIGKILLs the
+Every job has a runner to stop it and read its exit code: if the runner hangs up before it has
+acknowledged the pid (it was stopped or died mid-spawn, before or after the pid was sent), the server
+SIGKILLs the job it just forked instead of leaving it to train untracked, and serves on; if the server dies, the runner SIGKILLs the
 jobs it forked (their exit codes are lost with it). Jobs outlive a runner that dies, as cold ones do.
 """
 
@@ -47,6 +48,7 @@ import setproctitle
 
 PRELOAD = ("diloco.cli", "diloco.learners.learner", "diloco.syncer.service")
 READY = b"ready\n"
+ACK = b"ok\n"  # the runner holds the pid: the job is tracked
 # The runner sends its request as soon as it connects: a client that has sent none after this long is
 # dropped, since the server is single-threaded and every spawn behind it would wait.
 REQUEST_TIMEOUT_S = 10.0
@@ -85,7 +87,10 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
     def _read(self) -> None:
-        data = self._conn.recv(64)
+        try:
+            data = self._conn.recv(64)
+        except ConnectionResetError:  # the server died with our acknowledgement unread: as an end of stream
+            data = b""
         self._pending += data
         if data and not self._pending.endswith(b"\n"):
             return
@@ -167,6 +172,10 @@ class ForkServer:
             conn.connect(self.path)
             socket.send_fds(conn, [json.dumps({"module": module, "argv": argv, "cwd": os.getcwd()}).encode()], [stdin, out])
             pid, rest, pidfd = read_pid(conn)
+            try:
+                conn.sendall(ACK)  # from now on the job is this runner's to stop
+            except OSError:  # a job that ended at once: the server sent its exit code and hung up
+                pass
         except BaseException:
             conn.close()
             raise
@@ -215,13 +224,21 @@ def serve(path: str, request_timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
     sys.stdout.buffer.write(READY)
     sys.stdout.flush()
     children: dict[int, socket.socket] = {}
+    unacknowledged: dict[int, socket.socket] = {}  # jobs whose runner has not said it holds the pid yet
     while True:
-        readable = select.select([sys.stdin, listener, wake_r], [], [])[0]
+        readable = select.select([sys.stdin, listener, wake_r, *unacknowledged.values()], [], [])[0]
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
             raise SystemExit(0)
         if wake_r in readable:
             os.read(wake_r, 4096)
             _reap(children)
+            unacknowledged = {pid: c for pid, c in unacknowledged.items() if pid in children}
+        for pid, conn in list(unacknowledged.items()):
+            if conn in readable:
+                del unacknowledged[pid]
+                if not _acknowledged(conn):  # the runner left with the pid unread: nobody tracks the job
+                    print(f"fork server: the runner left during a spawn; ending job {pid}", file=sys.stderr, flush=True)
+                    os.kill(pid, signal.SIGKILL)  # in `children`, so not reaped yet: the pid is still this job's
         if listener in readable:
             conn, fds = listener.accept()[0], []
             try:
@@ -252,7 +269,15 @@ def serve(path: str, request_timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
                 os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this job's
                 conn.close()
                 continue
-            children[pid] = conn
+            children[pid] = unacknowledged[pid] = conn
+
+
+def _acknowledged(conn: socket.socket) -> bool:
+    """Whether what the runner sent after the pid is its acknowledgement (else it hung up)."""
+    try:
+        return conn.recv(len(ACK)) == ACK
+    except OSError:
+        return False
 
 
 def _send_pid(conn: socket.socket, pid: int) -> None:

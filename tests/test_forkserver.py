@@ -176,16 +176,24 @@ def test_one_failed_fork_starts_that_job_from_scratch_and_keeps_the_warm_ones(tm
 
 def test_a_runner_that_hangs_up_during_a_spawn_leaves_the_server_serving_and_no_job_untracked(server, tmp_path):
     """The server's send of the pid to a runner that had gone raised BrokenPipeError and killed it, and
-    the job just forked trained on with nobody to stop it or read its exit code: the server ends it."""
+    the job just forked trained on with nobody to stop it or read its exit code: the server ends it.
+    A runner that hangs up after the pid was sent, before it said it holds it, is the same case (on a
+    loaded machine the server's send can come before the hang-up: CI caught one such job left running)."""
     import json as json_mod
     import socket
 
-    for _ in range(3):
+    from diloco.infra.forkserver import read_pid
+
+    for pid_sent_first in (False, False, True, True):
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(server.path)
         request = {"module": "forked_child", "argv": ["sleep"], "cwd": str(tmp_path)}
         fds = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)]
         socket.send_fds(conn, [json_mod.dumps(request).encode()], fds)
+        if pid_sent_first:
+            _, _, pidfd = read_pid(conn)
+            if pidfd is not None:
+                os.close(pidfd)
         conn.shutdown(socket.SHUT_RDWR)
         conn.close()
         for fd in fds:
