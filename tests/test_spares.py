@@ -117,10 +117,14 @@ def test_a_warm_spare_takes_a_killed_learners_place_within_seconds(tiny_config):
     s = finish(setup, run, console)
     assert s["kills"] == {"us-0": 1} and s["restarts"] == {"us-0": 1}
     [handover] = s["spare_handovers"]
-    assert handover["learner"] == "us-0" and handover["spare"] == "spare-0" and handover["start_step"] >= 20
-    # the killed learner's next incarnation is the spare's process: it joined as us-0, from that step
+    assert handover["learner"] == "us-0" and handover["spare"] == "spare-0"
+    # the killed learner's next incarnation is the spare's process: it joined as us-0, mid-run, from the
+    # step the runner read off the syncer's records (beats are advisory: issue 53 H2). Not asserted here:
+    # that the point is exact. A contribution acked by the broker just before the kill can be accepted
+    # after the handover read the records (seen here: resumed at 20, a delta [17, 27) accepted later), so
+    # those steps of its fragment train twice; issue 53 item 4 tracks that race.
     [joined] = _records(logs / "spare-0.log", "joined")
-    assert joined["learner"] == "us-0"
+    assert joined["learner"] == "us-0" and joined["start_step"] == handover["start_step"] > 0
     assert _records(logs / "spare-0.log", "finished")[-1]["step"] == 200
     incarnations = Counter(lid for lid, _ in {(e["learner"], e["incarnation"]) for e in run_events(cfg, s["run_id"])
                                               if e["kind"] == "heartbeat"})
