@@ -110,19 +110,10 @@ class Anchors:
         moving = [i for i, (n, a) in enumerate(zip(names, kept))
                   if isinstance(a, jax.Array) and n in self._sharding and a.sharding != self._sharding[n]]
         made = [(self._made[n], self._sharding[n]) for n in names if n in self._made] + list(versions)
-        bases: dict[int, int] = {}
-        values, where = [kept[i] for i in moving], [self._sharding[names[i]] for i in moving]
-        for m, sharding in made:
-            if id(m.base) not in bases:
-                bases[id(m.base)] = len(values)
-                values.append(m.base)
-                where.append(sharding)
-        codes = [m.codes() for m, _ in made]
-        where += [jax.tree.map(lambda _, sh=sh: _replicated(sh), c) for (_, sh), c in zip(made, codes)]
-        placed = jax.device_put(values + codes, where) if values else []
-        for i, a in zip(moving, placed):
+        moved, built = _placed([kept[i] for i in moving], [self._sharding[names[i]] for i in moving], made)
+        for i, a in zip(moving, moved):
             kept[i] = a
-        built = iter(((placed[bases[id(m.base)]], placed[len(values) + k]), m.recipe()) for k, (m, _) in enumerate(made))
+        built = iter(built)
         return [next(built) if n in self._made else (a, None) for n, a in zip(names, kept)], list(built)
 
     def _dtype(self, name: str):
@@ -192,6 +183,29 @@ class Anchors:
         return out
 
 
+def _placed(arrays: list, shardings: list, made: list[tuple[MadeOf, Any]]) -> tuple[list, list]:
+    """`arrays` placed by `shardings`, and each (MadeOf, sharding) of `made` as a source `_value`
+    builds ((base, codes) on the devices, its recipe), in one transfer: a base shared by several
+    crosses once."""
+    bases: dict[int, int] = {}
+    values, where = list(arrays), list(shardings)
+    for m, sharding in made:
+        if id(m.base) not in bases:
+            bases[id(m.base)] = len(values)
+            values.append(m.base)
+            where.append(sharding)
+    codes = [m.codes() for m, _ in made]
+    where += [jax.tree.map(lambda _, sh=sh: _replicated(sh), c) for (_, sh), c in zip(made, codes)]
+    placed = jax.device_put(values + codes, where) if values else []
+    built = [((placed[bases[id(m.base)]], placed[len(values) + k]), m.recipe()) for k, (m, _) in enumerate(made)]
+    return placed[:len(arrays)], built
+
+
+def _made_here(made_of: Mapping[str, tuple], leaves: Mapping[str, Any], names: list[str]) -> list[str]:
+    """The tensors of `names` whose version is built on the devices from what it is made of."""
+    return [n for n in names if n in made_of and _buildable(leaves[n], *made_of[n])]
+
+
 def _buildable(like, base: np.ndarray, update: quantize.Coded | None) -> bool:
     """Whether a value placed like `like` can be built on the devices from `base` and `update`: one
     process holds the whole array, and the update's codec has a device decoder."""
@@ -205,8 +219,8 @@ def version_on_devices(made_of: Mapping[str, tuple], leaves: Mapping[str, Any], 
     can be (`made_of[n]`: (base, update code), see learners.fetcher.Fetched) it is decoded on the
     devices, bit for bit quantize.apply_update: only the base and the codes cross. The others are
     placed from `blocks(those names)`, this host's blocks of each (plan.place_blocks)."""
-    here = [n for n in names if n in made_of and _buildable(leaves[n], *made_of[n])]
-    _, sources = Anchors().sources([], [(MadeOf(*made_of[n]), leaves[n].sharding) for n in here])
+    here = _made_here(made_of, leaves, names)
+    _, sources = _placed([], [], [(MadeOf(*made_of[n]), leaves[n].sharding) for n in here])
     out = {n: _version(src, recipe, jnp.dtype(leaves[n].dtype)) for n, (src, recipe) in zip(here, sources)}
     rest = [n for n in names if n not in out]
     if rest:
@@ -334,7 +348,7 @@ def rebase(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], made_o
     version_on_devices) or, for the tensors that cannot be built on the devices, as this host's
     `blocks(names)`. The anchors become the new version (kept as `made_of` it where they can be).
     One jitted call per tensor, after one transfer of the bases and codes."""
-    here = [n for n in names if n in made_of and _buildable(leaves[n], *made_of[n])]
+    here = _made_here(made_of, leaves, names)
     rest = [n for n in names if n not in here]
     placed = place_all(blocks(rest), leaves) if rest else {}
     used, built = anchors.sources(names if mode == "rebase" else [],
