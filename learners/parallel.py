@@ -72,6 +72,16 @@ class LearnerMesh:
     def devices(self) -> int:
         return self.mesh.size
 
+    @property
+    def is_leader(self) -> bool:
+        """Deprecated (nothing in the library reads it; to be removed in the next release): whether
+        this is host 0, `jax.process_index() == 0`."""
+        import warnings
+
+        warnings.warn("LearnerMesh.is_leader is deprecated: use jax.process_index() == 0", DeprecationWarning,
+                      stacklevel=2)
+        return jax.process_index() == 0
+
     def shard(self, tree, specs=None):
         """Host values (NumPy or JAX arrays) placed on the mesh by `specs`, a tree of PartitionSpecs
         like `tree` (default: `fsdp_specs`). Each device receives only its block."""

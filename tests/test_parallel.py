@@ -57,3 +57,14 @@ def test_a_batch_that_does_not_split_over_the_devices_is_refused():
             "learner_mesh(build_config({'inner': {'batch_size': 8}}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "must be divisible by the learner's 3 data x fsdp devices" in out.stderr
+
+
+def test_the_deprecated_is_leader_still_answers_and_warns():
+    import pytest
+
+    from diloco.config import build_config
+    from diloco.learners.parallel import learner_mesh
+
+    mesh = learner_mesh(build_config({"inner": {"batch_size": 8}}))
+    with pytest.warns(DeprecationWarning, match="is_leader"):
+        assert mesh.is_leader is True
