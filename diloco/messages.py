@@ -302,6 +302,7 @@ class Reason(StrEnum):
     NORM_OUTLIER = "norm_outlier"
     MERGE_FAILED = "merge_failed"
     LOST_PAYLOAD = "lost_payload"
+    BAD_SIGNATURE = "bad_signature"  # a signed run's frame unsigned, signed by another key, or for another's set
     INTERNAL_ERROR = "internal_error"
 
 
@@ -317,6 +318,7 @@ class _Partial:
     first_offset: int | None = None
     where: str = ""
     conflicts: int = 0              # repeated chunk indexes with other bytes than the copy kept (the first)
+    signer: str | None = None       # the learner that signed its first frame (a signed run's; diloco.signing)
     started: int = 0                # the assembler's count of sets when this one began: which of two came first
 
 
@@ -421,8 +423,14 @@ class ChunkAssembler:
         """Count `nbytes` read from partition `where` (every record, whatever becomes of it)."""
         self._read[where] = self._read.get(where, 0) + nbytes
 
+    def signer(self, cid: str, where: str) -> str | None:
+        """Who signed the first frame of the set of `cid` being assembled at `where` (None: no such set,
+        or unsigned)."""
+        part = self._partial.get((where, cid))
+        return None if part is None else part.signer
+
     def add(self, header: Mapping, payload: bytes, *, now: float, offset: int | None = None,
-            where: str = "") -> Assembled | Dropped | None:
+            where: str = "", signer: str | None = None) -> Assembled | Dropped | None:
         cid = header.get("id")
         if not isinstance(cid, str) or not cid:
             raise WireError("frame header has no contribution id")
@@ -430,7 +438,7 @@ class ChunkAssembler:
         part = self._partial.pop(key, None)
         if part is None:
             self._started += 1
-            part = _Partial(where=where, started=self._started)
+            part = _Partial(where=where, started=self._started, signer=signer)
         self._partial[key] = part                # to the back: it progressed last
         part.idle_s, part.mark = 0.0, self._read.get(where, 0)
         if offset is not None and (part.first_offset is None or offset < part.first_offset):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kafka.errors import KafkaError
 
-from diloco import messages
+from diloco import messages, signing
 from diloco.config import Config
 from diloco.device_codec import DeviceCode
 from diloco.infra import kafka as kafka_io
@@ -47,6 +47,9 @@ class Publisher(threading.Thread):
         self.queue: queue.Queue = queue.Queue(maxsize=PUBLISH_QUEUE)
         self.error: BaseException | None = None
         self.on_published = None   # called after each contribution is acked (the heartbeat says so at once)
+        # with run.signing_secret_env set, each frame is signed with this learner's own key (diloco.signing)
+        self.key = (signing.read_key(signing.key_path(cfg.keys_dir(run_id), learner))
+                    if cfg.run.signing_secret_env else None)
 
     def run(self) -> None:
         while (job := self.queue.get()) is not None:
@@ -77,7 +80,8 @@ class Publisher(threading.Thread):
         delay = 0.5
         while True:  # resend the whole contribution until acked: the syncer drops repeats by id
             try:
-                futures = [self.producer.send(topic, f, key=key, partition=part) for f in frames]
+                futures = [self.producer.send(topic, f, key=key, partition=part, headers=self._headers(f))
+                           for f in frames]
                 self.producer.flush(timeout=30)
                 for fut in futures:
                     fut.get(timeout=30)
@@ -98,6 +102,9 @@ class Publisher(threading.Thread):
                                      "cursor": None if cursor is None else list(cursor)})
         if self.on_published is not None:
             self.on_published()
+
+    def _headers(self, frame: bytes) -> list[tuple[str, bytes]] | None:
+        return None if self.key is None else signing.headers(self.learner, self.key, frame)
 
 
 class Heartbeat(threading.Thread):

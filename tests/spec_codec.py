@@ -6,6 +6,8 @@ hold the project's codec, syncer and Kafka client against this one and against l
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import struct
@@ -215,3 +217,15 @@ def heartbeat(*, run: str, learner: str, step: int, tokens: int, state: str = "r
         "versions_applied": 0, "step_time": 0.01, "compute_s": 0.01, "at": time.time(), "loss": None,
         "state": state, "versions": {},
     }).encode()
+
+
+def learner_key(secret: bytes, run: str, learner: str) -> bytes:
+    """K(L) of the spec's "Signatures": HMAC-SHA256 of the label, the run and the learner, 0-separated."""
+    return hmac.new(secret, b"diloco learner key v1" + b"\x00" + run.encode() + b"\x00" + learner.encode(),
+                    hashlib.sha256).digest()
+
+
+def signed_headers(secret: bytes, run: str, learner: str, value: bytes) -> list[tuple[str, bytes]]:
+    """The two record headers that sign a frame (`value`) as `learner`'s."""
+    return [("diloco-learner", learner.encode()),
+            ("diloco-sig", hmac.new(learner_key(secret, run, learner), value, hashlib.sha256).digest())]

@@ -87,6 +87,44 @@ def test_the_specs_codec_vectors_are_what_both_codecs_write_and_read(scheme, val
                                   spec.decode(bytes.fromhex(hexed), x.shape, scheme))
 
 
+def test_the_specs_signing_vectors_are_what_both_codecs_derive_and_sign():
+    from diloco import signing
+
+    text = " ".join(DOC.read_text().split())
+    key, sig = (text.split(f"{label} = ")[-1].split()[0] for label in ("K(L)", 'diloco-sig of "abc"'))
+    assert spec.learner_key(b"secret", "run-1", "us-0").hex() == signing.learner_key(b"secret", "run-1", "us-0").hex() == key
+    assert signing.sign(bytes.fromhex(key), b"abc").hex() == spec.signed_headers(b"secret", "run-1", "us-0", b"abc")[1][1].hex() == sig
+
+
+@pytest.mark.integration
+def test_a_spec_producer_signs_on_librdkafka_and_only_its_own_key_is_accepted(tiny_config, kafka_bootstrap, monkeypatch):
+    """A second client (librdkafka, the spec's codec and signatures) writes us-0's contribution signed
+    with us-0's key, and one that names us-0 in its headers but is signed with eu-0's key: the syncer,
+    reading through librdkafka, merges the first and rejects every frame of the second `bad_signature`."""
+    monkeypatch.setenv("DILOCO_TEST_RUN_SECRET", "secret")
+    cfg = tiny_config(run={"signing_secret_env": "DILOCO_TEST_RUN_SECRET"}, syncer={"quorum": 1, "consumer": "librdkafka"})
+    h = Harness(cfg, f"spec-signed-{time.time_ns() % 10**8}")
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    mine = {n: (0.01 * np.random.default_rng(1).normal(size=h.params[n].shape).astype(np.float32), "int8")
+            for n in h.plan[0]}
+    sent = {}
+    for signer in ("eu-0", "us-0"):   # eu-0's forgery first: it must not settle us-0's id or version
+        manifest, frames = spec.contribution(run=h.run_id, learner="us-0", fragment=0, base_version=0, tokens=64,
+                                             steps=1, step_time=0.01, tensors=mine, chunk_bytes=1000)
+        sent[signer] = manifest["id"]
+        for f in frames:
+            (_, name), (_, sig) = spec.signed_headers(b"secret", h.run_id, signer, f)
+            producer.produce(h.topics.fragments["us"], f, partition=h.topics.partition_of(0),
+                             headers=[("diloco-learner", b"us-0"), ("diloco-sig", sig)])
+    producer.flush(10)
+    h.pump(lambda: h.state.versions()[0] == 1)
+    assert h.state.merges()[0]["ids"] == [sent["us-0"]] and h.state.statuses()[sent["us-0"]] == "applied:0:1"
+    h.pump(lambda: [e for e in run_events(cfg, h.run_id) if e["kind"] == "contribution_rejected"])
+    rejected = [e for e in run_events(cfg, h.run_id) if e["kind"] == "contribution_rejected"]
+    assert {e["reason"] for e in rejected} == {"bad_signature"}
+    assert "signature does not hold for signer 'us-0'" in rejected[0]["detail"] and sent["eu-0"] not in h.state.statuses()
+
+
 def test_topk_blocks_the_spec_refuses_are_refused_by_the_project_reader():
     x = np.random.default_rng(1).normal(size=(600,)).astype(np.float32)   # blocks of 256, 256 and 88
     good = spec.encode(x, "topk")
