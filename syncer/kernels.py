@@ -30,17 +30,20 @@ _JIT = {"cache": True, "nogil": True, "fastmath": False}
 
 @nb.njit(**_JIT)
 def sumsq_q8(q, scale):
-    """sum(decode(int8)^2) in float64; nan when a scale is not finite."""
+    """sum(decode(int8)^2) in float64; nan when a scale is not finite or a decoded value (binary32) is."""
     rows, cols = q.shape
     total = 0.0
     for r in range(rows):
         s = scale[r]
         if not math.isfinite(s):
             return math.nan
-        acc = 0
+        acc, top = 0, 0
         for c in range(cols):
             v = np.int64(q[r, c])
             acc += v * v
+            top = max(top, abs(v))
+        if not math.isfinite(np.float32(s) * np.float32(top)):  # decoded in binary32: q x s overflows
+            return math.nan
         total += np.float64(s) * np.float64(s) * np.float64(acc)
     return total
 
@@ -54,11 +57,14 @@ def sumsq_q4(packed, scale, cols):
         s = scale[r]
         if not math.isfinite(s):
             return math.nan
-        acc = 0
+        acc, top = 0, 0
         for c in range(cols):
             b = np.int64(packed[r, c // 2])
             v = ((b >> 4) if c % 2 else (b & 15)) - 8
             acc += v * v
+            top = max(top, abs(v))
+        if not math.isfinite(np.float32(s) * np.float32(top)):
+            return math.nan
         total += np.float64(s) * np.float64(s) * np.float64(acc)
     return total
 

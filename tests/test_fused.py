@@ -53,6 +53,18 @@ def test_a_non_finite_value_or_scale_makes_the_norm_nan(scheme):
     assert math.isnan(fused.sumsq(e))
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_finite_scale_whose_decoded_values_overflow_makes_the_norm_nan(scheme):
+    """Issue 53 L3: the receiver decodes q x s in binary32, so a scale of 1e38 with a code of 7 or
+    127 is an infinite value: non_finite, though the float64 sum of squares of q x s is finite."""
+    manifest, payload = _encoded({"x": np.ones((3, 4), np.float32)}, scheme)
+    payload = bytearray(payload)
+    payload[4:8] = np.float32(1e38).tobytes()   # row 1's scale, finite
+    e = fused.views(manifest, bytes(payload))["x"]
+    assert not np.isfinite(e.decode()).all()
+    assert math.isnan(fused.sumsq(e))
+
+
 def test_views_refuse_sizes_that_do_not_fit():
     manifest, payload = _encoded({"x": np.ones((3, 4), np.float32)}, "int8")
     with pytest.raises(WireError, match="payload has"):
