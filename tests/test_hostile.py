@@ -5,6 +5,7 @@ poisons the global parameters, and good contributions still merge."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -180,11 +181,7 @@ def test_the_fetcher_skips_bad_announcements_and_outlives_a_missing_version(harn
         h.producer.send(h.topics.outer, raw, partition=0)
     h.producer.send(h.topics.outer, messages.event("version", run=h.run_id, fragment=3, version=99), partition=0)
     h.producer.flush()
-    fetcher = Fetcher(h.cfg, h.run_id, kafka_io.consumer(h.cfg.transport), h.store, h.topics, Counters(), h.run_plan)
-    fetcher.want({n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()})
-    thread = threading.Thread(target=fetcher.run, daemon=True)
-    thread.start()
-    try:
+    with _fetching(h) as (fetcher, thread):
         deadline = time.time() + 30
         while 1 not in fetcher.ready_now().get(2, {}):
             assert time.time() < deadline and fetcher.error is None, fetcher.error
@@ -199,9 +196,6 @@ def test_the_fetcher_skips_bad_announcements_and_outlives_a_missing_version(harn
         while 2 not in fetcher.ready_now().get(2, {}):         # ...the real next one
             assert time.time() < deadline and fetcher.error is None, (fetcher.error, fetcher.ready_now())
             time.sleep(0.05)
-    finally:
-        fetcher.stop.set()
-        thread.join(timeout=30)
 
 
 @pytest.mark.integration
@@ -214,11 +208,7 @@ def test_a_forged_announcement_one_past_the_marker_does_not_hold_a_joiner_back(h
     h.syncer.outbox.relay()
     h.producer.send(h.topics.outer, messages.event("version", run=h.run_id, fragment=2, version=2), partition=0)
     h.producer.flush()
-    fetcher = Fetcher(h.cfg, h.run_id, kafka_io.consumer(h.cfg.transport), h.store, h.topics, Counters(), h.run_plan)
-    fetcher.want({n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()})
-    thread = threading.Thread(target=fetcher.run, daemon=True)
-    thread.start()
-    try:
+    with _fetching(h) as (fetcher, thread):
         deadline = time.time() + 5     # the first retry of v2 alone would come 1 s after its failure, the give-up after minutes
         while 1 not in fetcher.ready_now().get(2, {}):
             assert time.time() < deadline and fetcher.error is None, (fetcher.error, fetcher.ready_now())
@@ -229,6 +219,17 @@ def test_a_forged_announcement_one_past_the_marker_does_not_hold_a_joiner_back(h
         while 2 not in fetcher.ready_now().get(2, {}):
             assert time.time() < deadline and fetcher.error is None, (fetcher.error, fetcher.ready_now())
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _fetching(h):
+    """A learner's fetcher of every whole tensor, running on a thread of its own; stopped on exit."""
+    fetcher = Fetcher(h.cfg, h.run_id, kafka_io.consumer(h.cfg.transport), h.store, h.topics, Counters(), h.run_plan)
+    fetcher.want({n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()})
+    thread = threading.Thread(target=fetcher.run, daemon=True)
+    thread.start()
+    try:
+        yield fetcher, thread
     finally:
         fetcher.stop.set()
         thread.join(timeout=30)
