@@ -7,6 +7,7 @@ Keys, all under `<key_prefix>:{<run>}:` (run_prefix builds it; add a key as `sel
     finished:<t>|<n> zset  finished ids from partition n of topic t by first offset (see prune_statuses)
     offsets          hash  "<topic>|<partition>" -> next offset to read on restart (fragment partitions)
     events_offset    hash  shard -> next offset of the events topic that shard reads
+    read_to          hash  "<shard>|<topic>|<partition>" -> offset after the last record the shard handled
     lease:<p>        string "<shard>:<incarnation>" of the fragment's owner, with a TTL the owner renews
     owner:<p>        string the last owner to claim it (kept after its lease expires)
     epoch:<p>        int   the fragment's fencing token: bumped by every claim, checked by every write

@@ -62,6 +62,9 @@ def _exercise(st: SyncerState) -> None:
     st.leave(0, "0:a")
     assert st.live_shards(3) == {2}
     st.save_events_offset(2, 7)
+    st.save_read_to(1, {("frag", 0): 9})
+    st.save_read_to(0, {("frag", 0): 4, ("frag", 1): 2})                     # an owner behind another: max
+    assert st.read_to() == {("frag", 0): 9, ("frag", 1): 2}
     assert st.committed("events") == {("frag", 0): 6, ("frag", 1): 2, ("events", 0): 7}
     st.heartbeat("us-0", {"step": 3})
     assert st.registry() == {"us-0": {"step": 3}}
