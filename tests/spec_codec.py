@@ -139,14 +139,28 @@ def decode(buf: bytes, shape, scheme: str) -> np.ndarray:
     return (q.astype(np.float32) * scale[:, None]).astype(np.float32).reshape(shape)
 
 
+def entries(tensors: dict[str, tuple]) -> list[tuple[dict, bytes]]:
+    """(tensor entry, its codes) in name order. A tensor given as (x, scheme, blocks) is sent as its
+    blocks ([[start, stop], ...] per axis), each coded as an array of the block's own shape."""
+    out = []
+    for name in sorted(tensors):
+        x, scheme, *blocks = tensors[name]
+        for block in (blocks[0] if blocks else [None]):
+            part = x if block is None else x[tuple(slice(a, b) for a, b in block)]
+            blob = encode(part, scheme)
+            entry = {"name": name, "shape": list(np.shape(x)), "scheme": scheme, "nbytes": len(blob)}
+            out.append((entry if block is None else {**entry, "block": [list(p) for p in block]}, blob))
+    return out
+
+
 def contribution(*, run: str, learner: str, fragment: int, base_version: int, tokens: int, steps: int,
-                 step_time: float, tensors: dict[str, tuple[np.ndarray, str]], chunk_bytes: int,
+                 step_time: float, tensors: dict[str, tuple], chunk_bytes: int,
                  packing: str = "none") -> tuple[dict, list[bytes]]:
-    """The manifest header and every frame (manifest first) of one contribution, tensors in name order;
-    with packing "zstd" the payload is one zstd frame of the codes (a level of this codec's own choosing)."""
-    names = sorted(tensors)
-    blobs = [encode(*tensors[n]) for n in names]
-    payload = b"".join(blobs)
+    """The manifest header and every frame (manifest first) of one contribution, tensors in name order
+    (see `entries` for tensors in blocks); with packing "zstd" the payload is one zstd frame of the
+    codes (a level of this codec's own choosing)."""
+    listed = entries(tensors)
+    payload = b"".join(blob for _, blob in listed)
     if packing == "zstd":
         payload = zstandard.ZstdCompressor(level=19).compress(payload)
     n_chunks = max(1, -(-len(payload) // chunk_bytes))
@@ -154,8 +168,7 @@ def contribution(*, run: str, learner: str, fragment: int, base_version: int, to
     manifest = {
         "kind": "manifest", "id": cid, "run": run, "learner": learner, "region": learner.rsplit("-", 1)[0],
         "fragment": fragment, "base_version": base_version, "tokens": tokens, "steps": steps, "step_time": step_time,
-        "tensors": [{"name": n, "shape": list(np.shape(tensors[n][0])), "scheme": tensors[n][1], "nbytes": len(b)}
-                    for n, b in zip(names, blobs)],
+        "tensors": [entry for entry, _ in listed],
         "total_bytes": len(payload), "n_chunks": n_chunks, "crc32c": crc32c.crc32c(payload), "created": time.time(),
     }
     if packing != "none":
@@ -195,16 +208,29 @@ def assemble_log(records) -> dict[tuple[object, str], tuple[dict, bytes]]:
 
 
 def tensors_of(manifest: dict, payload: bytes) -> dict[str, np.ndarray]:
-    out, pos = {}, 0
+    """Each tensor decoded; a tensor sent in blocks is put together whole, its blocks checked to
+    cover it exactly once."""
+    out, pos, covered = {}, 0, {}
     if manifest.get("packing", "none") == "zstd":
         size = sum(t["nbytes"] for t in manifest["tensors"])
         assert zstandard.frame_content_size(payload) == size, "the frame must state the codes' size"
         payload = zstandard.ZstdDecompressor().decompress(payload, allow_extra_data=False)
     for t in manifest["tensors"]:
-        assert t["nbytes"] == nbytes(t["shape"], t["scheme"]), t
-        out[t["name"]] = decode(payload[pos:pos + t["nbytes"]], tuple(t["shape"]), t["scheme"])
+        shape, block = tuple(t["shape"]), t.get("block")
+        coded = shape if block is None else tuple(b - a for a, b in block)
+        assert t["nbytes"] == nbytes(coded, t["scheme"]), t
+        value = decode(payload[pos:pos + t["nbytes"]], coded, t["scheme"])
         pos += t["nbytes"]
+        if block is None:
+            assert t["name"] not in out, t
+            out[t["name"]] = value
+            continue
+        where = tuple(slice(a, b) for a, b in block)
+        out.setdefault(t["name"], np.zeros(shape, np.float32))[where] = value
+        count = covered.setdefault(t["name"], np.zeros(shape, np.int64))
+        count[where] += 1
     assert pos == len(payload)
+    assert all((c == 1).all() for c in covered.values()), "blocks must cover their tensor exactly once"
     return out
 
 

@@ -123,6 +123,43 @@ def test_a_spec_producer_signs_on_librdkafka_and_only_its_own_key_is_accepted(ti
     rejected = [e for e in run_events(cfg, h.run_id) if e["kind"] == "contribution_rejected"]
     assert {e["reason"] for e in rejected} == {"bad_signature"}
     assert "signature does not hold for signer 'us-0'" in rejected[0]["detail"] and sent["eu-0"] not in h.state.statuses()
+BLOCKED = np.array([[0.7, -0.35, 0.1, 0.0], [0.5, -1.0, 0.25, 2.0]], np.float32)
+BLOCK_VECTORS = [([((0, 1), (0, 4)), ((1, 2), (0, 4))], ["cd cc cc 3d 4f 89", "25 49 92 3e 5a f9"]),
+                 ([((0, 2), (0, 2)), ((0, 2), (2, 4))], ["cd cc cc 3d 25 49 12 3e 4f 1b",
+                                                          "a1 0e 6a 3c 25 49 92 3e 8f f9"])]
+
+
+@pytest.mark.parametrize("blocks,hexed", BLOCK_VECTORS, ids=["by-rows", "by-columns"])
+def test_the_specs_block_vectors_are_what_both_codecs_write_and_read(blocks, hexed):
+    """A tensor in two blocks, written by two hosts (the project's part_frames), read by the spec's
+    reader; and written by the spec's codec, read by the project's."""
+    doc = " ".join(DOC.read_text().replace("|", " ").split())
+    assert all(h in doc for h in hexed)
+    kw = dict(run="r1", learner="us-0", fragment=0, base_version=3, tokens=512, steps=4, step_time=0.05)
+    manifest, frames = spec.contribution(**kw, tensors={"w": (BLOCKED, "int4", blocks)}, chunk_bytes=4)
+    assert [t["block"] for t in manifest["tensors"]] == [[list(p) for p in b] for b in blocks]
+    payload = b"".join(bytes.fromhex(h) for h in hexed)
+    (_, got), = spec.assemble(frames).values()
+    assert got == payload
+    m = messages.Manifest.from_header(messages.parse_frame(frames[0])[0])
+    ours = messages.decode_payload(m, payload)["w"]
+    np.testing.assert_array_equal(ours, spec.tensors_of(manifest, payload)["w"])
+    if blocks[0][1] == (0, 4):  # by rows: the whole tensor's codes, cut by rows
+        np.testing.assert_array_equal(ours, quantize.roundtrip(BLOCKED, "int4"))
+    # two hosts, one block each: chunks numbered across them, the CRC combined from the two parts
+    specs = [[messages.TensorSpec("w", (2, 4), "int4", len(bytes.fromhex(h)), b)] for h, b in zip(hexed, blocks)]
+    codes = [{("w", b): quantize.coded(BLOCKED[messages.slices(b)], "int4")} for b in blocks]
+    parts = [messages.part_payload(mine, c) for mine, c in zip(specs, codes)]
+    assert parts == [bytes.fromhex(h) for h in hexed]
+    crcs = [crc32c.crc32c(p) for p in parts]
+    ours_frames = []
+    for host in (1, 0):
+        _, f = messages.part_frames(cid="c" * 32, host=host, specs=specs, crcs=crcs, payload=parts[host],
+                                    chunk_bytes=4, region="us", **kw)
+        ours_frames += f
+    (header, got), = spec.assemble(ours_frames).values()
+    assert got == payload and header["crc32c"] == crc32c.crc32c(payload)
+    np.testing.assert_array_equal(spec.tensors_of(header, got)["w"], ours)
 
 
 def test_topk_blocks_the_spec_refuses_are_refused_by_the_project_reader():
