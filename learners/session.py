@@ -23,8 +23,8 @@ their leaf's dtype and device placement (sharding). The anchors live in host mem
 A learner may span many devices and hosts (learners/parallel.py). Then no host ever holds the
 model: each host keeps its own shards of the anchors, at a sync codes the blocks it holds and sends
 them itself, as its part of one contribution (nothing is gathered: the hosts agree on the
-contribution's id and each part's CRC-32C in one small all-gather), and each host's fetcher reads only its own blocks of a new
-version from TensorStore. The hosts of one learner act alike at every step: `step` agrees with the
+contribution's id and each part's CRC-32C in one small all-gather), and each host's fetcher reads
+only its own blocks of a new version from TensorStore. The hosts of one learner act alike at every step: `step` agrees with the
 others (one small all-gather) on which fetched versions to apply, whether to stop, and the compute
 time, so they never diverge and all stop at the same step. Host memory per host is its share of
 the anchors (with fragments.anchor=host) plus what is in flight: the codes of PUBLISH_QUEUE
