@@ -13,7 +13,7 @@ returns. A learner spanning hosts gathers nothing: each host codes the blocks it
 sends them itself, as parts of one contribution (docs/wire-format.md).
 A new version comes as its snapshot and update code (learners.fetcher.Fetched) and is decoded,
 rebased and made the new anchor in one jitted function per tensor.
-The codes below 4 bits (int2, topk) keep their error buffers on the host and are made there.
+The codes below 4 bits (int2, ternary, topk) keep their error buffers on the host and are made there.
 
 The anchor (`fragments.anchor`, `fragments.anchor_dtype`): the global version a tensor was last
 on, less every delta sent since (what quantization left out stays in the difference and goes with

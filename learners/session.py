@@ -133,7 +133,7 @@ class Session:
         self._fragments = [FragmentState() for _ in range(P)]
         # the reference each next delta starts from (learners/outer.py), on the host or the devices
         self._base = Anchors(cfg.fragments.anchor, cfg.fragments.anchor_dtype)
-        # what an int2 / topk delta left out, added to the next one (by name; by (name, block) over hosts)
+        # what an int2 / ternary / topk delta left out, added to the next one (by name; by (name, block) over hosts)
         self._error: dict = {}
         self._last_t: float | None = None
         self._params = None

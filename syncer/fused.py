@@ -146,7 +146,7 @@ def sumsq(e: Encoded | Blocks, total: float = 0.0) -> float:
         return float(kernels.sumsq_q4(codes, scale, quantize._rows(e.shape)[1], total))
     if e.scheme in ("fp32", "bf16"):
         return float(kernels.sumsq_f32(e.flat(), total) if e.scheme == "fp32" else kernels.sumsq_bf16(e.flat(), total))
-    # int2, topk (in blocks: put together first): a quarter and a thirteenth of int8's bytes, decoded once
+    # int2, ternary, topk (in blocks: put together first): a quarter, a fifth, a thirteenth of int8's bytes, decoded once
     s = total + squared_norm(e.decode())
     return s if math.isfinite(s) else math.nan
 
@@ -178,7 +178,7 @@ def axpy(acc: np.ndarray, e: Encoded | Blocks, coef: float) -> None:
         kernels.axpy_f32(acc.reshape(-1), e.flat(), coef)
     elif e.scheme == "bf16":
         kernels.axpy_bf16(acc.reshape(-1), e.flat(), coef)
-    else:  # int2, topk: decoded to float32 first, then the fp32 kernel
+    else:  # int2, ternary, topk: decoded to float32 first, then the fp32 kernel
         kernels.axpy_f32(acc.reshape(-1), e.decode().reshape(-1), coef)
 
 

@@ -48,7 +48,7 @@ def nbytes(shape, scheme: str) -> int:
     if scheme == "topk":
         return sum(4 + 2 * min(8, n - b) for b in range(0, n, 256))
     return {"fp32": 4 * n, "bf16": 2 * n, "int8": 4 * rows + n, "int4": 4 * rows + rows * ((cols + 1) // 2),
-            "int2": 4 * rows + rows * ((cols + 3) // 4)}[scheme]
+            "int2": 4 * rows + rows * ((cols + 3) // 4), "ternary": 4 * rows + rows * math.ceil(cols / 5)}[scheme]
 
 
 def encode(x, scheme: str) -> bytes:
@@ -63,6 +63,8 @@ def encode(x, scheme: str) -> bytes:
     rows, cols = rows_cols(x.shape)
     if scheme == "int2":
         return encode_int2(x.reshape(rows, cols))
+    if scheme == "ternary":
+        return encode_ternary(x.reshape(rows, cols))
     m, level = x.reshape(rows, cols), LEVELS[scheme]
     scale = np.array([np.abs(r).max() / level if r.size and np.abs(r).max() > 0 else 1.0 for r in m], "<f4")
     q = np.clip(np.rint(m / scale[:, None]), -level, level).astype(np.int64)
@@ -84,6 +86,38 @@ def encode_int2(m: np.ndarray) -> bytes:
                       for i in range(0, len(codes), 4))
         scales.append(s)
     return np.array(scales, "<f4").tobytes() + bytes(body)
+
+
+def encode_ternary(m: np.ndarray) -> bytes:
+    """Per row: m = mean |x| (binary64), keep |x| > binary32(0.7 m), s = mean |x| of those kept (0 if
+    none; NaN if the row holds a value that is not finite), code sign(x) or 0; five digits code + 1
+    per byte, the first column the lowest (times 1), the next times 3, 9, 27, 81; padding digit 1."""
+    scales, body = [], bytearray()
+    for row in m:
+        mags = [abs(float(v)) for v in row]
+        cut = np.float32(0.7 * (sum(mags) / len(mags))) if mags else np.float32(0)
+        kept = [mag > cut for mag in mags]
+        chosen = [mag for mag, k in zip(mags, kept) if k]
+        s = np.float32(sum(chosen) / len(chosen)) if chosen else np.float32(0)
+        scales.append(s if all(math.isfinite(v) for v in mags) else np.float32(math.nan))
+        digits = [(2 if v > 0 else 0) if k else 1 for v, k in zip(row, kept)]
+        digits += [1] * (-len(digits) % 5)
+        body += bytes(sum(d * 3 ** i for i, d in enumerate(digits[j:j + 5])) for j in range(0, len(digits), 5))
+    return np.array(scales, "<f4").tobytes() + bytes(body)
+
+
+def decode_ternary(buf: bytes, rows: int, cols: int) -> np.ndarray:
+    """Byte j of a row holds columns 5j .. 5j + 4 as base-3 digits (lowest first), digit d decoding
+    to (d - 1) x s; a byte above 242 is refused."""
+    scale = np.frombuffer(buf[:4 * rows], "<f4")
+    width, out = math.ceil(cols / 5), np.zeros((rows, cols), np.float32)
+    for r in range(rows):
+        for j, byte in enumerate(buf[4 * rows + r * width:4 * rows + (r + 1) * width]):
+            assert byte <= 242, (r, j, byte)
+            for i in range(5):
+                if 5 * j + i < cols:
+                    out[r, 5 * j + i] = np.float32(byte // 3 ** i % 3 - 1) * scale[r]
+    return out
 
 
 def encode_topk(flat: np.ndarray) -> bytes:
@@ -126,6 +160,8 @@ def decode(buf: bytes, shape, scheme: str) -> np.ndarray:
     if scheme == "topk":
         return decode_topk(buf, math.prod(shape)).reshape(shape)
     rows, cols = rows_cols(shape)
+    if scheme == "ternary":
+        return decode_ternary(buf, rows, cols).reshape(shape)
     scale = np.frombuffer(buf[:4 * rows], "<f4")
     if scheme == "int2":
         packed = np.frombuffer(buf[4 * rows:], np.uint8).reshape(rows, (cols + 3) // 4).astype(np.int64)

@@ -74,6 +74,7 @@ def test_spec_codec_and_project_codec_agree_bit_for_bit(scheme):
 
 
 VECTORS = [("int2", [[0.5, -1.0, 0.25, 2.0, 0.0]], "7b f0 83 3f e6 02"),
+           ("ternary", [[0.5, -1.0, 0.25, 2.0, 0.0, -0.125, 0.75]], "00 00 88 3f 92 7c"),
            ("topk", [0.1, -0.9, 0.0, 0.3, 0.05, -0.2, 0.6, 0.0, -0.01, 0.45],
             "d4 36 e8 3b 00 01 03 04 05 06 08 09 0e 81 2a 07 e4 55 ff 40")]
 
@@ -174,6 +175,24 @@ def test_topk_blocks_the_spec_refuses_are_refused_by_the_project_reader():
             spec.decode(bytes(bad), x.shape, "topk")
         with pytest.raises(quantize.CodecError, match="strictly increasing"):
             quantize.decode(bytes(bad), x.shape, "topk")
+
+
+def test_the_ternary_vector_decodes_to_the_levels_the_spec_states():
+    got = quantize.decode(bytes.fromhex("00 00 88 3f 92 7c"), (1, 7), "ternary")
+    np.testing.assert_array_equal(got, np.float32(1.0625) * np.array([[1, -1, 0, 1, 0, 0, 1]], np.float32))
+
+
+def test_ternary_bytes_the_spec_refuses_are_refused_by_the_project_reader():
+    """A byte above 242 holds no five base-3 digits: both readers refuse it, the project's by row and byte."""
+    x = np.random.default_rng(3).normal(size=(3, 12)).astype(np.float32)   # 3 bytes a row
+    good = spec.encode(x, "ternary")
+    for value in (243, 255):
+        bad = bytearray(good)
+        bad[4 * 3 + 3 + 2] = value                                       # row 1, its last byte
+        with pytest.raises(AssertionError):
+            spec.decode(bytes(bad), x.shape, "ternary")
+        with pytest.raises(quantize.CodecError, match=f"ternary row 1: byte 2 is {value}"):
+            quantize.decode(bytes(bad), x.shape, "ternary")
 
 
 def test_packed_payloads_cross_between_the_codecs_and_decode_to_the_same_codes():
