@@ -177,6 +177,42 @@ def test_methods_differ_only_in_what_they_name():
     assert long.inner.steps == 5 * quick.inner.steps and long.model == quick.model
 
 
+def test_the_ternary_methods_differ_from_decoupled_in_their_codecs_and_1000x_in_its_sync_period_too():
+    dec = setups.build("decoupled", "healthy", "long")
+    want = {"decoupled-ternary": ("ternary", "ternary", "previous", 20),
+            "decoupled-ternary-up": ("ternary", "int4", "snapshot", 20),
+            "decoupled-1000x": ("ternary", "ternary", "previous", setups.THOUSAND_X_SYNC_EVERY)}
+    for name, codecs in want.items():
+        cfg = setups.build(name, "healthy", "long")
+        assert (cfg.fragments.quantization, cfg.syncer.broadcast, cfg.syncer.updates_from,
+                cfg.fragments.sync_every) == codecs
+        assert cfg.model_copy(update={"run": dec.run, "fragments": dec.fragments, "syncer": dec.syncer}) == dec
+        assert cfg.fragments.model_copy(update={"quantization": dec.fragments.quantization,
+                                                "sync_every": dec.fragments.sync_every}) == dec.fragments
+    # the acceptance run compares it with int8 at H = 20 in every scenario that heals, not in healthy alone
+    assert setups.plan(["decoupled", "decoupled-1000x", "decoupled-ternary"], ["mixed", "failures"]) == [
+        ("decoupled", "mixed"), ("decoupled-1000x", "mixed"),
+        ("decoupled", "failures"), ("decoupled-1000x", "failures")]
+
+
+def test_the_1000x_sync_period_clears_1000x_by_the_budget_the_bench_counts():
+    """6H / (bytes per parameter up + down per sync period), as setups explains it: the codes of the
+    long size's model, a tenth more up for the frames and 1.47 updates down per period, clear 1000x
+    with a tenth to spare; a sync period a fifth shorter would not."""
+    from diloco import quantize
+    from diloco.models.transformer import init_params
+
+    params = init_params(setups.build("decoupled-1000x", "healthy", "long").model.transformer, 0)
+    per_param = sum(quantize.encoded_nbytes(a.shape, "ternary") for a in params.values()) / sum(
+        a.size for a in params.values())
+    assert per_param == pytest.approx(0.244, abs=5e-4)
+
+    def ratio(h: int) -> float:
+        return 6 * h / (per_param * (1.1 + 1.47))
+
+    assert ratio(setups.THOUSAND_X_SYNC_EVERY) >= 1100 > 1000 > ratio(int(0.8 * setups.THOUSAND_X_SYNC_EVERY))
+
+
 def test_scavenge_cases_train_the_same_token_budget_with_0_50_and_100_percent_joining_a_third_in():
     budget = 4 * setups.SCAVENGE_STEPS * 8 * 64    # the starting learners' inner.steps, at the quick size
     assert setups.expand(["healthy", "scavenge"]) == ["healthy", "scavenge-0", "scavenge-50", "scavenge-100"]
