@@ -89,13 +89,13 @@ def encode_int2(m: np.ndarray) -> bytes:
 
 
 def encode_ternary(m: np.ndarray) -> bytes:
-    """Per row: m = mean |x| (binary64), keep |x| > binary32(0.7 m), s = mean |x| of those kept (0 if
+    """Per row: m = mean |x| (binary64), keep |x| > binary32(0.9 m), s = mean |x| of those kept (0 if
     none; NaN if the row holds a value that is not finite), code sign(x) or 0; five digits code + 1
     per byte, the first column the lowest (times 1), the next times 3, 9, 27, 81; padding digit 1."""
     scales, body = [], bytearray()
     for row in m:
         mags = [abs(float(v)) for v in row]
-        cut = np.float32(0.7 * (sum(mags) / len(mags))) if mags else np.float32(0)
+        cut = np.float32(0.9 * (sum(mags) / len(mags))) if mags else np.float32(0)
         kept = [mag > cut for mag in mags]
         chosen = [mag for mag, k in zip(mags, kept) if k]
         s = np.float32(sum(chosen) / len(chosen)) if chosen else np.float32(0)

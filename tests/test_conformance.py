@@ -74,7 +74,7 @@ def test_spec_codec_and_project_codec_agree_bit_for_bit(scheme):
 
 
 VECTORS = [("int2", [[0.5, -1.0, 0.25, 2.0, 0.0]], "7b f0 83 3f e6 02"),
-           ("ternary", [[0.5, -1.0, 0.25, 2.0, 0.0, -0.125, 0.75]], "00 00 88 3f 92 7c"),
+           ("ternary", [[0.5, -1.0, 0.25, 2.0, 0.0, -0.125, 0.75]], "00 00 a0 3f 91 7c"),
            ("topk", [0.1, -0.9, 0.0, 0.3, 0.05, -0.2, 0.6, 0.0, -0.01, 0.45],
             "d4 36 e8 3b 00 01 03 04 05 06 08 09 0e 81 2a 07 e4 55 ff 40")]
 
@@ -178,8 +178,8 @@ def test_topk_blocks_the_spec_refuses_are_refused_by_the_project_reader():
 
 
 def test_the_ternary_vector_decodes_to_the_levels_the_spec_states():
-    got = quantize.decode(bytes.fromhex("00 00 88 3f 92 7c"), (1, 7), "ternary")
-    np.testing.assert_array_equal(got, np.float32(1.0625) * np.array([[1, -1, 0, 1, 0, 0, 1]], np.float32))
+    got = quantize.decode(bytes.fromhex("00 00 a0 3f 91 7c"), (1, 7), "ternary")
+    np.testing.assert_array_equal(got, np.float32(1.25) * np.array([[0, -1, 0, 1, 0, 0, 1]], np.float32))
 
 
 def test_ternary_bytes_the_spec_refuses_are_refused_by_the_project_reader():
