@@ -108,7 +108,7 @@ def encoded_nbytes(shape: tuple[int, ...], scheme: str) -> int:
         return 4 * rows + rows * ((cols + 3) // 4)
     if scheme == "ternary":
         rows, cols = _rows(shape)
-        return 4 * rows + rows * -(-cols // TRITS)
+        return 4 * rows + rows * _trit_bytes(cols)
     if scheme == "topk":
         blocks, kept = _topk_blocks(n)
         return 4 * blocks + 2 * kept
@@ -176,12 +176,17 @@ def ternary_rows(m: np.ndarray, threshold: float = TERNARY_THRESHOLD) -> tuple[n
     return scale, codes
 
 
+def _trit_bytes(cols: int) -> int:
+    """Bytes of a ternary row of `cols` codes: five a byte, the last one padded."""
+    return -(-cols // TRITS)
+
+
 def pack_trits(codes: np.ndarray) -> np.ndarray:
     """Ternary codes (rows, cols) in -1..1 as the wire's bytes: per row ceil(cols / 5) bytes, byte j
     the base-3 number of digits code + 1 of columns 5j .. 5j + 4 (the first the lowest), a row's
     last byte padded with the zero code."""
     rows, cols = codes.shape
-    width = -(-cols // TRITS)
+    width = _trit_bytes(cols)
     digits = np.pad(codes.astype(np.int64) + 1, ((0, 0), (0, width * TRITS - cols)), constant_values=1)
     return (digits.reshape(rows, width, TRITS) @ _TRIT_WEIGHTS).astype(np.uint8)
 
@@ -235,7 +240,7 @@ def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.n
     rows, cols = _rows(shape)
     scale = np.frombuffer(buf, dtype="<f4", count=rows)
     if scheme == "ternary":
-        packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, -(-cols // TRITS))
+        packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, _trit_bytes(cols))
         with np.errstate(invalid="ignore"):  # 0 x an infinite scale: NaN, which a receiver rejects (non_finite)
             return (unpack_trits(packed, cols).astype(np.float32) * scale[:, None]).reshape(shape)
     if scheme == "int2":

@@ -45,7 +45,7 @@ def test_a_non_finite_value_or_scale_makes_the_norm_nan(scheme):
     x[1, 2] = np.nan if scheme in ("fp32", "bf16") else 1.0
     manifest, payload = _encoded({"x": x}, scheme)
     payload = bytearray(payload)
-    if scheme in ("int8", "int4", "int2"):
+    if scheme in ("int8", "int4", "int2", "ternary"):
         payload[4:8] = np.float32(np.inf).tobytes()   # row 1's scale
     elif scheme == "topk":
         payload[0:4] = np.float32(np.inf).tobytes()   # the one block's scale
