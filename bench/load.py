@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from kafka.errors import KafkaError
 
 from diloco import messages
 from diloco.config import Config, build_config, dump_config
 from diloco.infra import kafka as kafka_io
+from diloco.infra.kafka import LogError
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore, Link
 from diloco.plan import make_plan
@@ -120,7 +120,7 @@ def _lag(cfg: Config, state: state_mod.SyncerState, topics: kafka_io.Topics) -> 
     finally:
         c.close()
     done = state.offsets()  # saved by the syncer every few seconds: an upper bound on its lag
-    return sum(max(0, end - done.get((tp.topic, tp.partition), 0)) for tp, end in ends.items())
+    return sum(max(0, end - done.get(tp, 0)) for tp, end in ends.items())
 
 
 def _provisioned(base: Config, tmp: str, *, params: int, learners: int, shards: int, fragments: int):
@@ -221,7 +221,7 @@ def _run_one(base: Config, tmp: str, jobs: LocalJobs, *, params: int, learners: 
                                       partition=topics.partition_of(p)) for f in frames]
                     for f in futs:
                         f.get(timeout=60)
-                except KafkaError:  # the broker is overloaded: count it and go on (the row says so)
+                except LogError:  # the broker is overloaded: count it and go on (the row says so)
                     with lock:
                         failed[0] += 1
                     continue
@@ -263,7 +263,7 @@ def _run_one(base: Config, tmp: str, jobs: LocalJobs, *, params: int, learners: 
     jobs.stop_all(timeout=60)
 
     window = [m for m in state.merges() if t0 <= m["time"] <= stop_at]
-    events = [messages.parse_event(r.value) for r in kafka_io.read_to_end(cfg.transport, [kafka_io.TopicPartition(topics.events, 0)])]
+    events = [messages.parse_event(r.value) for r in kafka_io.read_to_end(cfg.transport, [(topics.events, 0)])]
     merged_at = {cid: e["time"] for e in events if e and e["kind"] == "merge" for cid in e["ids"]}
     # contributions sent in the last two periods may wait for a quorum that stopped coming: left out
     latency = [merged_at[c] - t for c, t in sent.items() if c in merged_at and t < stop_at - 2 * period_s]
@@ -407,7 +407,7 @@ def client_ceiling(base: Config, *, megabytes: float = 300.0, partitions: int = 
     prod.close()
     c = kafka_io.intake_consumer(t, client)
     try:
-        kafka_io.assign_from(c, {tp: 0 for tp in kafka_io.partitions_of(topic, partitions)})
+        c.assign({tp: 0 for tp in kafka_io.partitions_of(topic, partitions)})
         got, start, cpu = 0, time.perf_counter(), time.process_time()  # process time: the client's threads too
         deadline = start + 120
         while got < n * len(record) and time.perf_counter() < deadline:

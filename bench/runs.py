@@ -7,7 +7,6 @@ import math
 from collections import Counter
 
 import numpy as np
-from kafka import TopicPartition
 from rich.console import Console
 
 from bench import dp as dp_mod
@@ -29,7 +28,7 @@ def num_params(cfg: Config) -> int:
 
 def read_events(cfg: Config, run_id: str) -> list[dict]:
     topics = kafka_io.Topics.for_run(cfg, run_id)
-    recs = kafka_io.read_to_end(cfg.transport, [TopicPartition(topics.events, 0)])
+    recs = kafka_io.read_to_end(cfg.transport, [(topics.events, 0)])
     return metrics.dedupe(ev for ev in (messages.parse_event(r.value) for r in recs) if ev)
 
 

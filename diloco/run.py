@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from kafka import TopicPartition
 from rich.console import Console
 from rich.text import Text
 
@@ -128,7 +127,7 @@ def provision_run(cfg: Config, run_id: str, *, state: state_mod.SyncerState, sto
 def events_from_start(cfg: Config):
     """A consumer of the run's events topic from its first record."""
     events = kafka_io.consumer(cfg.transport)
-    kafka_io.assign_from(events, {TopicPartition(kafka_io.Topics.for_run(cfg, cfg.run.id).events, 0): 0})
+    events.assign({(kafka_io.Topics.for_run(cfg, cfg.run.id).events, 0): 0})
     return events
 
 

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from kafka.errors import KafkaError
 from redis.exceptions import RedisError
 from rich.live import Live
 from rich.text import Text
@@ -192,11 +191,11 @@ class RunSupervisor:
         topic = kafka_io.Topics.for_run(self.cfg, self.cfg.run.id).fragments[self.cfg.region_of(name).name]
         try:
             ends = kafka_io.log_ends(self.cfg.transport, kafka_io.partitions_of(topic, self.cfg.fragments.count))
-        except (KafkaError, kafka_io.TransportError, OSError) as err:
+        except (kafka_io.LogError, kafka_io.TransportError, OSError) as err:
             log.warning("end offsets unknown: the restart will not wait for the syncer to read them",
                         extra={"learner": name, "error": str(err)[:200]})
             return {}
-        return {(tp.topic, tp.partition): int(off) for tp, off in ends.items()}
+        return {tp: int(off) for tp, off in ends.items()}
 
     def _down(self, name: str, now: float, delay: float, why: str) -> None:
         self.outages.append([name, now, None])
@@ -478,7 +477,7 @@ class RunSupervisor:
             if all((hw := self.events.highwater(tp)) is not None and self.events.position(tp) >= hw for tp in tps):
                 return
             if time.time() - t0 > self.cfg.run.timeout_s:
-                raise RunError(f"the events topic {sorted(tp.topic for tp in tps)} was not read to its end in time")
+                raise RunError(f"the events topic {sorted(topic for topic, _ in tps)} was not read to its end in time")
 
     def resume_membership(self) -> None:
         """After catching up on a live run's events (a region flow run started again by hand): this

@@ -1,7 +1,12 @@
-"""Kafka adapter: topic names, provisioning, producers and consumers built from config.
+"""Kafka adapter: topic names, provisioning, and the log's writer and readers built from config.
 
 Broker-agnostic: everything comes from `TransportConfig`, so the same code talks to the local
 Tansu broker or to a production Kafka cluster with SASL/TLS.
+
+The rest of the code sees one log interface and no client library: a partition is a plain
+`(topic, partition)` tuple (`TP`), a record has `topic, partition, offset, timestamp, key, value`,
+`LogWriter` sends, a `LogReader` (kafka-python) or `RdKafkaReader` (librdkafka) reads from offsets
+the caller keeps, and every failure of a client call comes out as `LogError`.
 """
 
 from __future__ import annotations
@@ -10,10 +15,11 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
@@ -22,8 +28,24 @@ from diloco.config import Config, TransportConfig, resolve_secret
 log = logging.getLogger(__name__)
 
 
+TP = tuple[str, int]  # (topic, partition)
+
+
 class TransportError(RuntimeError):
-    pass
+    """A client could not be set up (no broker answers, credentials refused) or a read did not finish."""
+
+
+class LogError(RuntimeError):
+    """A call of either log client failed. `kind` is the client's name for the error (e.g.
+    `KafkaTimeoutError`); `retriable` whether the client holds that trying again may succeed."""
+
+    def __init__(self, message: str, *, kind: str = "LogError", retriable: bool = False):
+        super().__init__(message)
+        self.kind, self.retriable = kind, retriable
+
+
+def _log_error(err: KafkaError) -> LogError:
+    return LogError(str(err), kind=type(err).__name__, retriable=bool(getattr(err, "retriable", False)))
 
 
 @dataclass(frozen=True)
@@ -137,12 +159,63 @@ def delete_topics(t: TransportConfig, names: list[str]) -> None:
         admin.close()
 
 
-def producer(t: TransportConfig) -> KafkaProducer:
+class Written(NamedTuple):
+    """Where the broker put a record."""
+    topic: str
+    partition: int
+    offset: int
+
+
+class Sending:
+    """A record on its way: `get` waits for the broker's acknowledgement."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future):
+        self._future = future
+
+    def get(self, timeout: float | None = None) -> Written:
+        try:
+            m = self._future.get(timeout=timeout)
+        except KafkaError as err:
+            raise _log_error(err) from err
+        return Written(m.topic, m.partition, m.offset)
+
+
+class LogWriter:
+    """Sends records (kafka-python's producer); a refusal, at once or when awaited, is a `LogError`."""
+
+    def __init__(self, client: KafkaProducer):
+        self._client = client
+
+    @property
+    def config(self) -> dict:
+        """The client's settings as it took them."""
+        return self._client.config
+
+    def send(self, topic: str, value: bytes, *, key: bytes | None = None, partition: int | None = None,
+             headers: list[tuple[str, bytes]] | None = None) -> Sending:
+        try:
+            return Sending(self._client.send(topic, value, key=key, partition=partition, headers=headers))
+        except KafkaError as err:
+            raise _log_error(err) from err
+
+    def flush(self, timeout: float | None = None) -> None:
+        try:
+            self._client.flush(timeout=timeout)
+        except KafkaError as err:
+            raise _log_error(err) from err
+
+    def close(self, timeout: float | None = None) -> None:
+        self._client.close(timeout=timeout)
+
+
+def producer(t: TransportConfig) -> LogWriter:
     # Idempotence off: the local broker loses producer ids on restart; the syncer drops replays by id.
-    return _connect(
+    return LogWriter(_connect(
         KafkaProducer, t, acks=t.acks, linger_ms=5, enable_idempotence=False, retries=5, max_block_ms=10_000,
         max_request_size=t.max_message_bytes + 65536,
-        compression_type=None if t.compression == "none" else t.compression)
+        compression_type=None if t.compression == "none" else t.compression))
 
 
 def _fetch_limits(t: TransportConfig) -> tuple[int, int]:
@@ -152,24 +225,85 @@ def _fetch_limits(t: TransportConfig) -> tuple[int, int]:
     return record, max(record, 52428800)
 
 
-def consumer(t: TransportConfig, group_id: str | None = None, **kw) -> KafkaConsumer:
-    """A consumer with no auto-commit: callers assign partitions and keep offsets. A `group_id` only
-    names where `commit()` puts offsets for monitoring; the group never subscribes or rebalances."""
+class LogReader:
+    """Reads assigned partitions (kafka-python's consumer) from offsets the caller keeps: no
+    subscription, no rebalance, no auto-commit. A `group_id` only names where `commit` puts offsets,
+    for monitoring. Records come out as kafka-python makes them (they carry the fields every record
+    has); a failed call is a `LogError`."""
+
+    def __init__(self, client: KafkaConsumer):
+        self._c = client
+
+    @property
+    def group_id(self) -> str | None:
+        return self._c.config["group_id"]
+
+    def assign(self, positions: Mapping[TP, int]) -> None:
+        """Read exactly these partitions, each from its offset."""
+        self._call(self._c.assign, [TopicPartition(*tp) for tp in positions])
+        for tp, offset in positions.items():
+            self.seek(tp, offset)
+
+    def seek(self, tp: TP, offset: int) -> None:
+        self._call(self._c.seek, TopicPartition(*tp), offset)
+
+    def assignment(self) -> set[TP]:
+        return {(tp.topic, tp.partition) for tp in self._c.assignment()}
+
+    def position(self, tp: TP) -> int:
+        return self._call(self._c.position, TopicPartition(*tp))
+
+    def highwater(self, tp: TP) -> int | None:
+        """The partition's end as the last fetch response said it (None before one came)."""
+        return self._call(self._c.highwater, TopicPartition(*tp))
+
+    def poll(self, timeout_ms: int = 0, max_records: int = 500) -> dict[TP, list]:
+        batch = self._call(self._c.poll, timeout_ms=timeout_ms, max_records=max_records)
+        return {(tp.topic, tp.partition): records for tp, records in batch.items()}
+
+    def pause(self, *tps: TP) -> None:
+        self._call(self._c.pause, *(TopicPartition(*tp) for tp in tps))
+
+    def resume(self, *tps: TP) -> None:
+        self._call(self._c.resume, *(TopicPartition(*tp) for tp in tps))
+
+    def commit(self, offsets: Mapping[TP, int], timeout_ms: int | None = None) -> None:
+        """Store `offsets` (the next offset to read, per partition) as the group's."""
+        self._call(self._c.commit, {TopicPartition(*tp): OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()},
+                   timeout_ms=timeout_ms)
+
+    def committed(self, tp: TP) -> int | None:
+        return self._call(self._c.committed, TopicPartition(*tp))
+
+    def end_offsets(self, tps: Iterable[TP]) -> dict[TP, int]:
+        """The broker's ListOffsets answer (the local broker's is the start of the last batch: see `read_to_end`)."""
+        ends = self._call(self._c.end_offsets, [TopicPartition(*tp) for tp in tps])
+        return {(tp.topic, tp.partition): end for tp, end in ends.items()}
+
+    def topics(self) -> set[str]:
+        return self._call(self._c.topics)
+
+    def close(self) -> None:
+        self._c.close()
+
+    @staticmethod
+    def _call(fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except KafkaError as err:
+            raise _log_error(err) from err
+
+
+def consumer(t: TransportConfig, group_id: str | None = None, **kw) -> LogReader:
+    """A reader on kafka-python; `kw` goes to its consumer."""
     record, fetch = _fetch_limits(t)
-    return _connect(
+    return LogReader(_connect(
         KafkaConsumer, t, enable_auto_commit=False, auto_offset_reset="earliest", group_id=group_id,
-        fetch_max_bytes=fetch, max_partition_fetch_bytes=record, receive_message_max_bytes=record + 65536, **kw)
+        fetch_max_bytes=fetch, max_partition_fetch_bytes=record, receive_message_max_bytes=record + 65536, **kw))
 
 
-def assign_from(c: KafkaConsumer, positions: dict[TopicPartition, int]) -> None:
-    """Assign partitions and start each at a stored offset (0 where none is stored)."""
-    c.assign(list(positions))
-    for tp, offset in positions.items():
-        c.seek(tp, offset)
-
-
-def partitions_of(topic: str, n: int) -> list[TopicPartition]:
-    return [TopicPartition(topic, p) for p in range(n)]
+def partitions_of(topic: str, n: int) -> list[TP]:
+    return [(topic, p) for p in range(n)]
 
 
 def _connect(client: type, t: TransportConfig, timeout_s: float = 20.0, **kw):
@@ -198,7 +332,7 @@ def _connect(client: type, t: TransportConfig, timeout_s: float = 20.0, **kw):
             delay = min(delay * 2, 2.0)
 
 
-def read_to_end(t: TransportConfig, tps: list[TopicPartition], timeout_s: float = 30.0, last: int | None = None) -> list:
+def read_to_end(t: TransportConfig, tps: list[TP], timeout_s: float = 30.0, last: int | None = None) -> list:
     """Every record of the given partitions from offset 0 (or, with `last`, about the last `last`
     records of each) up to their high watermark.
 
@@ -208,7 +342,7 @@ def read_to_end(t: TransportConfig, tps: list[TopicPartition], timeout_s: float 
     c = consumer(t)
     try:
         ends = c.end_offsets(tps) if last is not None else {}
-        assign_from(c, {tp: max(ends.get(tp, 0) - (last or 0), 0) for tp in tps})
+        c.assign({tp: max(ends.get(tp, 0) - (last or 0), 0) for tp in tps})
         out, deadline = [], time.time() + timeout_s
         while True:
             for records in c.poll(timeout_ms=200).values():
@@ -222,13 +356,13 @@ def read_to_end(t: TransportConfig, tps: list[TopicPartition], timeout_s: float 
         c.close()
 
 
-def log_ends(t: TransportConfig, tps: list[TopicPartition], timeout_s: float = 5.0) -> dict[TopicPartition, int]:
+def log_ends(t: TransportConfig, tps: list[TP], timeout_s: float = 5.0) -> dict[TP, int]:
     """Each partition's end offset now (the offset its next record will get), from the high watermark
     of a fetch: the local broker's end_offsets() reports the start of the last batch (read_to_end)."""
     c = consumer(t)
     try:
         start = c.end_offsets(tps)
-        assign_from(c, start)
+        c.assign(start)
         deadline = time.time() + timeout_s
         while any(c.highwater(tp) is None for tp in tps):
             if time.time() > deadline:
@@ -239,7 +373,7 @@ def log_ends(t: TransportConfig, tps: list[TopicPartition], timeout_s: float = 5
         c.close()
 
 
-def group_lag(t: TransportConfig, group: str, tps: list[TopicPartition], timeout_s: float = 30.0) -> list[dict]:
+def group_lag(t: TransportConfig, group: str, tps: list[TP], timeout_s: float = 30.0) -> list[dict]:
     """Per partition: the group's committed offset (None if it committed none), the end offset and
     the lag between them (the end offset, from the start, where nothing is committed).
 
@@ -249,14 +383,15 @@ def group_lag(t: TransportConfig, group: str, tps: list[TopicPartition], timeout
     c = consumer(t, group_id=group)
     try:
         committed = {tp: c.committed(tp) for tp in tps}
-        assign_from(c, {tp: off or 0 for tp, off in committed.items()})
+        c.assign({tp: off or 0 for tp, off in committed.items()})
         deadline = time.time() + timeout_s
         while any(c.highwater(tp) is None for tp in tps):
             if time.time() > deadline:
                 raise TransportError(f"no high watermark for {[tp for tp in tps if c.highwater(tp) is None]} in {timeout_s}s")
             c.poll(timeout_ms=200, max_records=1)
-        return [{"topic": tp.topic, "partition": tp.partition, "committed": committed[tp], "end": c.highwater(tp),
-                 "lag": c.highwater(tp) - (committed[tp] or 0)} for tp in tps]
+        return [{"topic": topic, "partition": partition, "committed": committed[(topic, partition)],
+                 "end": c.highwater((topic, partition)), "lag": c.highwater((topic, partition)) - (committed[(topic, partition)] or 0)}
+                for topic, partition in tps]
     finally:
         c.close()
 
@@ -277,81 +412,87 @@ def rdkafka_settings(t: TransportConfig, group_id: str | None) -> dict:
     return kw
 
 
-class _Record(NamedTuple):
+class Record(NamedTuple):
+    """A record as `RdKafkaReader` returns it: the fields every record of the log interface has."""
+    topic: str
+    partition: int
     offset: int
+    timestamp: int | None
+    key: bytes | None
     value: bytes
+    headers: list[tuple[str, bytes]]  # (name, value) pairs, as kafka-python's records carry them
     headers: list[tuple[str, bytes]]  # as kafka-python's ConsumerRecord.headers: (name, value) pairs
 
 
-class RdKafkaConsumer:
-    """The syncer's intake on librdkafka (confluent-kafka), behind the part of kafka-python's
-    `KafkaConsumer` the syncer uses: assign and seek, poll into {partition: records}, position,
-    high watermark, commit. librdkafka fetches and parses in its own C threads, so a record costs the
-    syncer a fraction of kafka-python's parsing (docs/bench.md, the syncer's intake).
+class RdKafkaReader:
+    """The part of `LogReader` the syncer uses, on librdkafka (confluent-kafka): its intake. librdkafka
+    fetches and parses in its own C threads, so a record costs the syncer a fraction of kafka-python's
+    parsing (docs/bench.md, the syncer's intake).
 
     Positions are kept here: the next offset of each assigned partition, moved by `seek` and by what
     `poll` returns, so that a record the syncer has not seen is never skipped. The high watermark is
     librdkafka's figure from its last fetch response (the local broker's ListOffsets is wrong, as
-    `read_to_end` explains). Errors come out as kafka-python's `KafkaError`, as the syncer expects."""
+    `read_to_end` explains). A fatal client error or a failed commit is a `LogError`."""
 
     def __init__(self, t: TransportConfig, group_id: str | None = None):
         import confluent_kafka
 
         self._ck = confluent_kafka
-        self.config = {"group_id": group_id}
+        self.group_id = group_id
         try:
             self._consumer = confluent_kafka.Consumer(rdkafka_settings(t, group_id))
         except confluent_kafka.KafkaException as err:
             raise TransportError(f"librdkafka consumer for {t.bootstrap_servers}: {err}") from None
-        self._positions: dict[TopicPartition, int] = {}
+        self._positions: dict[TP, int] = {}
         self._moved = False
 
-    def assign(self, partitions) -> None:
-        self._positions = {tp: self._positions.get(tp, 0) for tp in partitions}
+    def assign(self, positions: Mapping[TP, int]) -> None:
+        self._positions = dict(positions)
         self._moved = True
 
-    def seek(self, tp: TopicPartition, offset: int) -> None:
+    def seek(self, tp: TP, offset: int) -> None:
         self._positions[tp] = offset
         self._moved = True
 
-    def assignment(self) -> set[TopicPartition]:
+    def assignment(self) -> set[TP]:
         return set(self._positions)
 
-    def position(self, tp: TopicPartition) -> int:
+    def position(self, tp: TP) -> int:
         return self._positions[tp]
 
-    def highwater(self, tp: TopicPartition) -> int | None:
-        _, high = self._consumer.get_watermark_offsets(self._ck.TopicPartition(tp.topic, tp.partition), cached=True)
+    def highwater(self, tp: TP) -> int | None:
+        _, high = self._consumer.get_watermark_offsets(self._ck.TopicPartition(*tp), cached=True)
         return high if high >= 0 else None
 
-    def poll(self, timeout_ms: int = 0, max_records: int = 500) -> dict[TopicPartition, list[_Record]]:
+    def poll(self, timeout_ms: int = 0, max_records: int = 500) -> dict[TP, list[Record]]:
         ck = self._ck
         if self._moved:  # librdkafka starts each partition where `assign` says: the positions kept here
-            self._consumer.assign([ck.TopicPartition(tp.topic, tp.partition, off) for tp, off in self._positions.items()])
+            self._consumer.assign([ck.TopicPartition(*tp, off) for tp, off in self._positions.items()])
             self._moved = False
-        out: dict[TopicPartition, list[_Record]] = {}
+        out: dict[TP, list[Record]] = {}
         for msg in self._consumer.consume(max_records, timeout_ms / 1000):
             if msg.error() is not None:
                 if msg.error().fatal():
-                    raise KafkaError(f"librdkafka: {msg.error()}")
+                    raise LogError(f"librdkafka: {msg.error()}", kind="KafkaException")
                 continue  # transient (a broker away, a partition's end): librdkafka retries by itself
-            tp = TopicPartition(msg.topic(), msg.partition())
+            tp = (msg.topic(), msg.partition())
             if tp in self._positions and msg.offset() >= self._positions[tp]:
-                out.setdefault(tp, []).append(_Record(msg.offset(), msg.value(), msg.headers() or []))
+                out.setdefault(tp, []).append(Record(tp[0], tp[1], msg.offset(), msg.timestamp()[1], msg.key(), msg.value(),
+                                                     msg.headers() or []))
                 self._positions[tp] = msg.offset() + 1
         return out
 
-    def commit(self, offsets, timeout_ms: int | None = None) -> None:
+    def commit(self, offsets: Mapping[TP, int], timeout_ms: int | None = None) -> None:
         try:
-            self._consumer.commit(offsets=[self._ck.TopicPartition(tp.topic, tp.partition, meta.offset)
-                                           for tp, meta in offsets.items()], asynchronous=False)
+            self._consumer.commit(offsets=[self._ck.TopicPartition(*tp, off) for tp, off in offsets.items()],
+                                  asynchronous=False)
         except self._ck.KafkaException as err:
-            raise KafkaError(f"librdkafka commit: {err}") from None
+            raise LogError(f"librdkafka commit: {err}", kind="KafkaException") from None
 
     def close(self) -> None:
         self._consumer.close()
 
 
-def intake_consumer(t: TransportConfig, client: str, group_id: str | None = None):
-    """The syncer's consumer of contributions and events, on the client `syncer.consumer` names."""
-    return RdKafkaConsumer(t, group_id) if client == "librdkafka" else consumer(t, group_id=group_id)
+def intake_consumer(t: TransportConfig, client: str, group_id: str | None = None) -> LogReader | RdKafkaReader:
+    """The syncer's reader of contributions and events, on the client `syncer.consumer` names."""
+    return RdKafkaReader(t, group_id) if client == "librdkafka" else consumer(t, group_id=group_id)

@@ -9,7 +9,6 @@ import threading
 import time
 
 import numpy as np
-from kafka import TopicPartition
 
 from diloco import messages, quantize
 from diloco.config import Config
@@ -119,8 +118,7 @@ class Fetcher(threading.Thread):
             self.needed.add(p)
 
     def run(self) -> None:
-        tp = TopicPartition(self.topics.outer, 0)
-        kafka_io.assign_from(self.consumer, {tp: 0})  # the whole log: its last word per fragment wins
+        self.consumer.assign({(self.topics.outer, 0): 0})  # the whole log: its last word per fragment wins
         tries: dict[int, list] = {}  # fragment -> [version, attempts, retry at] of a fetch that failed
         try:
             while not self.stop.is_set():

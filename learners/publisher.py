@@ -9,12 +9,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kafka.errors import KafkaError
 
 from diloco import messages, signing
 from diloco.config import Config
 from diloco.device_codec import DeviceCode
 from diloco.infra import kafka as kafka_io
+from diloco.infra.kafka import LogError
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,10 @@ class Publisher(threading.Thread):
                 for fut in futures:
                     fut.get(timeout=30)
                 break
-            except KafkaError as err:
+            except LogError as err:
                 log.warning("broker unavailable; retrying contribution", extra={
                     "id": part["cid"] if part else manifest.id, "fragment": fragment, "retry_in_s": delay,
-                    "error": type(err).__name__})
+                    "error": err.kind})
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         with self.counters.lock:
@@ -143,5 +143,5 @@ class Heartbeat(threading.Thread):
             if self.broker.up and self.status:
                 try:
                     self.send(**self.status)
-                except KafkaError as err:  # the next beat will do; training goes on
-                    log.warning("heartbeat not sent", extra={"error": type(err).__name__})
+                except LogError as err:  # the next beat will do; training goes on
+                    log.warning("heartbeat not sent", extra={"error": err.kind})

@@ -55,15 +55,13 @@ def export_events(cfg, run_id: str, path: str, *, timeout_s: float = 60.0) -> in
     The end is the high watermark that fetch responses carry: the local broker's end_offsets() is
     wrong (see NOTES). Returns the number of records copied.
     """
-    from kafka import TopicPartition
-
     from diloco.infra import kafka as kafka_io
 
-    tp = TopicPartition(kafka_io.Topics.for_run(cfg, run_id).events, 0)
+    tp = (kafka_io.Topics.for_run(cfg, run_id).events, 0)
     c = kafka_io.consumer(cfg.transport)
     n, deadline = 0, time.time() + timeout_s
     try:
-        kafka_io.assign_from(c, {tp: 0})
+        c.assign({tp: 0})
         with FileSystems.create(path, mime_type="application/jsonl", compression_type="uncompressed") as out:
             while True:
                 for rec in c.poll(timeout_ms=200).get(tp, []):
@@ -74,7 +72,7 @@ def export_events(cfg, run_id: str, path: str, *, timeout_s: float = 60.0) -> in
                     return n
                 if time.time() > deadline:
                     raise kafka_io.TransportError(
-                        f"{tp.topic}: read {n} records but did not reach the high watermark ({hw}) in {timeout_s:.0f}s; "
+                        f"{tp[0]}: read {n} records but did not reach the high watermark ({hw}) in {timeout_s:.0f}s; "
                         "does the topic exist?")
     finally:
         c.close()

@@ -8,18 +8,16 @@ import logging
 import time
 from collections.abc import Callable
 
-from kafka import TopicPartition
-from kafka.errors import KafkaError
-
 from diloco import messages, signing
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
+from diloco.infra.kafka import LogError
 from diloco.infra.store import FragmentStore, StoreError
 from diloco.messages import Assembled, ChunkAssembler, Manifest, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
-from diloco.syncer.records import Contribution, Where, partition_key
+from diloco.syncer.records import TP, Contribution, Where, partition_key
 from diloco.syncer.rounds import FragmentState, Pending, close_round
 
 
@@ -35,10 +33,9 @@ def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]],
     """The contributions `wanted` (id -> topic, partition, offset of its first record), read back
     from the log and reassembled from that place only (a set of the id anywhere else, or starting at
     another offset, is another writer's); those the log no longer holds are left out."""
-    by_tp: dict[TopicPartition, int] = {}
+    by_tp: dict[TP, int] = {}
     for topic, partition, offset in wanted.values():
-        tp = TopicPartition(topic, partition)
-        by_tp[tp] = min(by_tp.get(tp, offset), offset)
+        by_tp[(topic, partition)] = min(by_tp.get((topic, partition), offset), offset)
     out: dict[str, tuple[Manifest, bytes]] = {}
     if not by_tp:
         return out
@@ -47,7 +44,7 @@ def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]],
     keys = {lid: signing.learner_key(secret, run_id, lid) for lid in cfg.member_ids()} if secret else {}
     c = kafka_io.consumer(cfg.transport)
     try:
-        kafka_io.assign_from(c, by_tp)
+        c.assign(by_tp)
         deadline = time.time() + timeout_s
         while len(out) < len(wanted) and time.time() < deadline:
             for records in c.poll(timeout_ms=200).values():
@@ -119,7 +116,7 @@ def rebuild(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, mer
                 raise RebuildError(f"replaying v{u} does not reproduce its stored update")
             st.version, st.params, st.opt_state, st.residual = u, closed.params, closed.opt_state, closed.residual
         return st, None
-    except (RebuildError, StoreError, WireError, KafkaError, KeyError, ValueError) as err:
+    except (RebuildError, StoreError, WireError, LogError, KeyError, ValueError) as err:
         params, _ = store.read_params(p, v, metas.get(v))
         return FragmentState(v, params, st.opt_state, residual={}, snapshot_at=s, snapshot=snapshot), str(err)
 

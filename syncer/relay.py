@@ -13,16 +13,15 @@ import json
 import logging
 import time
 
-from kafka.errors import KafkaError
-
 from diloco import messages
+from diloco.infra.kafka import LogError
 from diloco.syncer.periodic import Every
 
 log = logging.getLogger(__name__)
 
 
-def _permanent(err: KafkaError) -> bool:
-    return not getattr(err, "retriable", False)
+def _permanent(err: LogError) -> bool:
+    return not err.retriable
 
 
 class Events:
@@ -62,10 +61,10 @@ class OutboxRelay:
                 return
             try:
                 refused = self._send(raw)
-            except KafkaError as err:
+            except LogError as err:
                 if not self.broker_down:
                     log.warning("broker unavailable; keeping %d records in the outbox", len(raw),
-                                extra={"error": f"{type(err).__name__}: {err}"})
+                                extra={"error": f"{err.kind}: {err}"})
                 self.broker_down = True
                 return
             for text, why in refused:
@@ -86,16 +85,16 @@ class OutboxRelay:
             r = json.loads(text)
             try:
                 futures.append((text, self.producer.send(r["topic"], r["value"].encode(), partition=r["partition"])))
-            except KafkaError as err:  # refused before it left (too large for max_request_size)
+            except LogError as err:  # refused before it left (too large for max_request_size)
                 if not _permanent(err):
                     raise
-                refused.append((text, f"{type(err).__name__}: {err}"))
+                refused.append((text, f"{err.kind}: {err}"))
         self.producer.flush(timeout=10)
         for text, f in futures:
             try:
                 f.get(timeout=10)
-            except KafkaError as err:
+            except LogError as err:
                 if not _permanent(err):
                     raise
-                refused.append((text, f"{type(err).__name__}: {err}"))
+                refused.append((text, f"{err.kind}: {err}"))
         return refused

@@ -11,9 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
-from kafka import OffsetAndMetadata, TopicPartition
-from kafka.errors import KafkaError
-
+from diloco.infra.kafka import LogError
 from diloco.syncer.records import TP, partition_key
 from diloco.syncer.rounds import Pending
 
@@ -62,20 +60,18 @@ def lost_payloads(rounds: Mapping[int, Mapping[str, Pending]], consumer, *,
 
 def position(consumer, tp: TP) -> int:
     """Where the consumer reads partition `tp` next (0 if it is not assigned)."""
-    t = TopicPartition(*tp)
-    return consumer.position(t) if t in consumer.assignment() else 0
+    return consumer.position(tp) if tp in consumer.assignment() else 0
 
 
 def read_to_end(consumer, tp: TP) -> bool:
     """Whether the consumer read assigned partition `tp` up to its high watermark."""
-    t = TopicPartition(*tp)
-    hw = consumer.highwater(t)
-    return hw is not None and t in consumer.assignment() and consumer.position(t) >= hw
+    hw = consumer.highwater(tp)
+    return hw is not None and tp in consumer.assignment() and consumer.position(tp) >= hw
 
 
 def lags(consumer) -> dict[TP, int]:
     """Records not read yet, per assigned partition whose high watermark a fetch has told."""
-    return {(tp.topic, tp.partition): hw - consumer.position(tp) for tp in consumer.assignment()
+    return {tp: hw - consumer.position(tp) for tp in consumer.assignment()
             if (hw := consumer.highwater(tp)) is not None}
 
 
@@ -93,14 +89,13 @@ class GroupOffsets:
         self.failing = False
 
     def commit(self, offsets: Mapping[TP, int]) -> None:
-        if self.consumer.config["group_id"] is None or not self.broker.up:
+        if self.consumer.group_id is None or not self.broker.up:
             return
         try:
-            self.consumer.commit({TopicPartition(*tp): OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()},
-                                 timeout_ms=2000)
+            self.consumer.commit(offsets, timeout_ms=2000)
             self.failing = False
-        except KafkaError as err:
+        except LogError as err:
             if not self.failing:
                 log.warning("consumer group commit failed (monitoring only; Redis keeps the offsets)",
-                            extra={"group": self.consumer.config["group_id"], "error": f"{type(err).__name__}: {err}"})
+                            extra={"group": self.consumer.group_id, "error": f"{err.kind}: {err}"})
             self.failing = True

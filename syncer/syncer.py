@@ -27,8 +27,6 @@ import logging
 import time
 from collections import deque
 
-from kafka import TopicPartition
-from kafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from diloco import messages, signing
@@ -36,6 +34,7 @@ from diloco import metrics as metrics_mod
 from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
+from diloco.infra.kafka import LogError
 from diloco.infra.store import FragmentStore, StoreFenced
 from diloco.messages import Assembled, Dropped, Manifest, Reason, WireError
 from diloco.syncer import durability, fused, rebuild, replay, rounds
@@ -158,8 +157,7 @@ class Syncer:
         """One poll: handle records, expire partial chunk sets, close the rounds that are due."""
         self.ownership.keeper.alive_at = time.monotonic()
         batch = self.consumer.poll(timeout_ms=self.cfg.syncer.poll_ms, max_records=500)
-        for tp, records in batch.items():
-            key = (tp.topic, tp.partition)
+        for key, records in batch.items():
             for rec in records:
                 if key not in self.consumed:
                     break                         # the partition went with its fragment meanwhile
@@ -185,7 +183,7 @@ class Syncer:
                 self.handle_event(rec.value)
             else:
                 self.handle_record(rec.value, key, rec.offset, rec.headers)
-        except (RedisError, KafkaError, Fenced):
+        except (RedisError, LogError, Fenced):
             raise                     # the service or the ownership, not the record: handled above
         except Exception as err:  # one bad record must never stop the syncer
             log.exception("record handling failed", extra={"topic": key[0], "offset": rec.offset})
@@ -269,7 +267,7 @@ class Syncer:
 
     def _assign(self) -> None:
         """Read exactly the partitions of the owned fragments (and the events), each from where it was."""
-        kafka_io.assign_from(self.consumer, {TopicPartition(*tp): off for tp, off in self.consumed.items()})
+        self.consumer.assign(self.consumed)
 
     def observe(self) -> None:
         """Set the gauges that describe what this shard holds now (once a second): versions, leases,
@@ -282,7 +280,7 @@ class Syncer:
     def caught_up(self) -> bool:
         """Every owned partition read to its high watermark, and no chunk set waiting for more."""
         c = self.consumer
-        return all(replay.read_to_end(c, (tp.topic, tp.partition)) for tp in c.assignment()) and not len(self.assembler)
+        return all(replay.read_to_end(c, tp) for tp in c.assignment()) and not len(self.assembler)
 
     # --- records -------------------------------------------------------------------------------
     def handle_event(self, raw: bytes) -> None:

@@ -16,7 +16,6 @@ from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer
 from confluent_kafka import TopicPartition as CTP
 from confluent_kafka.admin import AdminClient
 from helpers import Harness, run_events
-from kafka.errors import KafkaError
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -354,7 +353,7 @@ def test_a_tiny_runs_fragments_decode_from_the_spec_alone(tiny_config, kafka_boo
             assert np.isfinite(x).all() and np.abs(x).max() > 0
             np.testing.assert_array_equal(x, theirs[name])
     # the syncer's consumer group: committed = its replay offsets in Redis = the end of every partition
-    lag = kafka_io.group_lag(cfg.transport, topics.syncer_group, [kafka_io.TopicPartition(*tp) for tp in tps])
+    lag = kafka_io.group_lag(cfg.transport, topics.syncer_group, tps)
     assert all(r["lag"] == 0 and r["committed"] == r["end"] for r in lag) and sum(r["end"] for r in lag) > 0, lag
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)
     assert committed_by_librdkafka(kafka_bootstrap, topics.syncer_group) == {tp: r["end"] for tp, r in zip(tps, lag)} \
@@ -387,7 +386,7 @@ def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, 
     h.syncer.save_offsets(force=True)                         # its round is open: the group lags behind it
     tp = (topics.fragments["us"], 0)
     lag = {(r["topic"], r["partition"]): r for r in kafka_io.group_lag(
-        cfg.transport, group, [kafka_io.TopicPartition(*tp)])}
+        cfg.transport, group, [tp])}
     assert lag[tp]["lag"] == len(frames) and committed_by_librdkafka(kafka_bootstrap, group)[tp] == lag[tp]["committed"]
     other = h.publish("eu-0", 0, base_version=0, deltas=h.deltas(0, seed=2), scheme="fp32")
     h.pump(lambda: h.state.versions()[0] == 1)
@@ -400,10 +399,9 @@ def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, 
     for n in h.plan[0]:  # outer SGD at lr 1 on the plain mean of the two pseudo-gradients (old - new)
         want = v0[n] - (decoded[n] + h.deltas(0, seed=2)[n]) / 2
         np.testing.assert_allclose(v1[n], want, rtol=1e-5, atol=1e-6)
-    assert committed_by_librdkafka(kafka_bootstrap, group)[tp] == h.syncer.consumer.highwater(
-        kafka_io.TopicPartition(*tp))
+    assert committed_by_librdkafka(kafka_bootstrap, group)[tp] == h.syncer.consumer.highwater(tp)
     # the group is monitoring only: a commit the broker refuses is logged once, and the syncer goes on
-    monkeypatch.setattr(h.syncer.consumer, "commit", lambda *a, **k: (_ for _ in ()).throw(KafkaError("refused")))
+    monkeypatch.setattr(h.syncer.consumer, "commit", lambda *a, **k: (_ for _ in ()).throw(kafka_io.LogError("refused")))
     for _ in range(2):
         h.syncer.save_offsets(force=True)
         h.syncer.step()

@@ -12,7 +12,6 @@ import time
 import numpy as np
 import pytest
 from helpers import Harness
-from kafka import TopicPartition
 
 from diloco import messages
 
@@ -113,7 +112,7 @@ def test_after_a_restart_a_forged_set_under_a_pending_id_changes_no_merged_value
     h.producer.flush()
     h.syncer = h.new_syncer()
     assert h.syncer.fragments[0].round[a.id].deltas is None
-    honest = TopicPartition(us, 0)
+    honest = (us, 0)
     h.syncer.consumer.pause(honest)                                      # the forged sets complete first
     h.pump(lambda: all(h.syncer.consumed.get(tp, 0) == len(frames) for tp, frames in elsewhere.items()))
     assert h.syncer.fragments[0].round[a.id].deltas is None and h.state.statuses()[a.id] == "pending:0"

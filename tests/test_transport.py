@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kafka import KafkaAdminClient, TopicPartition
+from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType
 
 from diloco.config import ConfigError, build_config
@@ -99,7 +99,7 @@ def test_the_syncers_consumer_reads_on_from_where_it_is_sought_on_either_client(
     p.flush()
     p.close()
     c = kafka_io.intake_consumer(t, client)
-    tp = TopicPartition(topic, 0)
+    tp = (topic, 0)
 
     def read(n: int, batch: int = 500) -> list[tuple[int, bytes]]:
         out: list = []
@@ -110,7 +110,7 @@ def test_the_syncers_consumer_reads_on_from_where_it_is_sought_on_either_client(
         return out
 
     try:
-        kafka_io.assign_from(c, {tp: 0})
+        c.assign({tp: 0})
         assert read(60, batch=7) == [(i, str(i).encode()) for i in range(60)]
         time.sleep(0.5)                                   # the client fetches ahead meanwhile
         c.seek(tp, 10)

@@ -13,11 +13,10 @@ from __future__ import annotations
 import copy
 import time
 
-from kafka import TopicPartition
-
 from diloco import messages
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
+from diloco.infra.kafka import TP
 from diloco.ops import OpsError
 from diloco.syncer.records import partition_key
 
@@ -40,11 +39,11 @@ class TopicMonitor:
                 raise OpsError(f"no topics of run {run_id!r} on {cfg.transport.bootstrap_servers}; runs there: "
                                f"{', '.join(runs) or 'none'}")
             self.tps = [tp for t, n in wanted.items() for tp in kafka_io.partitions_of(t, n)]
-            kafka_io.assign_from(self.consumer, {tp: 0 for tp in self.tps})
+            self.consumer.assign({tp: 0 for tp in self.tps})
         except Exception:
             self.consumer.close()
             raise
-        self.totals = {partition_key((tp.topic, tp.partition)):
+        self.totals = {partition_key(tp):
                        {"messages": 0, "bytes": 0, "newest_ms": None, "malformed": 0} for tp in self.tps}
         self.learners: dict[str, dict[str, dict]] = {t: {} for t in self.topics.fragments.values()}
         self.kinds: dict[str, dict[str, int]] = {self.topics.events: {}, self.topics.outer: {}}
@@ -67,19 +66,20 @@ class TopicMonitor:
                 break
         parts = copy.deepcopy(self.totals)
         for tp, hw in hws.items():
-            parts[partition_key((tp.topic, tp.partition))]["high_watermark"] = hw
+            parts[partition_key(tp)]["high_watermark"] = hw
         return {"run": self.run_id, "time": time.time(), "caught_up": caught_up, "partitions": parts,
                 "learners": copy.deepcopy(self.learners), "kinds": copy.deepcopy(self.kinds),
                 "announced": dict(self.announced)}
 
-    def _account(self, tp: TopicPartition, rec) -> None:
-        t = self.totals[partition_key((tp.topic, tp.partition))]
-        size = max(rec.serialized_key_size, 0) + max(rec.serialized_value_size, 0)
+    def _account(self, tp: TP, rec) -> None:
+        t = self.totals[partition_key(tp)]
+        size = len(rec.key or b"") + len(rec.value or b"")
         t["messages"] += 1
         t["bytes"] += size
         if rec.timestamp is not None and rec.timestamp >= 0:
             t["newest_ms"] = max(t["newest_ms"] or 0, rec.timestamp)
-        if tp.topic in self.learners:
+        topic = tp[0]
+        if topic in self.learners:
             try:
                 header, _ = messages.parse_frame(rec.value)
             except messages.WireError:
@@ -98,7 +98,7 @@ class TopicMonitor:
                 index, count = header.get("index"), header.get("count")
                 if isinstance(index, int) and isinstance(count, int) and index == count - 1:  # chunks come in order
                     self._owner.pop(cid, None)
-            row = self.learners[tp.topic].setdefault(learner, _new_learner())
+            row = self.learners[topic].setdefault(learner, _new_learner())
             row["frames"] += 1
             row["bytes"] += size
             if header.get("kind") == "manifest":
@@ -112,10 +112,10 @@ class TopicMonitor:
         if ev is None:
             t["malformed"] += 1
             return
-        kinds = self.kinds[tp.topic]
+        kinds = self.kinds[topic]
         kinds[ev["kind"]] = kinds.get(ev["kind"], 0) + 1
         version = ev.get("version")
-        if tp.topic == self.topics.outer and ev["kind"] == "version":
+        if topic == self.topics.outer and ev["kind"] == "version":
             if not messages.is_count(version) or not 0 <= version < messages.MAX_COUNT:
                 t["malformed"] += 1      # a forged or broken announcement: counted, not believed
                 return
