@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from redis.exceptions import RedisError
 from rich.live import Live
 from rich.text import Text
 
@@ -23,6 +22,7 @@ from diloco import chaos, coverage, membership, messages, resume
 from diloco.config import BUILTIN_MODEL, Config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
+from diloco.infra.state import ServiceError
 from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import epochs_read
 from diloco.messages import WireError
@@ -149,7 +149,7 @@ class RunSupervisor:
             return None
         try:
             accepted = self.accepted_end(name)
-        except (RedisError, state_mod.StateError, OSError) as err:
+        except (ServiceError, state_mod.StateError, OSError) as err:
             log.warning("resume point unknown: redis did not answer", extra={"learner": name, "error": str(err)[:200]})
             return None
         claimed = self.prog.handed_in.get(name, 0)

@@ -11,8 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
-
+from diloco.infra.state import ServiceError
 from diloco.syncer import shards as shards_mod
 from diloco.syncer.state import SyncerState
 
@@ -58,7 +57,7 @@ class LeaseKeeper(threading.Thread):
             for p in self.owned():
                 if not self.state.renew(p, self.member, self.ttl_s):
                     self.lost.add(p)
-        except (RedisError, RuntimeError) as err:  # an outage (the main loop recovers) or epochs changed mid-copy
+        except (ServiceError, RuntimeError) as err:  # an outage (the main loop recovers) or epochs changed mid-copy
             log.debug("lease renewal skipped: %s", type(err).__name__)
 
     def halt(self) -> None:
@@ -141,6 +140,6 @@ class Ownership:
             for p in list(self.epochs) if release else ():
                 self.state.release(p, self.member)
             self.state.leave(self.shard, self.member)
-        except RedisError:
+        except ServiceError:
             if release:
                 raise

@@ -7,14 +7,11 @@ import logging
 import signal
 import time
 
-from redis.exceptions import ClusterDownError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from diloco import metrics as metrics_mod
 from diloco import status as status_mod
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
+from diloco.infra import state as infra_state
 from diloco.infra.store import FragmentStore
 from diloco.syncer import state as state_mod
 from diloco.syncer.syncer import Syncer
@@ -22,7 +19,6 @@ from diloco.syncer.syncer import Syncer
 log = logging.getLogger(__name__)
 
 DRAIN_SETTLE_S = 1.0  # on stop: how long the syncer must stay caught up before it believes it
-REDIS_OUTAGES = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError)
 
 
 def main(cfg: Config, run_id: str, shard: int = 0) -> None:
@@ -60,7 +56,7 @@ def run(syncer: Syncer) -> None:
         while True:
             try:
                 syncer.step()
-            except REDIS_OUTAGES as err:
+            except infra_state.OUTAGES as err:
                 syncer.recover_from_redis_outage(err)
             if syncer.stopping:
                 now = syncer.clock()

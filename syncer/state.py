@@ -1,4 +1,4 @@
-"""Redis adapter for the syncer's durable control state.
+"""The syncer's durable control state in Redis (the client and its transaction: infra/state.py).
 
 Keys, all under `<key_prefix>:{<run>}:` (run_prefix builds it; add a key as `self.k + name`):
     version          hash  fragment -> current global version
@@ -38,24 +38,11 @@ merge commit also WATCHes the fragment's version.
 from __future__ import annotations
 
 import json
-import logging
-import time
 from collections.abc import Mapping
 
-import redis
-from redis.cluster import RedisCluster
-from redis.exceptions import AuthenticationError, RedisClusterException, WatchError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from diloco.config import StateConfig, redact_url, resolve_secret
+from diloco.infra import state as infra_state
+from diloco.infra.state import StateError, connect, wait_until_up  # noqa: F401  (callers use them as state_mod.*)
 from diloco.syncer.records import TP, Status, Where, parse_partition_key, partition_key, rejection_counter
-
-log = logging.getLogger(__name__)
-
-
-class StateError(RuntimeError):
-    pass
 
 
 class StaleVersion(StateError):
@@ -104,46 +91,6 @@ return 0
 """
 
 
-def connect(cfg: StateConfig, timeout_s: float | None = None) -> redis.Redis | RedisCluster:
-    """A client for the config's URL and ACL credentials, once the server answers (within `timeout_s`,
-    default state.connect_timeout_s). With state.cluster it is a cluster client: the URL names any one
-    node and the client finds the others."""
-    kind = RedisCluster if cfg.cluster else redis.Redis
-    password = resolve_secret(cfg.password_env, "state.password_env")
-
-    def attempt():
-        r = kind.from_url(cfg.redis_url, username=cfg.username, password=password,
-                          socket_timeout=10, socket_connect_timeout=5, decode_responses=True)
-        r.ping()
-        return r
-    return wait_until_up(attempt, cfg, cfg.connect_timeout_s if timeout_s is None else timeout_s)
-
-
-def wait_until_up(attempt, cfg: StateConfig, timeout_s: float):
-    """attempt() (a ping, say) once Redis answers it, retried with backoff for up to timeout_s."""
-    url = redact_url(cfg.redis_url)  # only for the messages
-    deadline = time.time() + timeout_s
-    delay = 0.2
-    while True:
-        try:
-            return attempt()
-        except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as err:
-            # the cluster client raises its own exception, caused by what the nodes it tried said
-            why = err.__cause__ if isinstance(err, RedisClusterException) else err
-            if isinstance(why, AuthenticationError):  # redis-py says the same for a missing and for a wrong password
-                if cfg.password_env is None:
-                    raise StateError(f"Redis at {url} requires a password: set state.password_env") from None
-                raise StateError(f"Redis at {url} refused the credentials (state.username / state.password_env)") from None
-            if not isinstance(why, (RedisConnectionError, RedisTimeoutError)):
-                raise StateError(f"state.redis_url {url} (state.cluster: {cfg.cluster}): {err}") from None
-            if time.time() > deadline:
-                raise StateError(f"Redis not reachable at {url} ({why.__class__.__name__}); "
-                                 "start the local stack with `diloco infra up` or set state.redis_url") from None
-            log.warning("redis not reachable, retrying", extra={"url": url, "retry_in_s": delay})
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-
 Fence = Mapping[int, int] | None  # fragment -> the epoch the writer holds
 
 
@@ -153,7 +100,7 @@ def run_prefix(key_prefix: str, run_id: str) -> str:
 
 
 class SyncerState:
-    def __init__(self, r: redis.Redis | RedisCluster, key_prefix: str, run_id: str):
+    def __init__(self, r: infra_state.Client, key_prefix: str, run_id: str):
         self.r = r
         self.outbox_writes = 0   # transactions of this process that wrote to the outbox
         self.k = run_prefix(key_prefix, run_id)
@@ -325,21 +272,13 @@ class SyncerState:
         EXEC: then the checks run again on the new values and the transaction is retried."""
         fence = dict(fence or {})
         keys = [self.k + f"epoch:{f}" for f in fence] + list(watch)
-        for _ in range(attempts):
-            with self.r.pipeline(transaction=True) as p:
-                try:
-                    if keys:
-                        p.watch(*keys)
-                    self._check_fence(p, fence)  # reads on a WATCHing pipeline run at once
-                    if check:
-                        check(p)
-                    p.multi()
-                    build(p)
-                    p.execute()
-                    return
-                except WatchError:
-                    continue
-        raise StaleVersion(f"the commit kept losing races on {keys} ({attempts} attempts)")
+
+        def prepare(p):
+            self._check_fence(p, fence)  # reads on a WATCHing pipeline run at once
+            if check:
+                check(p)
+        if not infra_state.transact(self.r, keys, prepare, build, attempts):
+            raise StaleVersion(f"the commit kept losing races on {keys} ({attempts} attempts)")
 
     def _check_fence(self, p, fence: dict[int, int]) -> None:
         for frag, epoch in fence.items():

@@ -27,14 +27,13 @@ import logging
 import time
 from collections import deque
 
-from redis.exceptions import RedisError
-
 from diloco import messages, signing
 from diloco import metrics as metrics_mod
 from diloco.config import Config
 from diloco.faults import crash_point
 from diloco.infra import kafka as kafka_io
 from diloco.infra.kafka import LogError
+from diloco.infra.state import ServiceError
 from diloco.infra.store import FragmentStore, StoreFenced
 from diloco.messages import Assembled, Dropped, Manifest, Reason, WireError
 from diloco.syncer import durability, fused, rebuild, replay, rounds
@@ -183,7 +182,7 @@ class Syncer:
                 self.handle_event(rec.value)
             else:
                 self.handle_record(rec.value, key, rec.offset, rec.headers)
-        except (RedisError, LogError, Fenced):
+        except (ServiceError, LogError, Fenced):
             raise                     # the service or the ownership, not the record: handled above
         except Exception as err:  # one bad record must never stop the syncer
             log.exception("record handling failed", extra={"topic": key[0], "offset": rec.offset})
