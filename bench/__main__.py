@@ -189,7 +189,8 @@ def run_seed(a: argparse.Namespace, seed: int, console: Console, t0: float, done
     """Every (method, scenario) pair on one seed; each result is also written to `out` as it ends."""
     from bench import dp as dp_mod
     from bench import ideal, runs
-    from diloco.learners.data import corpus_for, eval_batches
+    from diloco.learners.data import eval_batches
+    from diloco.pipelines.prepared import corpus_for
     size = a.size
     base = [*a.set, f"data.seed={seed}", f"model.seed={seed}"]
     any_cfg = setups.build("decoupled", "healthy", size, base)

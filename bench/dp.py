@@ -15,9 +15,10 @@ import optax
 
 from diloco import membership
 from diloco.config import Config
-from diloco.learners.data import Corpus, shard_batches
+from diloco.learners.data import shard_batches
 from diloco.models.transformer import adamw as inner_optimizer
 from diloco.models.transformer import evaluate, init_params, loss_fn
+from diloco.shard_format import Corpus
 from diloco.spec import DataShard
 
 

@@ -23,11 +23,11 @@ import optax
 from bench.dp import worker_batches
 from diloco.config import Config
 from diloco.fragments import fragments_due
-from diloco.learners.data import Corpus
 from diloco.learners.learner import make_train_step
 from diloco.models.transformer import adamw as inner_optimizer
 from diloco.models.transformer import evaluate, loss_fn
 from diloco.plan import Plan, flatten
+from diloco.shard_format import Corpus
 from diloco.spec import initial_plan, load_spec
 from diloco.syncer import merge
 

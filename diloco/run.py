@@ -23,8 +23,9 @@ from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs, Terminated, sigterm_raises
 from diloco.infra.store import FragmentStore
-from diloco.learners.data import Corpus, corpus_for
+from diloco.pipelines.prepared import corpus_for
 from diloco.plan import Plan, flatten, unflatten
+from diloco.shard_format import Corpus
 from diloco.spec import ModelSpec, evaluate, import_roots, initial_plan, load_spec
 from diloco.summary import build_summary, run_warnings, summary_table
 from diloco.supervisor import RunError, RunSupervisor

@@ -20,7 +20,8 @@ import optax
 from flax import nnx
 
 import diloco
-from diloco.learners.data import corpus_for, eval_batches, shard_batches
+from diloco.learners.data import eval_batches, shard_batches
+from diloco.pipelines.prepared import corpus_for
 
 SEQ, VOCAB = 32, 256
 

@@ -19,7 +19,8 @@ import numpy as np
 import optax
 
 import diloco
-from diloco.learners.data import corpus_for, eval_batches, shard_batches
+from diloco.learners.data import eval_batches, shard_batches
+from diloco.pipelines.prepared import corpus_for
 
 CONTEXT, VOCAB, D, HIDDEN = 8, 256, 32, 128
 

@@ -33,7 +33,7 @@ from diloco.flows import reports
 from diloco.flows.evals import evaluate_checkpoint, record_eval, recorded_evals
 from diloco.flows.tpu import jobs_for
 from diloco.infra.jobs import LocalJobs, sigterm_raises
-from diloco.learners.data import corpus_for
+from diloco.pipelines.prepared import corpus_for
 from diloco.run import RunError, RunSetup, child_env, events_from_start, finish, open_run, prepare
 from diloco.supervisor import RunSupervisor
 

@@ -61,9 +61,9 @@ def prepare(ctx: typer.Context,
     not_an_object, missing_field, not_a_string, empty, too_long) under bad_rows in manifest.json; a record file
     that cannot be read at all (e.g. a corrupt .gz or .parquet) is an error naming it.
     """
-    from diloco.learners.data import DataError
     from diloco.pipelines.corpus import prepare as run_prepare
     from diloco.pipelines.near_duplicates import NearDuplicates
+    from diloco.shard_format import DataError
 
     near = None if near_duplicates is None else NearDuplicates(near_duplicates, ngram=shingle_words)
     try:
@@ -119,8 +119,8 @@ def tokenizer(output: Annotated[str, typer.Option(help="the tokenizer.json to wr
     is <|endoftext|>, which `data prepare` joins documents with. A corpus too small for the vocabulary
     gives fewer ids than asked (the command says how many): the model's vocab_size must cover them.
     """
-    from diloco.learners.data import DataError
     from diloco.pipelines.vocab import train_tokenizer
+    from diloco.shard_format import DataError
 
     try:
         t = train_tokenizer(input, output, vocab_size=vocab_size, text_field=text_field, max_bytes=max_bytes,
@@ -151,8 +151,8 @@ def inspect(corpus: Annotated[str, typer.Argument(help="a prepared corpus: direc
     """
     import json as json_lib
 
-    from diloco.learners.data import DataError
     from diloco.pipelines.inspection import inspect_corpus
+    from diloco.shard_format import DataError
 
     try:
         s = inspect_corpus(corpus, verify=verify, documents=documents, tokenizer=tokenizer)

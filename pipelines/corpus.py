@@ -1,5 +1,5 @@
 """Corpus pipeline: text, JSON Lines and Parquet files to the token shards learners read (format:
-`diloco.learners.data`).
+`diloco.shard_format`).
 
     plan (match inputs, cap bytes) -> Beam: read + normalise -> drop duplicates -> tokenize -> split
     -> rebalance (no empty output) -> pack one file per shard -> finalise (manifest.json)
@@ -47,8 +47,8 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from diloco.learners.data import DTYPES, FORMAT, MANIFEST, SEPARATOR, DataError, shard_name, token_dtype
 from diloco.pipelines.near_duplicates import DropNearDuplicates, NearDuplicates
+from diloco.shard_format import DTYPES, FORMAT, MANIFEST, SEPARATOR, DataError, shard_name, token_dtype
 
 NEAR_DUPLICATES_LISTED = 1000   # dropped near duplicates the manifest names (all are counted)
 HELDOUT = -1       # split key of the held-out set; train shards are 0..learners-1

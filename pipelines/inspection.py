@@ -14,8 +14,8 @@ import numpy as np
 from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 
-from diloco.learners.data import DTYPES, FORMAT, MANIFEST, DataError
 from diloco.pipelines.corpus import load_tokenizer, tokenizer_spec
+from diloco.shard_format import DTYPES, FORMAT, MANIFEST, DataError
 
 READ_CHUNK = 1 << 22       # bytes per read while checking a file
 PREVIEW_BYTES = 1 << 20    # the head of a file the document preview decodes

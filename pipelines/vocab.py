@@ -17,8 +17,8 @@ import numpy as np
 from apache_beam.io.filesystems import FileSystems
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from diloco.learners.data import DataError
 from diloco.pipelines.corpus import ReadNormalised, ReadRecords, plan, record_format
+from diloco.shard_format import DataError
 
 END_OF_TEXT = "<|endoftext|>"      # one of corpus.EOD_TOKENS: prepare joins documents with it
 SMALLEST_VOCAB = 258               # the 256 byte symbols, the end-of-text token and one merge

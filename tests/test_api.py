@@ -17,9 +17,9 @@ from diloco import quantize
 from diloco.checkpoint import restore
 from diloco.config import ConfigError, build_config
 from diloco.infra.store import FragmentStore, StoreError
-from diloco.learners.data import Corpus
 from diloco.plan import Plan, PlanError, check_tree, flatten, make_plan, unflatten
 from diloco.run import provision_run
+from diloco.shard_format import Corpus
 from diloco.spec import initial_plan, load_spec
 from diloco.syncer import merge
 

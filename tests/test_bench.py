@@ -13,9 +13,9 @@ import pytest
 
 from bench import dp, ideal, merge_bench, metrics, report, runs, setups, sharded_bench
 from diloco.config import ConfigError, TransformerOptions, TransportConfig, build_config
-from diloco.learners.data import FORMAT, Corpus
 from diloco.models.transformer import loss_fn
 from diloco.plan import Plan, Tensor
+from diloco.shard_format import FORMAT, Corpus
 from diloco.syncer import merge
 
 # --- merge options -------------------------------------------------------------------------------

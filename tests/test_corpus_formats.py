@@ -20,9 +20,9 @@ import typer
 import zstandard
 from typer.testing import CliRunner
 
-from diloco.learners.data import Corpus, DataError
 from diloco.pipelines import corpus as cp
 from diloco.pipelines.cli import data_app
+from diloco.shard_format import Corpus, DataError
 
 FN_API = ["--runner=FnApiRunner"]
 DIRECT = ["--runner=DirectRunner"]
@@ -249,7 +249,7 @@ def test_a_run_config_names_the_text_field_of_its_jsonl_corpus(tmp_path):
     """`data.corpus` + `data.text_field` in a run's config: the learners' shards hold that field's
     documents, and the cached preparation is keyed by the field (another field is another corpus)."""
     from diloco.config import build_config
-    from diloco.learners.data import corpus_for
+    from diloco.pipelines.prepared import corpus_for
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_bytes(b"".join(_line({"body": f"body {i}", "text": f"text {i}"})
@@ -371,7 +371,7 @@ def test_cli_prepare_drops_near_duplicates_and_names_them(near_inputs, tmp_path)
 
 def test_a_run_config_asks_for_near_duplicate_removal(near_inputs, tmp_path):
     from diloco.config import build_config
-    from diloco.learners.data import corpus_for
+    from diloco.pipelines.prepared import corpus_for
 
     root, planted = near_inputs
 
@@ -393,7 +393,7 @@ def test_a_record_corpus_with_near_duplicates_trains_in_a_local_run(near_inputs,
     prepared by the run itself (data.corpus, data.near_duplicates), trained by a local multi-region run."""
     from rich.console import Console
 
-    from diloco.learners.data import corpus_for
+    from diloco.pipelines.prepared import corpus_for
     from diloco.run import train
 
     root, _ = near_inputs

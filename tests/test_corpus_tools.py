@@ -12,11 +12,11 @@ import tokenizers
 import typer
 from typer.testing import CliRunner
 
-from diloco.learners.data import DataError
 from diloco.pipelines import corpus as cp
 from diloco.pipelines.cli import data_app
 from diloco.pipelines.inspection import inspect_corpus
 from diloco.pipelines.vocab import END_OF_TEXT, train_tokenizer
+from diloco.shard_format import DataError
 
 FN_API = ["--runner=FnApiRunner"]
 TEXTS = [f"document {i}: the learners train, the syncer merges, café {i * 7} ünïcode ✓\n" * (3 + i % 4)

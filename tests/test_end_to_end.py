@@ -17,7 +17,7 @@ from diloco.fragments import fragments_due, syncs_through
 from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.store import FragmentStore
-from diloco.learners.data import ensure_corpus
+from diloco.pipelines.prepared import ensure_corpus
 from diloco.progress import Progress
 from diloco.run import child_env, provision_run, train
 from diloco.summary import dp_allreduce_bytes

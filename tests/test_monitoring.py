@@ -30,7 +30,7 @@ from diloco.cli import app
 from diloco.config import build_config, dump_config
 from diloco.infra.jobs import LocalJobs
 from diloco.infra.services import free_port
-from diloco.learners.data import ensure_corpus
+from diloco.pipelines.prepared import ensure_corpus
 from diloco.run import child_env, provision_run
 from diloco.syncer import service
 from diloco.syncer import state as state_mod

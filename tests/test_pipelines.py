@@ -14,9 +14,10 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from diloco.learners.data import Corpus, DataError, ensure_corpus, shard_name
 from diloco.pipelines import corpus as cp
 from diloco.pipelines import telemetry as tm
+from diloco.pipelines.prepared import ensure_corpus
+from diloco.shard_format import Corpus, DataError, shard_name
 
 FN_API = ["--runner=FnApiRunner"]
 

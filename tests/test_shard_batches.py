@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from diloco.learners.data import DataError, shard_batches
+from diloco.learners.data import shard_batches
+from diloco.shard_format import DataError
 from diloco.spec import DataShard
 
 SEQ = 7           # windows of 8 tokens

@@ -18,9 +18,11 @@ import typer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
-from diloco.learners.data import Corpus, DataError, ensure_corpus, shard_batches, shard_name, token_dtype
+from diloco.learners.data import shard_batches
 from diloco.pipelines import corpus as cp
 from diloco.pipelines.cli import data_app
+from diloco.pipelines.prepared import ensure_corpus
+from diloco.shard_format import Corpus, DataError, shard_name, token_dtype
 from diloco.spec import DataShard
 
 FN_API = ["--runner=FnApiRunner"]

@@ -150,7 +150,8 @@ def partition(params: Params):
 
 def spec(cfg: Config) -> ModelSpec:
     """The built-in transformer on the run's token shards (model.options: TransformerOptions)."""
-    from diloco.learners.data import corpus_for, eval_batches, shard_batches
+    from diloco.learners.data import eval_batches, shard_batches
+    from diloco.pipelines.prepared import corpus_for
 
     opts = cfg.model.transformer
 
