@@ -130,7 +130,7 @@ class RunSupervisor:
 
     def accepted_end(self, name: str) -> int | None:
         """The end of the furthest data-stream cursor the syncer accepted for learner `name`, pending or
-        merged, from Redis (RedisError or StateError when it does not answer). Pending ones are read first: one
+        merged, from Redis (ServiceError or StateError when it does not answer). Pending ones are read first: one
         merged between the two reads is then seen in the merge records."""
         pending = self.state.pending(self.cfg.fragments.count)
         new = self.state.merges_since(self._merges_read)
@@ -174,7 +174,7 @@ class RunSupervisor:
         try:
             if resume.read_up_to(self.state.read_to(), ends):
                 return True
-        except (RedisError, state_mod.StateError, OSError) as err:
+        except (ServiceError, state_mod.StateError, OSError) as err:
             log.warning("syncer positions unknown: redis did not answer", extra={"learner": name, "error": str(err)[:200]})
             return False
         if now < until:

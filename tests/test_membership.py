@@ -504,7 +504,6 @@ def test_a_forged_heartbeat_or_acceptance_on_the_events_topic_moves_no_resume_po
     merged (step 20 on fragment 1) or pending (step 24 on fragment 0); the forged claims only hold the
     restart for resume.SETTLE_S while the records do not reach them."""
     from diloco import messages, resume
-    from diloco.infra import kafka as kafka_io
     from diloco.run import events_from_start
     from helpers import Harness
 
