@@ -12,6 +12,7 @@ the caller keeps, and every failure of a client call comes out as `LogError`.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -431,27 +432,37 @@ class RdKafkaReader:
 
     Positions are kept here: the next offset of each assigned partition, moved by `seek` and by what
     `poll` returns, so that a record the syncer has not seen is never skipped. The high watermark is
-    librdkafka's figure from its last fetch response (the local broker's ListOffsets is wrong, as
-    `read_to_end` explains). A fatal client error or a failed commit is a `LogError`."""
+    librdkafka's figure from a fetch response since the partition was last assigned or sought (None
+    before one: a figure cached from an earlier assignment can be behind the log; the local broker's
+    ListOffsets is wrong, as `read_to_end` explains). A fatal client error is a `LogError`; other client
+    errors are logged (once a minute per kind) while librdkafka retries. Commits are asynchronous (the
+    group is for monitoring: a broker away never blocks the caller); a refused one is a `LogError`
+    at the next `commit`."""
 
     def __init__(self, t: TransportConfig, group_id: str | None = None):
         import confluent_kafka
 
         self._ck = confluent_kafka
         self.group_id = group_id
+        self._commit_error: str | None = None
+        self._said: dict[str, float] = {}       # error name -> when it was last logged
+        settings = {**rdkafka_settings(t, group_id), "enable.partition.eof": True, "on_commit": self._committed}
         try:
-            self._consumer = confluent_kafka.Consumer(rdkafka_settings(t, group_id))
+            self._consumer = confluent_kafka.Consumer(settings)
         except confluent_kafka.KafkaException as err:
             raise TransportError(f"librdkafka consumer for {t.bootstrap_servers}: {err}") from None
         self._positions: dict[TP, int] = {}
+        self._fetched: set[TP] = set()         # partitions a fetch answered since their assign or seek
         self._moved = False
 
     def assign(self, positions: Mapping[TP, int]) -> None:
         self._positions = dict(positions)
+        self._fetched.clear()
         self._moved = True
 
     def seek(self, tp: TP, offset: int) -> None:
         self._positions[tp] = offset
+        self._fetched.discard(tp)
         self._moved = True
 
     def assignment(self) -> set[TP]:
@@ -461,6 +472,8 @@ class RdKafkaReader:
         return self._positions[tp]
 
     def highwater(self, tp: TP) -> int | None:
+        if tp not in self._fetched:
+            return None
         _, high = self._consumer.get_watermark_offsets(self._ck.TopicPartition(*tp), cached=True)
         return high if high >= 0 else None
 
@@ -471,11 +484,17 @@ class RdKafkaReader:
             self._moved = False
         out: dict[TP, list[Record]] = {}
         for msg in self._consumer.consume(max_records, timeout_ms / 1000):
-            if msg.error() is not None:
-                if msg.error().fatal():
-                    raise LogError(f"librdkafka: {msg.error()}", kind="KafkaException")
-                continue  # transient (a broker away, a partition's end): librdkafka retries by itself
+            err = msg.error()
+            if err is not None:
+                if err.code() == ck.KafkaError._PARTITION_EOF:  # a fetch answered: its watermark is current
+                    self._fetched.add((msg.topic(), msg.partition()))
+                    continue
+                if err.fatal():
+                    raise LogError(f"librdkafka: {err}", kind="KafkaException")
+                self._say(err)  # transient (a broker away): librdkafka retries by itself
+                continue
             tp = (msg.topic(), msg.partition())
+            self._fetched.add(tp)
             if tp in self._positions and msg.offset() >= self._positions[tp]:
                 out.setdefault(tp, []).append(Record(tp[0], tp[1], msg.offset(), msg.timestamp()[1], msg.key(), msg.value(),
                                                      msg.headers() or []))
@@ -483,11 +502,26 @@ class RdKafkaReader:
         return out
 
     def commit(self, offsets: Mapping[TP, int], timeout_ms: int | None = None) -> None:
+        """Send `offsets` as the group's, without waiting (`timeout_ms` is kafka-python's; nothing waits
+        here); raises LogError if the commit before this one was refused."""
+        refused, self._commit_error = self._commit_error, None
         try:
             self._consumer.commit(offsets=[self._ck.TopicPartition(*tp, off) for tp, off in offsets.items()],
-                                  asynchronous=False)
+                                  asynchronous=True)
         except self._ck.KafkaException as err:
-            raise LogError(f"librdkafka commit: {err}", kind="KafkaException") from None
+            refused = refused or str(err)
+        if refused:
+            raise LogError(f"librdkafka commit: {refused}", kind="KafkaException")
+
+    def _committed(self, err, partitions) -> None:  # librdkafka's on_commit, called inside consume()
+        if err is not None:
+            self._commit_error = str(err)
+
+    def _say(self, err) -> None:
+        now = time.monotonic()
+        if now - self._said.get(err.name(), -math.inf) >= 60.0:
+            self._said[err.name()] = now
+            log.warning("librdkafka: %s (retrying)", err)
 
     def close(self) -> None:
         self._consumer.close()

@@ -362,6 +362,16 @@ def test_a_tiny_runs_fragments_decode_from_the_spec_alone(tiny_config, kafka_boo
     assert out.exit_code == 0 and f"group {topics.syncer_group}" in out.output and "total lag 0" in out.output, out.output
 
 
+def _group_lag_once_committed(cfg, group, tp, offset, timeout_s=10.0) -> dict:
+    """The group's lag on `tp` once its committed offset is `offset` (the syncer commits without waiting)."""
+    deadline = time.time() + timeout_s
+    while True:
+        lag = {(r["topic"], r["partition"]): r for r in kafka_io.group_lag(cfg.transport, group, [tp])}
+        if lag[tp]["committed"] == offset or time.time() > deadline:
+            return lag
+        time.sleep(0.1)
+
+
 @pytest.mark.integration
 def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, kafka_bootstrap, monkeypatch, caplog):
     cfg = tiny_config(regions=[{"name": "us", "learners": 1, "max_learners": 2}, {"name": "eu", "learners": 1}],
@@ -385,8 +395,7 @@ def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, 
     h.pump(lambda: h.state.statuses().get(cid) == "pending:0")
     h.syncer.save_offsets(force=True)                         # its round is open: the group lags behind it
     tp = (topics.fragments["us"], 0)
-    lag = {(r["topic"], r["partition"]): r for r in kafka_io.group_lag(
-        cfg.transport, group, [tp])}
+    lag = _group_lag_once_committed(cfg, group, tp, h.state.offsets()[tp])
     assert lag[tp]["lag"] == len(frames) and committed_by_librdkafka(kafka_bootstrap, group)[tp] == lag[tp]["committed"]
     other = h.publish("eu-0", 0, base_version=0, deltas=h.deltas(0, seed=2), scheme="fp32")
     h.pump(lambda: h.state.versions()[0] == 1)
@@ -399,6 +408,7 @@ def test_a_spec_producer_joins_and_its_contribution_is_merged_once(tiny_config, 
     for n in h.plan[0]:  # outer SGD at lr 1 on the plain mean of the two pseudo-gradients (old - new)
         want = v0[n] - (decoded[n] + h.deltas(0, seed=2)[n]) / 2
         np.testing.assert_allclose(v1[n], want, rtol=1e-5, atol=1e-6)
+    _group_lag_once_committed(cfg, group, tp, h.syncer.consumer.highwater(tp))  # commits are asynchronous
     assert committed_by_librdkafka(kafka_bootstrap, group)[tp] == h.syncer.consumer.highwater(tp)
     # the group is monitoring only: a commit the broker refuses is logged once, and the syncer goes on
     monkeypatch.setattr(h.syncer.consumer, "commit", lambda *a, **k: (_ for _ in ()).throw(kafka_io.LogError("refused")))

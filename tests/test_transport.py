@@ -124,6 +124,69 @@ def test_the_syncers_consumer_reads_on_from_where_it_is_sought_on_either_client(
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("client", ["kafka-python", "librdkafka"])
+def test_a_reassigned_partition_has_no_high_watermark_until_a_fetch_answers(kafka_bootstrap, client):
+    """Issue 53 M5: librdkafka kept the watermark of an earlier assignment; on a re-claim it said a
+    partition was read to its end before the first fetch (records written meanwhile unread), and the
+    syncer gave up a pending contribution still in the log as lost_payload."""
+    t = _transport(bootstrap_servers=kafka_bootstrap)
+    topic = f"rewatch-{client}-{time.time_ns()}"
+    kafka_io.ensure_topics(t, {topic: 1})
+    p = kafka_io.producer(t)
+
+    def write(n):
+        for i in range(n):
+            p.send(topic, b"x", partition=0)
+        p.flush()
+
+    c = kafka_io.intake_consumer(t, client)
+    tp = (topic, 0)
+    try:
+        write(20)
+        c.assign({tp: 0})
+        deadline = time.time() + 30
+        while c.highwater(tp) != 20 or c.position(tp) < 20:
+            assert time.time() < deadline, (c.highwater(tp), c.position(tp))
+            c.poll(timeout_ms=200)
+        c.assign({})                                      # the fragment goes to another shard...
+        write(5)
+        c.assign({tp: 20})                                # ...and comes back
+        assert c.highwater(tp) is None or c.highwater(tp) == 25   # never the old 20, read as "at the end"
+        while c.highwater(tp) != 25:
+            assert time.time() < deadline
+            c.poll(timeout_ms=200)
+    finally:
+        c.close()
+        p.close()
+        kafka_io.delete_topics(t, [topic])
+
+
+@pytest.mark.integration
+def test_a_librdkafka_commit_never_waits_for_a_broker_that_is_away(tmp_path):
+    """Issue 53 M6: the commit blocked the syncer's loop for the whole outage (past 45 s)."""
+    port = services.free_port()
+    services.start_broker(tmp_path / "kafka", port)
+    t = _transport(bootstrap_servers=f"127.0.0.1:{port}")
+    topic = f"commit-{time.time_ns()}"
+    kafka_io.ensure_topics(t, {topic: 1})
+    c = kafka_io.intake_consumer(t, "librdkafka", group_id=f"g-{topic}")
+    try:
+        c.assign({(topic, 0): 0})
+        c.poll(timeout_ms=500)
+        services.stop("kafka", tmp_path / "kafka")
+        t0 = time.monotonic()
+        for _ in range(3):
+            try:
+                c.commit({(topic, 0): 0})
+            except kafka_io.LogError:
+                pass                                      # refused: said at once, not waited for
+            c.poll(timeout_ms=100)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        c.close()
+
+
+@pytest.mark.integration
 def test_a_broker_that_requires_sasl_refuses_unknown_credentials_with_a_clear_error(tmp_path, monkeypatch):
     """Tansu with --authentication negotiates SCRAM, but its memory engine keeps no users, so every
     login is refused (services.start_broker): this is the refusal, and what the error tells the operator."""
