@@ -90,7 +90,7 @@ def prepare(cfg: Config, console: Console) -> RunSetup:
     corpus = corpus_for(cfg)
     console.print(f"corpus {corpus.dir}: {sum(s['tokens'] for s in corpus.manifest['shards']):,} train tokens "
                   f"in {corpus.num_shards} shards, {corpus.manifest['heldout']['tokens']:,} held out")
-    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": str(corpus.dir)})})
+    cfg = cfg.with_corpus(corpus.dir)
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(dump_config(cfg))
     store = FragmentStore(cfg.store.url, run_id)
