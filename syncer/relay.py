@@ -16,7 +16,7 @@ import time
 from kafka.errors import KafkaError
 
 from diloco import messages
-from diloco.syncer.periodic import Every
+from diloco.periodic import Every
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from diloco.syncer import merge as merge_math
 from diloco.syncer.intake import Intake, Rejection
 from diloco.syncer import shards
 from diloco.syncer.ownership import LeaseKeeper, Ownership
-from diloco.syncer.periodic import Every
+from diloco.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.records import (Contribution, Status, Where, parse_partition_key, partition_key,
                                    rejection_counter, rejections_by_reason, replay_mismatch)

@@ -1,5 +1,6 @@
-"""One small helper for the syncer's periodic work (saving offsets, pruning statuses, liveness,
-leases, gauges): each task asks its own `Every` whether it is due."""
+"""The one helper for periodic work: the syncer's (saving offsets, pruning statuses, liveness, leases,
+gauges), the run supervisor's hooks (the progress line, the flows' region states): each task asks its
+own `Every` whether it is due."""
 
 from __future__ import annotations
 
