@@ -22,7 +22,7 @@ from diloco import chaos, membership
 from diloco.checkpoint import read_global
 from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.jobs import LocalJobs, Terminated, sigterm_raises
+from diloco.infra.jobs import JobBackend, LocalJobs, Terminated, sigterm_raises
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import Corpus, corpus_for
 from diloco.plan import Plan, flatten, unflatten
@@ -130,7 +130,7 @@ def events_from_start(cfg: Config):
     return events
 
 
-def open_run(setup: RunSetup, jobs, console: Console, kills: list[chaos.Kill], **which) -> RunSupervisor:
+def open_run(setup: RunSetup, jobs: JobBackend, console: Console, kills: list[chaos.Kill], **which) -> RunSupervisor:
     """A RunSupervisor on `jobs` that reads the run's events topic from its start; `which`: its regions
     and syncer (RunSupervisor)."""
     return RunSupervisor(setup.cfg, setup.cfg_path, setup.corpus, jobs, events_from_start(setup.cfg), console, kills,
@@ -166,7 +166,7 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     """Run to the end and return the summary; with_chaos kills processes on the seeded schedule."""
     console = console or Console(stderr=True)
     setup = prepare(cfg, console)
-    jobs = LocalJobs(setup.run_dir / "logs", child_env(setup.cfg), warm=setup.cfg.run.warm_starts)
+    jobs = LocalJobs.for_run(setup.cfg, setup.run_dir / "logs", child_env(setup.cfg))
     with sigterm_raises():  # a SIGTERM (exit status 143) stops the jobs first
         run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
         try:

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from diloco import chaos, coverage, membership, messages, resume
 from diloco.config import BUILTIN_MODEL, Config
-from diloco.infra.jobs import LocalJobs
+from diloco.infra.jobs import JobBackend
 from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import epochs_read
 from diloco.messages import WireError
@@ -52,7 +52,7 @@ class RunSupervisor:
     the syncer shards. A runner with the syncer but not every region's learners stops the syncer once
     its own learners are done and `elsewhere` (the other runners it waits for) is empty."""
 
-    def __init__(self, cfg: Config, cfg_path: Path, corpus, jobs: LocalJobs, events, console,
+    def __init__(self, cfg: Config, cfg_path: Path, corpus, jobs: JobBackend, events, console,
                  kills: list[chaos.Kill], regions: tuple[str, ...] | None = None, syncer: bool = True,
                  state: state_mod.SyncerState | None = None):
         self.cfg, self.cfg_path, self.corpus, self.jobs, self.events = cfg, cfg_path, corpus, jobs, events
@@ -187,7 +187,7 @@ class RunSupervisor:
                     raise OSError(f"exited with {self.jobs.poll(spare)}")
                 self.jobs.tell(spare, json.dumps({"learner": name, "start_step": at}))
             except OSError as err:
-                self.console.print(Text(f"{spare} cannot take over ({err}); log {self.jobs.jobs[spare].log}:\n",
+                self.console.print(Text(f"{spare} cannot take over ({err}); log {self.jobs.where_log(spare)}:\n",
                                         style="red") + Text(self.jobs.tail(spare)))
                 continue
             self.jobs.rename(spare, name)
@@ -535,7 +535,7 @@ class RunSupervisor:
         or down and due a restart after the backoff; RunError when no retry helps."""
         cfg = self.cfg
         for name in [*self.members, *self.syncers]:
-            rc = self.jobs.poll(name) if name in self.jobs.jobs else None
+            rc = self.jobs.poll(name) if self.jobs.has(name) else None
             if rc is None or name in self.restart_at or name in self.finished:
                 continue
             if (rc == 0 and (name not in self.syncers or stop_sent)) or name in self.removing:
@@ -545,7 +545,7 @@ class RunSupervisor:
                 continue
             n = self.restarts.get(name, 0)
             if n >= cfg.run.max_restarts or (name in self.syncers and rc == EXIT_STATE_LOST):  # no retry helps
-                raise RunError(f"{name} failed {n + 1} times (last exit {rc}); log {self.jobs.jobs[name].log}:\n"
+                raise RunError(f"{name} failed {n + 1} times (last exit {rc}); log {self.jobs.where_log(name)}:\n"
                                + self.jobs.tail(name))
             self._down(name, now, cfg.run.restart_backoff_s * 2 ** n, f"exited with {rc}")
 

@@ -31,8 +31,7 @@ from rich.console import Console
 from diloco.config import Config, ConfigError, load_config
 from diloco.flows import reports
 from diloco.flows.evals import evaluate_checkpoint, record_eval, recorded_evals
-from diloco.flows.tpu import jobs_for
-from diloco.infra.jobs import LocalJobs, sigterm_raises
+from diloco.infra.jobs import JobBackend, backend_for, sigterm_raises
 from diloco.learners.data import corpus_for
 from diloco.run import RunError, RunSetup, child_env, events_from_start, finish, open_run, prepare
 from diloco.supervisor import RunSupervisor
@@ -41,12 +40,10 @@ REGION_ENTRYPOINT = "diloco.flows.training.region_run"  # a module path: workers
 VERSION_EVENT = "diloco.version.committed"
 
 
-def make_jobs(cfg: Config, cfg_path: Path, region: str | None):
+def make_jobs(cfg: Config, cfg_path: Path, region: str | None) -> JobBackend:
     """The job backend of one region's learners, or of the syncer (region None): child processes here,
-    or that region's cluster or TPU VMs (flows/tpu.py), so a region's runner only ever stops its own."""
-    if cfg.backend.kind != "local":
-        return jobs_for(cfg, region, cfg_path, cfg_path.parent / "logs")
-    return LocalJobs(cfg_path.parent / "logs", child_env(cfg), warm=cfg.run.warm_starts)
+    or that region's cluster or TPU VMs (diloco.infra.tpu), so a region's runner only ever stops its own."""
+    return backend_for(cfg, region, cfg_path, child_env(cfg))
 
 
 def prefect_termination(signum: int) -> TerminationSignal:

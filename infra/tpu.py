@@ -6,10 +6,10 @@ cluster (`backend.context`, `backend.namespace`). Two kinds:
 - `gke`: `GkeJobs` applies a ConfigMap and one JobSet per job with kubectl, in one region's cluster;
 - `tpu-vm`: `TpuVmJobs` requests one queued resource per learner with gcloud, waits for it to be
   ACTIVE, copies the config to every host and runs the learner's container there over ssh.
-`jobs_for` gives the backend of one region (what its region flow's `RunSupervisor` drives, with the job
-interface of `LocalJobs`) or of the syncer (the run flow's). The command line inside is the same `diloco
-learner` / `diloco syncer` that the local backend starts; only the paths of the config and the corpus
-change.
+Both are `diloco.infra.jobs.JobBackend`s, as `LocalJobs` is. `jobs_for` gives the backend of one
+region (what its region flow's `RunSupervisor` drives) or of the syncer (the run flow's). The command
+line inside is the same `diloco learner` / `diloco syncer` that the local backend starts; only the
+paths of the config and the corpus change.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class GkeJob:
 
 
 class GkeJobs:
-    """The job interface of `LocalJobs` over kubectl, in one region's cluster and namespace (`region` None: the
+    """A JobBackend over kubectl, in one region's cluster and namespace (`region` None: the
     syncer's, the home cluster); `run` is injectable for tests."""
 
     def __init__(self, cfg: Config, config_text: str, region: str | None = None, run: Runner = subprocess.run):
@@ -209,6 +209,12 @@ class GkeJobs:
         where = f" --context {self.context}" if self.context else ""
         self.jobs[name] = GkeJob(name, argv, f"kubectl logs -l diloco/job={name}{where} -n {self.namespace}")
         return self.jobs[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.jobs
+
+    def where_log(self, name: str) -> str:
+        return self.jobs[name].log
 
     def poll(self, name: str) -> int | None:
         if name in self.deleted:
@@ -282,7 +288,7 @@ class TpuVmJob:
 
 
 class TpuVmJobs:
-    """The job interface of `LocalJobs` for one region's learners, each on its own TPU VM slice (a queued
+    """A JobBackend for one region's learners, each on its own TPU VM slice (a queued
     resource). start() requests the slice and returns; poll() follows it: WAITING_FOR_RESOURCES / PROVISIONING
     (None), ACTIVE (copy the config, start the ssh that runs the container on every host; then the ssh's exit
     code is the job's), FAILED or SUSPENDED (the job fails with the reason in its log). gcloud calls retry with
@@ -336,6 +342,12 @@ class TpuVmJobs:
                 return job
         job.held = True
         return job
+
+    def has(self, name: str) -> bool:
+        return name in self.jobs
+
+    def where_log(self, name: str) -> str:
+        return str(self.jobs[name].log)
 
     def _look(self, job: TpuVmJob) -> None:
         job.look_at = self.clock() + self.look_every_s
