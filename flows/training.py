@@ -147,11 +147,11 @@ class Regions:
     up, follows their states (a region whose latest flow run ended is done: the run waits for the
     others), and emits a version event each time every fragment gained `every` versions."""
 
-    def __init__(self, setup: RunSetup, every: int, logger):
+    def __init__(self, setup: RunSetup, every: int, logger, clock=time.time):
         self.setup, self.every, self.logger = setup, every, logger
         self.flow_runs: dict[str, object] = {}  # region -> its latest flow run, as last read
         self.announced = [0] * setup.cfg.fragments.count
-        self.every_follow = Every(2.0, time.time)  # the Prefect API is asked at most this often
+        self.every_follow = Every(2.0, clock)  # the Prefect API is asked at most this often
 
     @property
     def states(self) -> dict[str, str]:

@@ -181,3 +181,37 @@ def test_the_drain_waits_for_the_learners_and_the_shards_then_ends_the_loop_or_f
 def test_an_outage_lasts_from_the_exit_to_the_next_sign_of_life():
     assert outage_seconds([Outage("us-0", 1.0, 3.456), Outage("syncer", 2.0), Outage("eu-0", 0.0, 0.5)]) == \
         {"us-0": 2.46, "eu-0": 0.5}
+
+
+def test_the_run_flows_regions_hook_asks_prefect_every_two_seconds_and_announces_each_step_of_versions(
+        tmp_path, monkeypatch):
+    from diloco.flows import training
+
+    run, _ = runner(tmp_path, regions=())
+    now = [0.0]
+    regions = training.Regions(SimpleNamespace(cfg=run.cfg, cfg_path=tmp_path / "config.yaml"), 2, None,
+                               clock=lambda: now[0])
+    regions.flow_runs = {"us": None, "eu": None}                         # submitted already
+    followed, announced = [], []
+    monkeypatch.setattr(regions, "follow", lambda r: followed.append(now[0]))
+    monkeypatch.setattr(training, "emit_event", lambda event, resource, payload: announced.append(payload["versions"]))
+    P = run.cfg.fragments.count
+    for t, version in ((0.0, 1), (1.0, 2), (1.9, 2), (2.0, 3), (3.5, 4), (4.0, 4)):
+        now[0] = t
+        run.prog.versions = {p: version for p in range(P)}
+        regions(run)
+    assert followed == [0.0, 2.0, 4.0]
+    assert announced == [[2] * P, [4] * P]                               # each time every fragment gained 2
+
+
+def test_a_region_runners_restart_log_says_each_restart_once():
+    from diloco.flows.training import RestartLog
+
+    said = []
+    restart_log = RestartLog(SimpleNamespace(warning=said.append))
+    run = SimpleNamespace(restarts={}, cfg=build_config({"run": {"max_restarts": 3}}))
+    for restarts in ({}, {"us-0": 1}, {"us-0": 1}, {"us-0": 2, "us-1": 1}):
+        run.restarts = dict(restarts)
+        restart_log(run)
+    assert said == ["restarted us-0 (restart 1 of at most 3)", "restarted us-0 (restart 2 of at most 3)",
+                    "restarted us-1 (restart 1 of at most 3)"]
