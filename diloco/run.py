@@ -145,7 +145,7 @@ def finish(setup: RunSetup, run: RunSupervisor, console: Console, summary_json: 
                             time.time() - setup.t_start)
     summary |= run.resilience(setup.state)
     summary["coverage"] = run.coverage(setup.state)
-    summary["membership"] = membership.timeline(cfg.learner_ids(), run.prog.membership, start=run.first_beat)
+    summary["membership"] = membership.timeline(cfg.learner_ids(), run.prog.membership, start=run.ledger.first_beat)
     summary["members"] = list(run.members)
     summary["run_dir"] = str(setup.run_dir)
     summary["bad_events"] = run.bad_events  # skipped: malformed, or claims nothing in the run backs

@@ -1,7 +1,7 @@
 """The supervisor of a run's processes (`diloco train`, `diloco chaos`, the Prefect flows): it starts
 the syncer shards and the learners as jobs of a backend (diloco.infra.jobs), reads the run's events
 topic, restarts what fails (or hands a dead learner's place to a warm spare), and keeps the figures
-goodput and the coverage ledger are computed from. Its watch loop is a short pass over hooks
+goodput (diloco.ledger) and the coverage ledger are computed from. Its watch loop is a short pass over hooks
 (diloco.hooks: the progress view, the chaos schedule, membership requests, the token budget; the
 flows add their own), each with its own state and cadence. The run's life cycle around it
 (provision, open, finish) is diloco.run.
@@ -26,6 +26,7 @@ from diloco.config import BUILTIN_MODEL, Config
 from diloco.infra.jobs import JobBackend
 from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import epochs_read
+from diloco.ledger import RunLedger
 from diloco.messages import WireError
 from diloco.progress import Progress, check_accepted_cursor, check_event_fields, check_heartbeat_claims
 from diloco.syncer import state as state_mod
@@ -52,8 +53,9 @@ def outage_seconds(outages: list[Outage]) -> dict[str, float]:
 
 
 class RunSupervisor:
-    """Watches a run's processes and events: restarts what fails, applies the chaos schedule, and
-    records the outages and compute time that goodput is computed from.
+    """Watches a run's processes and events: restarts what fails, runs its hooks (the chaos schedule,
+    membership, the budget), and records the outages and, in its ledger, the compute time that
+    goodput is computed from.
 
     `regions`: the regions whose learners this runner starts and watches (None: all of them; a
     `diloco-region` flow run has one, the `decoupled-diloco` flow run none); `syncer`: whether it runs
@@ -75,18 +77,12 @@ class RunSupervisor:
         self.finished: set[str] = set()
         self.restart_at: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
-        self.kill_counts: dict[str, int] = {}
         self.outages: list[Outage] = []
-        self.compute: dict[tuple[str, str], dict] = {}   # (learner, incarnation) -> last heartbeat figures
-        self.tails_s: dict[str, float] = {}     # compute after a killed incarnation's last heartbeat
         self.removing: set[str] = set()          # asked to leave: not restarted, whatever their exit
         self.join_step: dict[str, int] = {}       # joiner -> the step it entered the schedule at
-        self.spans: dict[str, list] = {}         # learner -> [since, until]: added or removed ones (wall clock)
         self.bad_events = 0  # events skipped as malformed (the topic is writable by every learner)
         self.syncers_up: set[str] = set()       # shards that said syncer_started since their last start
-        self.takeovers: list[dict] = []        # fragments claimed by a shard from another one
-        self.first_beat: float | None = None
-        self.learners_done_at: float | None = None
+        self.ledger = RunLedger()               # the accounting: compute, kills, members' spans, takeovers
         self.spares: list[str] = []             # warm spare jobs (run.spares), oldest first
         self.spares_started = 0
         self.spares_owed = 0                    # replacements to start once no handover is still warming up
@@ -216,15 +212,10 @@ class RunSupervisor:
 
     def kill(self, target: str, now: float) -> None:
         """SIGKILL `target` (a chaos kill): down until its restart, its compute since its last beat counted."""
-        if target not in self.syncers:
-            hb = self.prog.learners.get(target, {})
-            key = (target, hb.get("incarnation"))
-            if key in self.compute and hb.get("state") == "running":
-                # wall time since the beat's figures were taken: at least the compute it did since
-                self.tails_s[target] = self.tails_s.get(target, 0.0) + now - self.compute[key]["at"]
+        beat = None if target in self.syncers else self.prog.learners.get(target, {})
         self.jobs.signal(target, signal.SIGKILL)
         self.jobs.wait(target)
-        self.kill_counts[target] = self.kill_counts.get(target, 0) + 1
+        self.ledger.killed(target, beat, now)
         self._down(target, now, self.cfg.chaos.restart_after_s, "killed by chaos (SIGKILL)")
 
     # --- events --------------------------------------------------------------------------------
@@ -257,9 +248,7 @@ class RunSupervisor:
         if tokens is not None:
             self.prog.merged[(ev["fragment"], ev["version"])] = tokens
         if ev["kind"] == "heartbeat":
-            self.first_beat = self.first_beat or time.time()
-            self.compute[(ev["learner"], ev.get("incarnation"))] = {"compute_s": ev.get("compute_s", 0.0),
-                                                                     "at": ev.get("at", ev["time"])}
+            self.ledger.beat(ev, time.time())
             if ev.get("incarnation") != self.replaced.get(ev["learner"]):  # not a late beat of the one replaced
                 self._close_outage(ev["learner"])
         elif ev["kind"] == "syncer_started":
@@ -271,7 +260,7 @@ class RunSupervisor:
             self._close_outage(name)
         elif ev["kind"] == "fragment_claimed" and ev.get("previous") \
                 and not ev["previous"].startswith(f"{ev['shard']}:"):
-            self.takeovers.append(ev)
+            self.ledger.takeovers.append(ev)
 
     def _stored_merge(self, ev: dict) -> int:
         """The tokens of the version a merge event announces, as the syncer stored them with it; KeyError
@@ -344,7 +333,7 @@ class RunSupervisor:
             at = steps[len(steps) // 2] if steps else 0
             for lid in free[:count]:
                 self.members.append(lid)
-                self.spans[lid] = [now, None]
+                self.ledger.spans[lid] = [now, None]
                 self.join_step[lid] = min(at, self.cfg.learner_steps(lid) - 1)
                 self.start(lid)
             return {"added": free[:count], "start_step": at}
@@ -459,7 +448,7 @@ class RunSupervisor:
             if (rc == 0 and (name not in self.syncers or self.draining)) or name in self.removing:
                 self.finished.add(name)
                 if name in self.removing:  # its time in the run ends here, not with the run's
-                    self.spans.setdefault(name, [None, None])[1] = now
+                    self.ledger.spans.setdefault(name, [None, None])[1] = now
                 continue
             n = self.restarts.get(name, 0)
             if n >= cfg.run.max_restarts or (name in self.syncers and rc == EXIT_STATE_LOST):  # no retry helps
@@ -491,32 +480,14 @@ class RunSupervisor:
 
     def resilience(self, state: state_mod.SyncerState) -> dict:
         """Goodput, kills, restarts and outages of the run (all zero-loss figures for a healthy run)."""
-        P = self.cfg.fragments.count
-        productive: dict[str, float] = {}
-        for m in state.merges():
-            for lid, c in zip(m["learners"], m.get("compute_s", [])):
-                productive[lid] = productive.get(lid, 0.0) + c / P  # every step is in one delta per fragment
-        compute: dict[str, float] = dict(self.tails_s)
-        for (lid, _), figures in self.compute.items():
-            compute[lid] = compute.get(lid, 0.0) + figures["compute_s"]
-        total_compute = sum(compute.values())
         step_time = np.median([hb.get("step_time", 0.0) for hb in self.prog.learners.values()] or [0.0])
-        spans = [(o.start, o.end) for o in self.outages if o.end is not None]
-        end = self.learners_done_at or time.time()
-        span = end - (self.first_beat or end)
-        chip_time = sum(self._time_in_run(lid, end) for lid in self.members)
         return {
-            "goodput": chaos.goodput(sum(productive.values()), total_compute),
-            "goodput_wall": chaos.goodput(sum(productive.values()), chip_time),
-            "goodput_per_learner": {lid: chaos.goodput(productive.get(lid, 0.0), compute.get(lid, 0.0))
-                                    for lid in self.members},
-            "goodput_sync_equivalent": chaos.sync_equivalent_goodput(
-                span_s=span, outages=spans, kills=sum(self.kill_counts.values()),
-                lost_per_kill_s=self.cfg.fragments.sync_every / 2 * float(step_time)),
-            "kills": dict(self.kill_counts),
+            **self.ledger.goodput(state.merges(), fragments=self.cfg.fragments.count, members=self.members,
+                                  outages=self.outages, step_time_s=float(step_time),
+                                  sync_every=self.cfg.fragments.sync_every, now=time.time()),
             "restarts": dict(self.restarts),
             "outages_s": outage_seconds(self.outages),
-            "takeovers": self.takeover_times(),
+            "takeovers": self.ledger.takeover_times(self.syncers, self.outages),
             "spare_handovers": list(self.handovers),
         }
 
@@ -549,24 +520,6 @@ class RunSupervisor:
         return {lid: (self.join_step.get(lid, 0), None if lid in early else self.cfg.learner_steps(lid))
                 for lid in self.members}
 
-    def _time_in_run(self, lid: str, end: float) -> float:
-        """Seconds `lid` was a member: from the first heartbeat of the run (a starting learner) or
-        its addition, until it was asked to leave or the run's learners were done."""
-        since, until = self.spans.get(lid, (None, None))
-        return (until or end) - (since or self.first_beat or end)
-
-    def takeover_times(self) -> list[dict]:
-        """Each fragment another shard claimed from a shard that went down: seconds from the outage."""
-        out = []
-        for ev in self.takeovers:
-            down = self.syncers[int(ev["previous"].split(":", 1)[0])]
-            starts = [o.start for o in self.outages  # the outage it was claimed in (not a hand-back)
-                      if o.name == down and o.start <= ev["time"] and (o.end is None or o.end >= ev["time"])]
-            if starts:
-                out.append({"fragment": ev["fragment"], "from": down, "to": self.syncers[ev["shard"]],
-                            "after_s": round(ev["time"] - max(starts), 2)})
-        return out
-
 
 class Drain:
     """The watch loop's end: once this runner's learners are done (and no other runner is waited for)
@@ -593,6 +546,6 @@ class Drain:
         waited for, and every shard is up (none down or restarting); the first time they are done counts."""
         run = self.run
         done = all(lid in run.finished for lid in run.members) and not run.elsewhere
-        if done and run.learners_done_at is None:
-            run.learners_done_at = now
+        if done and run.ledger.learners_done_at is None:
+            run.ledger.learners_done_at = now
         return done and run.syncers_up == set(run.syncers) and not set(run.syncers) & set(run.restart_at)

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from diloco import chaos, hooks, membership
 from diloco.config import build_config
+from diloco.ledger import RunLedger
 from diloco.supervisor import Drain, Outage, RunError, RunSupervisor, outage_seconds
 
 REGIONS = [{"name": "us", "learners": 2, "max_learners": 3}, {"name": "eu", "learners": 1, "max_learners": 2}]
@@ -84,7 +85,8 @@ def test_chaos_kills_each_target_once_its_own_progress_reached_it_and_waits_whil
     beat(run, "us-0", half)                                              # us-0 at 50%, us-1 at 0: syncer at 25%
     run.chaos(10.0)
     assert jobs.signals == [("us-0", signal.SIGKILL), ("syncer", signal.SIGKILL)]
-    assert run.kill_counts == {"us-0": 1, "syncer": 1} and run.restart_at["us-0"] == 10.0 + run.cfg.chaos.restart_after_s
+    assert run.ledger.kill_counts == {"us-0": 1, "syncer": 1}
+    assert run.restart_at["us-0"] == 10.0 + run.cfg.chaos.restart_after_s
     assert [(o.name, o.start, o.end) for o in run.outages] == [("us-0", 10.0, None), ("syncer", 10.0, None)]
     beat(run, "us-1", half)
     run.restart_at["us-1"] = 11.0                                        # down already: its kill stays due
@@ -111,7 +113,8 @@ def test_membership_requests_are_answered_by_their_regions_runner_and_none_while
     run.serve_requests(2.0)
     assert membership.pending(tmp_path)[0][1] == {"op": "remove", "learner": "eu-0"}  # left to eu's runner
     assert ours.exists() and not theirs.exists()
-    assert jobs.started == [("us-2", "0")] and run.members == ["us-0", "us-1", "us-2"] and run.spans["us-2"] == [2.0, None]
+    assert jobs.started == [("us-2", "0")] and run.members == ["us-0", "us-1", "us-2"]
+    assert run.ledger.spans["us-2"] == [2.0, None]
 
 
 def test_the_token_budget_adds_its_runners_joins_and_does_nothing_while_draining(tmp_path):
@@ -156,15 +159,15 @@ def test_the_drain_waits_for_the_learners_and_the_shards_then_ends_the_loop_or_f
     run.syncers_up = set(run.syncers)
     run.finished |= {"us-0", "us-1"}
     drain(10.0)                                                          # eu-0 trains on
-    assert not run.draining and jobs.signals == [] and run.learners_done_at is None
+    assert not run.draining and jobs.signals == [] and run.ledger.learners_done_at is None
     run.finished.add("eu-0")
     run.elsewhere = {"eu"}                                               # another runner is still waited for
     drain(11.0)
-    assert not run.draining and run.learners_done_at is None
+    assert not run.draining and run.ledger.learners_done_at is None
     run.elsewhere = set()
     run.restart_at["syncer"] = 12.0                                      # a shard is down: not yet
     drain(12.0)
-    assert not run.draining and run.learners_done_at == 12.0
+    assert not run.draining and run.ledger.learners_done_at == 12.0
     del run.restart_at["syncer"]
     drain(13.0)
     assert run.draining and jobs.signals == [("syncer", signal.SIGTERM)] and not drain.over
@@ -215,3 +218,32 @@ def test_a_region_runners_restart_log_says_each_restart_once():
         restart_log(run)
     assert said == ["restarted us-0 (restart 1 of at most 3)", "restarted us-0 (restart 2 of at most 3)",
                     "restarted us-1 (restart 1 of at most 3)"]
+
+
+def test_the_ledger_sets_merged_compute_against_spent_compute_and_time_in_the_run():
+    ledger = RunLedger()
+    ledger.beat({"learner": "us-0", "incarnation": "a", "compute_s": 8.0, "at": 100.0, "time": 100.5}, now=100.0)
+    ledger.beat({"learner": "eu-0", "incarnation": "a", "compute_s": 10.0, "time": 101.0}, now=101.0)
+    ledger.killed("us-0", {"incarnation": "a", "state": "running"}, now=102.0)  # 2 s past its last figures
+    ledger.killed("eu-0", {"incarnation": "x", "state": "running"}, now=102.0)  # no figures of that one: no tail
+    ledger.killed("syncer", None, now=103.0)
+    ledger.beat({"learner": "us-0", "incarnation": "b", "compute_s": 4.0, "time": 110.0}, now=110.0)
+    ledger.spans["eu-1"] = [105.0, 115.0]                                # added at 105, asked to leave at 115
+    ledger.learners_done_at = 120.0
+    merges = [{"learners": ["us-0", "eu-0"], "compute_s": [6.0, 10.0]}, {"learners": ["us-0"], "compute_s": [4.0]}]
+    outages = [Outage("us-0", 102.0, 110.0), Outage("eu-0", 102.0, 104.0), Outage("syncer", 103.0)]
+    got = ledger.goodput(merges, fragments=2, members=["us-0", "eu-0", "eu-1"], outages=outages, step_time_s=0.5,
+                         sync_every=10, now=999.0)
+    assert ledger.first_beat == 100.0 and ledger.tails_s == {"us-0": 2.0}
+    assert got == {
+        "goodput": 10 / 24,                       # merged (6 + 4 + 10) / 2 fragments over 8 + 2 + 4 + 10 spent
+        "goodput_wall": 10 / 50,                  # over 20 + 20 + 10 s in the run
+        "goodput_per_learner": {"us-0": 5 / 14, "eu-0": 5 / 10, "eu-1": 0.0},
+        "goodput_sync_equivalent": (20 - 8 - 3 * 2.5) / 20,  # the outages' union, 3 kills of half a sync each
+        "kills": {"us-0": 1, "eu-0": 1, "syncer": 1},
+    }
+    ledger.takeovers = [{"previous": "0:m", "shard": 1, "fragment": 3, "time": 105.5},
+                        {"previous": "1:m", "shard": 0, "fragment": 2, "time": 50.0}]  # shard 1 was never down
+    assert ledger.takeover_times(["syncer-0", "syncer-1"], [Outage("syncer-0", 103.0, 104.0),
+                                                            Outage("syncer-0", 105.0)]) == \
+        [{"fragment": 3, "from": "syncer-0", "to": "syncer-1", "after_s": 0.5}]
