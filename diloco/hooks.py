@@ -106,7 +106,7 @@ class MembershipRequests:
         for path, op in membership.pending(run.cfg_path.parent):
             try:
                 owner = self.region_asked(op)
-                if not (run.ours(owner) or (owner is None and run.syncers)):
+                if not (run.ours(owner) or (owner is None and run.syncers)):  # the syncer's runner refuses the rest
                     continue
                 result = request(run, op, now)
             except Exception as err:  # whatever a request holds, it gets an answer and the run goes on

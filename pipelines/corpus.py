@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import sysconfig
+import warnings
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -169,6 +170,14 @@ class CorpusPlan:
     sources: list[dict]     # per input: what it matched
     skipped: list[dict]     # inputs that matched nothing
     capped: int             # files left out by max_bytes
+
+
+def __getattr__(name: str):
+    if name == "Plan":  # the run's plan is diloco.plan.Plan; this one was renamed so the two never meet
+        warnings.warn("diloco.pipelines.corpus.Plan is now CorpusPlan; the old name goes next release",
+                      DeprecationWarning, stacklevel=2)
+        return CorpusPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def stdlib_sources() -> tuple[str, list[Source]]:
