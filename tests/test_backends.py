@@ -441,3 +441,12 @@ def test_the_tpu_vm_command_quotes_every_argument():
     words = shlex.split(cmds["run"][-1].split("; ", 1)[1])
     assert words[-8:] == ["diloco", "learner", "--config", "/cfg/config.yaml", "--learner", "eu-0", "--corpus",
                           "/mnt/corpus"]
+
+
+def test_the_old_import_path_of_the_backends_still_answers_with_a_deprecation_warning():
+    from diloco.flows import tpu as old
+
+    with pytest.warns(DeprecationWarning, match="moved to diloco.infra.tpu.jobs_for"):
+        assert old.jobs_for is tpu.jobs_for
+    with pytest.raises(AttributeError):
+        old.no_such_backend
