@@ -400,8 +400,8 @@ class RunSupervisor:
         self._start_learners(t0)
         self._await_syncers(t0)
         view, drain = hooks.ProgressView(self, t0, live=progress), Drain(self, t0 + self.cfg.run.timeout_s)
-        passes = [view, self.chaos, self.serve_requests, self.follow_budget, self._reap, self._restart_due,
-                  *([lambda now: on_tick(self)] if on_tick else []), drain]
+        passes: list[hooks.Hook] = [view, self.chaos, self.serve_requests, self.follow_budget, self._reap,
+                                    self._restart_due, *([lambda now: on_tick(self)] if on_tick else []), drain]
         try:
             while not drain.over:
                 self._pump()
