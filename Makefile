@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 CONFIG ?= configs/local.yaml
 
-.PHONY: install system-deps demo prefect-demo test test-fast bench up down status clean
+.PHONY: install system-deps demo prefect-demo test test-fast test-stress bench up down status clean
 
 install: system-deps $(VENV)/.installed
 
@@ -74,6 +74,14 @@ test: install
 # out), spread over the cores by pytest-xdist: these tests share nothing but the read-only repository
 test-fast: install
 	$(BIN)/pytest -q -m "not integration" -n auto
+
+# the integration tier while two busy loops keep both cores loaded, three times in a row: a race that
+# a quiet machine hides shows here (issue 53). STRESS_TESTS narrows it (any pytest arguments).
+STRESS_TESTS ?= -m "integration and not exclusive" --dist loadfile
+test-stress: install
+	@$(BIN)/python -c 'while True: pass' & b1=$$!; $(BIN)/python -c 'while True: pass' & b2=$$!; \
+	trap "kill $$b1 $$b2" EXIT; \
+	for i in 1 2 3; do echo "== stressed run $$i of 3"; $(BIN)/pytest -q -n 2 -p no:cacheprovider $(STRESS_TESTS) || exit 1; done
 
 BENCH_ARGS ?= --quick --output docs/bench
 bench: up

@@ -57,9 +57,11 @@ def late_mask(rng: np.random.Generator, learners: int, quorum: int, late_share: 
     return late
 
 
-def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8, late_share: float = 0.0) -> dict:
+def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8, late_share: float = 0.0,
+                rounds: list | None = None) -> dict:
     """Run cfg.inner.steps inner steps on every learner; the held-out loss of the global model at
-    `evals` points, against tokens (all learners)."""
+    `evals` points, against tokens (all learners). With `rounds`, each round is appended to it as
+    (fragment, its fp32 deltas by learner index, the global's step): what a codec would be fed."""
     M, P, H, steps = cfg.num_learners, cfg.fragments.count, cfg.fragments.sync_every, cfg.inner.steps
     run_plan, tree = initial_plan(cfg, load_spec(cfg))
     plan = run_plan.fragment_names
@@ -89,6 +91,9 @@ def train_ideal(cfg: Config, corpus: Corpus, held: np.ndarray, evals: int = 8, l
             now = [c for c, missed in zip(fresh, late) if not missed] + [(d, n, 1) for d, n, _ in held_back[p]]
             held_back[p] = [c for c, missed in zip(fresh, late) if missed]
             new, outer_state[p] = outer_round(cfg, run_plan, glob, names, now, outer, outer_state[p])
+            if rounds is not None:
+                rounds.append((p, {i: d for i, (d, _, _) in enumerate(fresh) if not late[i]},
+                               {n: new[n] - glob[n] for n in names}))
             glob.update(new)
             local = {**local, **{n: jnp.stack([jnp.asarray(new[n])] * M) for n in names}}
             last[p] = s

@@ -100,6 +100,12 @@ METHODS: dict[str, dict] = {
                                               "syncer": {"broadcast": "int2", "update_base": "previous"}}),
     "decoupled-topk-down": _merge(DECOUPLED, {"fragments": {"quantization": "int4"},
                                               "syncer": {"broadcast": "topk", "update_base": "previous"}}),
+    # ternary (-s, 0, +s per row, five codes a byte: 1.6 bits a value) up with int4 down, or both ways
+    # as int2 (each update from the version before); and both ways at the sync period of 1000x (below)
+    "decoupled-ternary-up": _merge(DECOUPLED, {"fragments": {"quantization": "ternary"},
+                                               "syncer": {"broadcast": "int4"}}),
+    "decoupled-ternary": _merge(DECOUPLED, {"fragments": {"quantization": "ternary"},
+                                            "syncer": {"broadcast": "ternary", "update_base": "previous"}}),
     # learners fetch a fragment only shortly before they sync it: fewer downloads, older globals
     "decoupled-before-sync": _merge(DECOUPLED, {"fragments": {"fetch": "before_sync"}}),
     # the round policy alone, the paper's comparison on mixed hardware: every learner waited for
@@ -109,6 +115,18 @@ METHODS: dict[str, dict] = {
     "decoupled-k1-nograce": _merge(DECOUPLED, {"syncer": {"quorum": 1, "grace_max_s": 0.0}}),
 }
 QUORUM_VARIANTS = ("decoupled-kM", "decoupled-k1", "decoupled-k1-nograce")
+# decoupled-1000x (issue 50): ternary both ways at the sync period that puts the long size at 1000x
+# data-parallel's bytes, all traffic, or more (`python -m bench --size long --methods
+# decoupled,decoupled-1000x`). The all-traffic ratio is 6H / (bytes per parameter up + down per sync
+# period): data-parallel's ring all-reduce moves 6 bytes per parameter per step at M = 4. On the quick
+# model's 1,221 rows of 64-256 values ternary is 0.244 bytes per parameter (29,077 bytes); the frames
+# add about a tenth up (a manifest of ~700 bytes per contribution); and learners fetch every version
+# (updates from the version before), about 1.47 a sync period (int4 at H = 100 on the long size:
+# 4.27 MB down for 3.00 MB up, packing apart; docs/bench.md). That is 0.244 x (1.1 + 1.47) = 0.63
+# bytes per parameter per period: 1000x needs H >= 105, and H = 120 (10 periods of 1,200 steps) puts
+# the mean near 1,150x, room for the spread between seeds (int4 at H = 100: 451-506x about 472x).
+THOUSAND_X_SYNC_EVERY = 120
+METHODS["decoupled-1000x"] = _merge(METHODS["decoupled-ternary"], {"fragments": {"sync_every": THOUSAND_X_SYNC_EVERY}})
 # decoupled with RDA (over learners) and outer lr 0.8: the merge rule alone
 METHODS["decoupled-rda"] = _merge(DECOUPLED, {"syncer": {"merge": "rda"}, "outer": {"lr": 0.8}})
 # decoupled without its staleness-aware pieces: late deltas make rounds of their own and weigh as fresh
@@ -157,9 +175,12 @@ GROUPS = {"scavenge": list(SCAVENGE)}
 SCAVENGE_METHODS = ("dp", "decoupled")  # the question is elastic DiLoCo against a growing data-parallel job
 
 # The fragment and quantization variants, and the ideal method (no clock, nothing sent), run only
-# where they matter: quality and bytes; the quorum variants also where speeds differ.
+# where they matter: quality and bytes; the quorum variants also where speeds differ, and
+# decoupled-1000x, the candidate for the defaults below 4 bits, everywhere.
 VARIANTS_ONLY_IN = {"ideal": ("healthy",), "ideal-late": ("healthy",), "sync-nesterov": ("healthy",),
-                    **{m: ("healthy", "mixed") for m in QUORUM_VARIANTS}}
+                    **{m: ("healthy", "mixed") for m in QUORUM_VARIANTS},
+                    # issue 50's acceptance: it must also heal and count exactly on mixed speeds and failures
+                    "decoupled-1000x": ("healthy", "mixed", "failures", "wan")}
 
 
 def runs_in(method: str, scenario: str) -> bool:

@@ -7,9 +7,9 @@ scales, then the codes, int4 two to a byte); their bytes laid end to end are exa
 random, constant, tiny and empty tensors). `decode(parts, shape, scheme)` is what a receiver
 decodes, in float32. Both are pure: jit them inside a larger function (learners/outer.py does).
 
-The codes below 4 bits are not here: int2's row scale is a float64 mean (not an XLA type on every
-backend) and topk's sort is better done where its error buffer lives; a learner keeps those on the
-host (`ON_DEVICE` says which schemes this module has).
+The codes below 4 bits are not here: int2's and ternary's row scales are float64 means (not an XLA
+type on every backend) and topk's sort is better done where its error buffer lives; a learner keeps
+those on the host (`ON_DEVICE` says which schemes this module has).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ Announcements and events are plain JSON (readable with kcat) carrying a `schema`
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -63,12 +64,31 @@ def bounded(text: str, limit: int = DETAIL_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
 
 
+Region = tuple[tuple[int, int], ...]  # (start, stop) per axis: one block of an array
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]   # the whole tensor's
     scheme: str
     nbytes: int
+    block: Region | None = None  # the block of the tensor this entry codes (a learner over several hosts)
+
+    @property
+    def coded_shape(self) -> tuple[int, ...]:
+        """The shape of what the entry's codes encode: the block's, or the tensor's."""
+        return self.shape if self.block is None else tuple(b - a for a, b in self.block)
+
+    def to_header(self) -> dict:
+        d = {"name": self.name, "shape": list(self.shape), "scheme": self.scheme, "nbytes": self.nbytes}
+        if self.block is not None:  # optional: a whole tensor's entry reads as before blocks existed
+            d["block"] = [list(pair) for pair in self.block]
+        return d
+
+
+def slices(block: Region) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in block)
 
 
 @dataclass(frozen=True)
@@ -99,7 +119,7 @@ class Manifest:
 
     def to_header(self) -> dict:
         d = asdict(self)
-        d["tensors"] = [asdict(t) | {"shape": list(t.shape)} for t in self.tensors]
+        d["tensors"] = [t.to_header() for t in self.tensors]
         if d["packing"] == "none":  # the field is optional: an unpacked manifest reads as before packing existed
             del d["packing"]
         if d["cursor"] is None:
@@ -126,7 +146,7 @@ class Manifest:
             return v
 
         raw_tensors = need("tensors", list)
-        tensors, names = [], set()
+        tensors, blocked = [], {}
         for i, t in enumerate(raw_tensors):
             if not isinstance(t, dict):
                 raise WireError(f"manifest tensors[{i}] must be an object")
@@ -140,10 +160,15 @@ class Manifest:
                 raise WireError(f"manifest tensors[{i}].scheme must be one of {quantize.SCHEMES}, got {short(t.get('scheme'))}")
             if not isinstance(t.get("name"), str) or not is_count(t.get("nbytes")):
                 raise WireError(f"manifest tensors[{i}] needs a string name and an int nbytes")
-            if t["name"] in names:  # two payload slices for one name: which one would merge?
-                raise WireError(f"manifest tensors[{i}].name {short(t['name'])} is repeated")
-            names.add(t["name"])
-            tensors.append(TensorSpec(t["name"], tuple(shape), t["scheme"], t["nbytes"]))
+            block = _block(t.get("block"), shape, f"manifest tensors[{i}] ({short(t['name'])})")
+            # a name repeats only as blocks: two payload slices for one whole tensor, which would merge?
+            if t["name"] in blocked and not (blocked[t["name"]] and block is not None):
+                mixed = blocked[t["name"]] or block is not None
+                raise WireError(f"manifest tensors[{i}].name {short(t['name'])} is repeated"
+                                + (" with and without a block (a tensor is whole or in blocks)" if mixed else ""))
+            blocked[t["name"]] = block is not None
+            tensors.append(TensorSpec(t["name"], tuple(shape), t["scheme"], t["nbytes"], block))
+        check_tilings(tensors)
         m = Manifest(
             id=need("id", str), run=need("run", str), learner=need("learner", str), region=need("region", str),
             fragment=need("fragment", int), base_version=need("base_version", int), tokens=need("tokens", int),
@@ -175,6 +200,52 @@ def _cursor(v, steps) -> tuple[int, int] | None:
     if v[1] - v[0] != steps:
         raise WireError(f"manifest cursor {v} spans {v[1] - v[0]} steps, the manifest claims {short(steps, 40)}")
     return v[0], v[1]
+
+
+def _block(v, shape: list[int], where: str) -> Region | None:
+    """A tensor entry's optional block: [start, stop] per axis of `shape`, inside it, non-empty but
+    along an axis of length 0."""
+    if v is None:
+        return None
+    if (not isinstance(v, list) or len(v) != len(shape)
+            or not all(isinstance(p, list) and len(p) == 2 and all(is_count(x) for x in p) for p in v)):
+        raise WireError(f"{where}.block must be one [start, stop] pair of integers per axis of {shape}, got {short(v)}")
+    for axis, ((a, b), n) in enumerate(zip(v, shape)):
+        if not (0 <= a <= b <= n and (a < b or n == 0)):
+            raise WireError(f"{where}.block {short(v)} is not a non-empty span of axis {axis} (length {n})")
+    return tuple((a, b) for a, b in v)
+
+
+def check_tilings(tensors) -> None:
+    """Raise WireError unless the blocks of each name are the cells of a grid over its shape: along
+    each axis the blocks' spans cut 0..length into consecutive pieces, and each combination of one
+    piece per axis is one block, once. So they are disjoint and cover the tensor exactly."""
+    by_name: dict[str, list[TensorSpec]] = {}
+    for t in tensors:
+        if t.block is not None:
+            by_name.setdefault(t.name, []).append(t)
+    for name, specs in by_name.items():
+        shape = specs[0].shape
+        if any(t.shape != shape or t.scheme != specs[0].scheme for t in specs):
+            raise WireError(f"tensor {short(name)}: its blocks disagree on the tensor's shape or scheme")
+        blocks = [t.block for t in specs]
+        cells = 1
+        for axis, n in enumerate(shape):
+            at = 0
+            spans = sorted({b[axis] for b in blocks})
+            for a, b in spans:
+                if a != at:
+                    raise WireError(f"tensor {short(name)}: blocks {'overlap' if a < at else 'leave a gap'} along axis "
+                                    f"{axis} at {min(a, at)} (spans {short(spans, 120)})")
+                at = b
+            if at != n:
+                raise WireError(f"tensor {short(name)}: blocks leave a gap along axis {axis} from {at} to {n}")
+            cells *= len(spans)
+        if len(set(blocks)) != len(blocks):
+            raise WireError(f"tensor {short(name)}: a block is repeated (blocks overlap)")
+        if len(blocks) != cells:
+            raise WireError(f"tensor {short(name)}: {len(blocks)} blocks do not cover its {cells}-cell grid of spans "
+                            f"(a gap, or blocks that are no grid)")
 
 
 def frame(header: Mapping, payload: bytes = b"") -> bytes:
@@ -229,11 +300,61 @@ def encode_contribution(
         total_bytes=len(payload), n_chunks=n_chunks, crc32c=checksum(payload), created=time.time(),
         packing=packing, cursor=None if cursor is None else (int(cursor[0]), int(cursor[1])),
     )
-    frames = [frame(manifest.to_header())]
-    for i in range(n_chunks):
-        part = payload[i * chunk_bytes:(i + 1) * chunk_bytes]
-        frames.append(frame({"kind": "chunk", "id": manifest.id, "index": i, "count": n_chunks}, part))
-    return manifest, frames
+    pieces = cut(payload, chunk_bytes) or [b""]  # an empty payload travels as one empty chunk
+    return manifest, [frame(manifest.to_header()), *chunk_frames(manifest.id, pieces, 0, n_chunks)]
+
+
+def cut(payload, chunk_bytes: int) -> list:
+    """A payload in pieces of `chunk_bytes`, the last shorter (none for an empty payload)."""
+    return [payload[i:i + chunk_bytes] for i in range(0, len(payload), chunk_bytes)]
+
+
+def chunk_frames(cid: str, pieces, first: int, count: int) -> list[bytes]:
+    """Chunk frames of contribution `cid` holding `pieces`, numbered from `first`, of `count` in all."""
+    return [frame({"kind": "chunk", "id": cid, "index": first + i, "count": count}, piece)
+            for i, piece in enumerate(pieces)]
+
+
+# --- a contribution written by several hosts (a learner over jax.distributed processes) -----------
+# Each host codes the blocks it holds and sends them as chunks of its own; the payload is host 0's
+# entries, then host 1's, ...; each host cuts its own bytes and numbers its chunks after the hosts
+# before it; host 0 sends the manifest, whose CRC-32C it combines from each host's (length, CRC).
+
+def part_payload(specs, codes: Mapping[tuple[str, Region | None], quantize.Coded]) -> bytes:
+    """One host's bytes of a contribution: the codes of its entries `specs`, in their order (a code
+    keyed by (name, block), the block None for a whole tensor), each checked against its entry."""
+    blobs = []
+    for t in specs:
+        code = codes[t.name, t.block]
+        if (tuple(code.shape), code.scheme, len(code.data)) != (t.coded_shape, t.scheme, t.nbytes):
+            raise ValueError(f"tensor {t.name} block {t.block}: a {code.scheme} code of {tuple(code.shape)}, "
+                             f"the entry says {t.scheme} {t.coded_shape}")
+        blobs.append(code.data)
+    return b"".join(blobs)
+
+
+def part_frames(*, cid: str, host: int, specs: list, crcs: list[int], payload: bytes, chunk_bytes: int,
+                **claims) -> tuple[Manifest | None, list[bytes]]:
+    """Host `host`'s frames of contribution `cid` written by several: `specs[h]` are host h's entries
+    (every host computes the same lists), `crcs[h]` the CRC-32C of its bytes, `payload` this host's.
+    Host 0's frames begin with the manifest (made of `claims`: run, learner, ...; packing "none":
+    a part cannot be packed with the others). Hosts without bytes send no chunk but for an empty
+    payload, which is one empty chunk of host 0."""
+    sizes = [sum(t.nbytes for t in mine) for mine in specs]
+    if sizes[host] != len(payload):
+        raise ValueError(f"host {host} has {len(payload)} bytes, its entries {sizes[host]}")
+    counts = [-(-n // chunk_bytes) for n in sizes]
+    total, crc = sum(sizes), crcs[0]
+    for n, c in zip(sizes[1:], crcs[1:]):
+        crc = crc32c_combine(crc, c, n)
+    n_chunks = max(1, sum(counts))
+    pieces = cut(payload, chunk_bytes) or ([b""] if host == 0 and total == 0 else [])
+    frames = chunk_frames(cid, pieces, sum(counts[:host]), n_chunks)
+    if host != 0:
+        return None, frames
+    manifest = Manifest(id=cid, tensors=tuple(t for mine in specs for t in mine), total_bytes=total,
+                        n_chunks=n_chunks, crc32c=crc, created=time.time(), **claims)
+    return manifest, [frame(manifest.to_header()), *frames]
 
 
 def checksum(payload) -> int:
@@ -241,6 +362,47 @@ def checksum(payload) -> int:
     (hardware CRC instructions), where SHA-256 ran at 1.8 GB/s and was a third of the merge path.
     It is no signature: who may write the topic is the broker's ACLs' business."""
     return _crc32c.crc32c(payload)
+
+
+CASTAGNOLI = 0x82F63B78  # the CRC-32C polynomial, reflected
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+@functools.cache
+def _zeros_operators() -> list[list[int]]:
+    """[M_k]: the GF(2) matrix (32 columns) that moves a CRC-32C register past 2^k zero bytes."""
+    one_bit = [CASTAGNOLI] + [1 << (n - 1) for n in range(1, 32)]
+    op = one_bit
+    for _ in range(3):  # 1 -> 2 -> 4 -> 8 bits: one zero byte
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+    ops = [op]
+    for _ in range(63):
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+        ops.append(op)
+    return ops
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC-32C of A + B from crc(A), crc(B) and B's length: crc(A) moved past len(B) zero bytes
+    (the register's initial and final inversions cancel, as in zlib's crc32_combine), xor crc(B)."""
+    if len_b == 0:
+        return crc_a
+    k, ops = 0, _zeros_operators()
+    while len_b:
+        if len_b & 1:
+            crc_a = _gf2_times(ops[k], crc_a)
+        len_b >>= 1
+        k += 1
+    return crc_a ^ crc_b
 
 
 def verify_payload(manifest: Manifest, payload: bytes) -> None:
@@ -257,8 +419,9 @@ def codes_of(manifest: Manifest, payload: bytes | memoryview) -> bytes | memoryv
     if len(payload) != manifest.total_bytes:
         raise WireError(f"payload has {len(payload)} bytes, manifest says {manifest.total_bytes}")
     for t in manifest.tensors:
-        if t.nbytes != quantize.encoded_nbytes(t.shape, t.scheme):
-            raise WireError(f"tensor {t.name}: nbytes {t.nbytes} does not fit {t.scheme} {t.shape}")
+        if t.nbytes != quantize.encoded_nbytes(t.coded_shape, t.scheme):
+            raise WireError(f"tensor {t.name}: nbytes {t.nbytes} does not fit {t.scheme} {t.coded_shape}"
+                            + ("" if t.block is None else f" (its block {list(map(list, t.block))})"))
     if manifest.packing == "none":
         return payload
     try:
@@ -267,16 +430,29 @@ def codes_of(manifest: Manifest, payload: bytes | memoryview) -> bytes | memoryv
         raise WireError(f"payload packing: {err}") from None
 
 
-def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
-    verify_payload(manifest, payload)
-    codes = memoryview(codes_of(manifest, payload))
-    out, pos = {}, 0
+def tensor_codes(manifest: Manifest, codes: bytes | memoryview):
+    """(entry, its codes as a view) for each tensor entry of the manifest, in payload order, from the
+    codes `codes_of` gives. An entry with a block codes that block as an array of its own shape
+    (`coded_shape`); every reader of a payload walks it with this."""
+    buf, pos = memoryview(codes), 0
     for t in manifest.tensors:
+        yield t, buf[pos:pos + t.nbytes]
+        pos += t.nbytes
+
+
+def decode_payload(manifest: Manifest, payload: bytes) -> dict[str, np.ndarray]:
+    """Each tensor's decoded float32 values, a tensor sent in blocks put together whole."""
+    verify_payload(manifest, payload)
+    out = {}
+    for t, view in tensor_codes(manifest, codes_of(manifest, payload)):
         try:
-            out[t.name] = quantize.decode(codes[pos:pos + t.nbytes], t.shape, t.scheme)
+            value = quantize.decode(view, t.coded_shape, t.scheme)
         except quantize.CodecError as err:
             raise WireError(f"tensor {t.name}: {err}") from None
-        pos += t.nbytes
+        if t.block is None:
+            out[t.name] = value
+        else:
+            out.setdefault(t.name, np.empty(t.shape, np.float32))[slices(t.block)] = value
     return out
 
 
@@ -302,6 +478,7 @@ class Reason(StrEnum):
     NORM_OUTLIER = "norm_outlier"
     MERGE_FAILED = "merge_failed"
     LOST_PAYLOAD = "lost_payload"
+    BAD_SIGNATURE = "bad_signature"  # a signed run's frame unsigned, signed by another key, or for another's set
     INTERNAL_ERROR = "internal_error"
 
 
@@ -317,6 +494,7 @@ class _Partial:
     first_offset: int | None = None
     where: str = ""
     conflicts: int = 0              # repeated chunk indexes with other bytes than the copy kept (the first)
+    signer: str | None = None       # the learner that signed its first frame (a signed run's; diloco.signing)
     started: int = 0                # the assembler's count of sets when this one began: which of two came first
 
 
@@ -421,8 +599,14 @@ class ChunkAssembler:
         """Count `nbytes` read from partition `where` (every record, whatever becomes of it)."""
         self._read[where] = self._read.get(where, 0) + nbytes
 
+    def signer(self, cid: str, where: str) -> str | None:
+        """Who signed the first frame of the set of `cid` being assembled at `where` (None: no such set,
+        or unsigned)."""
+        part = self._partial.get((where, cid))
+        return None if part is None else part.signer
+
     def add(self, header: Mapping, payload: bytes, *, now: float, offset: int | None = None,
-            where: str = "") -> Assembled | Dropped | None:
+            where: str = "", signer: str | None = None) -> Assembled | Dropped | None:
         cid = header.get("id")
         if not isinstance(cid, str) or not cid:
             raise WireError("frame header has no contribution id")
@@ -430,7 +614,7 @@ class ChunkAssembler:
         part = self._partial.pop(key, None)
         if part is None:
             self._started += 1
-            part = _Partial(where=where, started=self._started)
+            part = _Partial(where=where, started=self._started, signer=signer)
         self._partial[key] = part                # to the back: it progressed last
         part.idle_s, part.mark = 0.0, self._read.get(where, 0)
         if offset is not None and (part.first_offset is None or offset < part.first_offset):

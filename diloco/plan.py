@@ -27,6 +27,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from diloco import messages
 from diloco.fragments import plan_fragments
 
 FORMAT = "diloco-plan/1"
@@ -240,7 +241,7 @@ def make_plan(params, *, fragments: int, mean_merge: Sequence[str] = (), sync: S
 
 # --- between the user's tree and named arrays -----------------------------------------------------
 
-Region = tuple[tuple[int, int], ...]  # (start, stop) per axis: one block of an array
+Region = messages.Region  # (start, stop) per axis: one block of an array (a manifest entry's `block`)
 
 
 def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
@@ -261,6 +262,20 @@ def regions(leaf) -> dict[Region, tuple[slice, ...]]:
     return {region_of(whole, shape): whole}
 
 
+def senders(leaf) -> dict[Region, int]:
+    """Each block of a leaf, with the process that sends it in a contribution: the lowest of those
+    holding it (a block replicated over hosts goes once). Every host computes the same, from the
+    sharding alone."""
+    shape = tuple(leaf.shape)
+    if not isinstance(leaf, jax.Array):
+        return {whole(shape): 0}
+    out: dict[Region, int] = {}
+    for device, index in leaf.sharding.devices_indices_map(shape).items():
+        r = region_of(index, shape)
+        out[r] = min(out.get(r, device.process_index), device.process_index)
+    return out
+
+
 def whole(shape: tuple[int, ...]) -> Region:
     """The block that is the whole array."""
     return tuple((0, n) for n in shape)
@@ -268,18 +283,6 @@ def whole(shape: tuple[int, ...]) -> Region:
 
 def is_whole(blocks: Mapping[Region, Any], shape: tuple[int, ...]) -> bool:
     return whole(shape) in blocks
-
-
-def gather(x) -> np.ndarray:
-    """A leaf's whole value on this host. For an array sharded across hosts this is a collective:
-    every host of the learner must call it at the same point (they do: syncs fall on the same steps)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def place(value: np.ndarray, like):

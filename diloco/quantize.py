@@ -1,5 +1,5 @@
-"""Delta codecs for the wire: fp32, bf16, int8 / int4 / int2 with one float32 scale per row, and
-topk, a sparse code of the largest values of each block.
+"""Delta codecs for the wire: fp32, bf16, int8 / int4 / int2 / ternary with one float32 scale per
+row, and topk, a sparse code of the largest values of each block.
 
 A tensor of shape (..., C) is treated as rows of C values (a 1-D tensor is one row). intB stores
 `round(x / s)` with s = max|row| / L (L = 127 for int8, 7 for int4), so every element is off by at
@@ -10,6 +10,10 @@ out and adds it to its next message: a learner in an error buffer, `learners.ses
 the syncer with its carried residual):
 - int2: four levels (c - 1.5) x s for a code c in 0..3, s = the row's root mean square, so values
   beyond 1.5 s are clipped; four codes per byte, low bits first.
+- ternary: three levels -s, 0, +s with a zero level, so a message moves only the values it keeps.
+  A value is kept when |x| > TERNARY_THRESHOLD x the row's mean |x| and s = the mean |x| of the
+  values kept (the least-squares scale of that choice: what is left out is never larger than the
+  row); five codes per byte as base-3 digits (3^5 = 243 <= 256), 1.6 bits a value.
 - topk: the flat tensor in blocks of TOPK_BLOCK values; each block keeps its TOPK_KEEP largest
   magnitudes as (uint8 index, int8 code) pairs with one float32 scale max|block| / 127, the rest
   decode as zero. A receiver rejects indices that are not strictly increasing inside the block.
@@ -23,13 +27,20 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-SCHEMES = ("fp32", "bf16", "int8", "int4", "int2", "topk")
+SCHEMES = ("fp32", "bf16", "int8", "int4", "int2", "ternary", "topk")
 LEVELS = {"int8": 127, "int4": 7}  # the max-scaled row codes (int2 is RMS-scaled: its own path)
 TOPK_BLOCK, TOPK_KEEP = 256, 8     # topk keeps 8 of every 256 values (3.1%): 20 bytes per block
 # the codes below 4 bits: a learner keeps what they left out beside its values, not in them
 # (learners.session.outer_deltas), and the syncer encodes their updates from the version before
 # (SyncerConfig.updates_from)
-BELOW_4_BITS = ("int2", "topk")
+BELOW_4_BITS = ("int2", "ternary", "topk")
+# ternary keeps a value when |x| > TERNARY_THRESHOLD x its row's mean |x|: of the thresholds 0.5-1.0
+# measured on a run's deltas, 0.8 and 0.9 leave error feedback the least to carry, and 0.9 the least
+# held back at the end (docs/bench.md, "A ternary code")
+TERNARY_THRESHOLD = 0.9
+TRITS = 5                                            # base-3 digits per byte: 3^5 = 243 values of 256
+_TRIT_WEIGHTS = 3 ** np.arange(TRITS)                # digit i weighs 3^i: a byte's first column is its lowest digit
+_TRITS_OF = (np.arange(3 ** TRITS)[:, None] // _TRIT_WEIGHTS % 3 - 1).astype(np.int8)  # byte -> its 5 codes in -1..1
 
 
 class CodecError(ValueError):
@@ -95,6 +106,9 @@ def encoded_nbytes(shape: tuple[int, ...], scheme: str) -> int:
     if scheme == "int2":
         rows, cols = _rows(shape)
         return 4 * rows + rows * ((cols + 3) // 4)
+    if scheme == "ternary":
+        rows, cols = _rows(shape)
+        return 4 * rows + rows * _trit_bytes(cols)
     if scheme == "topk":
         blocks, kept = _topk_blocks(n)
         return 4 * blocks + 2 * kept
@@ -120,6 +134,10 @@ def encode(x: np.ndarray, scheme: str) -> bytes:
         return scale.tobytes() + q.tobytes()
     if scheme == "int2":
         return _encode_int2(x)
+    if scheme == "ternary":
+        rows, cols = _rows(x.shape)
+        scale, codes = ternary_rows(x.reshape(rows, cols))
+        return scale.tobytes() + pack_trits(codes).tobytes()
     if scheme == "topk":
         return _encode_topk(x)
     raise CodecError(f"unknown quantization scheme {scheme!r}; known: {SCHEMES}")
@@ -135,6 +153,53 @@ def _encode_int2(x: np.ndarray) -> bytes:
     codes = np.pad(codes, ((0, 0), (0, -cols % 4)))
     packed = codes[:, 0::4] | (codes[:, 1::4] << 2) | (codes[:, 2::4] << 4) | (codes[:, 3::4] << 6)
     return scale.tobytes() + packed.astype(np.uint8).tobytes()
+
+
+def ternary_rows(m: np.ndarray, threshold: float = TERNARY_THRESHOLD) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 row scales, int8 codes in -1..1) of the ternary code of rows `m` (rows, cols): a value
+    is kept (code sign(x)) when |x| > binary32(threshold x the row's binary64 mean |x|), and the scale
+    is binary32 of the binary64 mean |x| of the values kept (0 when none is). A row with a value that
+    is not finite gets a NaN scale, so a receiver rejects it (non_finite) instead of the threshold
+    leaving the value out unseen."""
+    m = np.asarray(m, np.float32)
+    rows, cols = m.shape
+    a = np.abs(m)
+    mean = np.sum(a, axis=1, dtype=np.float64) / cols if cols else np.zeros(rows)
+    with np.errstate(invalid="ignore", over="ignore"):
+        cut = (threshold * mean).astype(np.float32)
+        kept = a > cut[:, None]
+    count = np.count_nonzero(kept, axis=1)
+    total = np.sum(np.where(kept, a, np.float32(0)), axis=1, dtype=np.float64)
+    scale = np.divide(total, count, out=np.zeros(rows), where=count > 0)
+    scale = np.where(np.isfinite(m).all(axis=1), scale, np.nan).astype("<f4")
+    codes = np.where(kept, np.where(m < 0, -1, 1), 0).astype(np.int8)
+    return scale, codes
+
+
+def _trit_bytes(cols: int) -> int:
+    """Bytes of a ternary row of `cols` codes: five a byte, the last one padded."""
+    return -(-cols // TRITS)
+
+
+def pack_trits(codes: np.ndarray) -> np.ndarray:
+    """Ternary codes (rows, cols) in -1..1 as the wire's bytes: per row ceil(cols / 5) bytes, byte j
+    the base-3 number of digits code + 1 of columns 5j .. 5j + 4 (the first the lowest), a row's
+    last byte padded with the zero code."""
+    rows, cols = codes.shape
+    width = _trit_bytes(cols)
+    digits = np.pad(codes.astype(np.int64) + 1, ((0, 0), (0, width * TRITS - cols)), constant_values=1)
+    return (digits.reshape(rows, width, TRITS) @ _TRIT_WEIGHTS).astype(np.uint8)
+
+
+def unpack_trits(packed: np.ndarray, cols: int) -> np.ndarray:
+    """The int8 codes (rows, cols) in -1..1 of ternary bytes (rows, ceil(cols / 5)); raises
+    CodecError for a byte no encoder writes (243..255: five base-3 digits end at 242)."""
+    rows, width = packed.shape
+    if packed.size and int(packed.max()) >= 3 ** TRITS:
+        r, j = (int(i[0]) for i in np.nonzero(packed >= 3 ** TRITS))
+        raise CodecError(f"ternary row {r}: byte {j} is {int(packed[r, j])}, but five base-3 digits "
+                         f"are at most {3 ** TRITS - 1}")
+    return _TRITS_OF[packed].reshape(rows, width * TRITS)[:, :cols]
 
 
 def _encode_topk(x: np.ndarray) -> bytes:
@@ -174,6 +239,10 @@ def decode(buf: bytes | memoryview, shape: tuple[int, ...], scheme: str) -> np.n
         return _decode_topk(buf, shape)
     rows, cols = _rows(shape)
     scale = np.frombuffer(buf, dtype="<f4", count=rows)
+    if scheme == "ternary":
+        packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, _trit_bytes(cols))
+        with np.errstate(invalid="ignore"):  # 0 x an infinite scale: NaN, which a receiver rejects (non_finite)
+            return (unpack_trits(packed, cols).astype(np.float32) * scale[:, None]).reshape(shape)
     if scheme == "int2":
         packed = np.frombuffer(buf, dtype=np.uint8, offset=4 * rows).reshape(rows, (cols + 3) // 4)
         codes = np.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], axis=-1).reshape(rows, 4 * packed.shape[1])[:, :cols]

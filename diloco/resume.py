@@ -8,6 +8,13 @@ end of the furthest accepted cursor. Every step before it is in the global model
 at most once per fragment, and every step from it on is trained again: none is trained into the
 model twice, and none is skipped on a claim.
 
+A contribution the dead learner published just before it died may still be unread by the syncer
+when the restart is decided: the runner takes the end offsets of the learner's region topic once it
+knows the learner is gone, and reads the records only after the syncer has handled every partition
+up to them (the syncer's `read_to` positions, written after its acceptances). Whatever the learner
+wrote is then accepted (and counted) or refused for good, and cannot be accepted after the restart
+began at a point short of it.
+
 Heartbeats and acceptance events stay advisory: what a beat says it handed in only makes the
 runner wait a bounded while for the syncer's records to catch up (a contribution the learner saw
 acked may not be accepted yet); it never moves the resume point.
@@ -18,13 +25,14 @@ Pure functions of plain records: the runner (diloco.supervisor) reads the record
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from diloco import coverage
 
 log = logging.getLogger(__name__)
 
 SETTLE_S = 5.0  # how long a restart waits for the syncer's records to reach what the beats claim
+READ_UP_S = 60.0  # how long it waits for the syncer to read what a dead learner wrote (then resumes, warned)
 
 
 def furthest_ends(contributions: Iterable[dict], into: dict[str, int] | None = None) -> dict[str, int]:
@@ -56,3 +64,10 @@ def settled(accepted_end: int | None, claimed: int) -> bool:
     """Whether the syncer's records reach what the learner's beats (or acceptance events) say it
     handed in: then nothing it saw acked is still on its way to the syncer."""
     return (accepted_end or 0) >= claimed
+
+
+def read_up_to(positions: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], int]) -> bool:
+    """Whether the syncer has handled every partition in `ends` up to its end offset there
+    (`positions`: (topic, partition) -> the offset after the last record handled). A partition it
+    has no position for counts as read only where nothing was written (end offset 0)."""
+    return all(positions.get(tp, 0) >= end for tp, end in ends.items())

@@ -18,7 +18,7 @@ from kafka import TopicPartition
 from rich.console import Console
 from rich.text import Text
 
-from diloco import chaos, membership
+from diloco import chaos, membership, signing
 from diloco.checkpoint import read_global
 from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
@@ -93,6 +93,8 @@ def prepare(cfg: Config, console: Console) -> RunSetup:
     cfg = cfg.with_corpus(corpus.dir)
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(dump_config(cfg))
+    if (secret := cfg.signing_secret()) is not None:  # each learner signs with its own key (diloco.signing)
+        signing.write_keys(secret, run_id, cfg.member_ids(), cfg.keys_dir(run_id))
     store = FragmentStore(cfg.store.url, run_id)
     spec, plan, template = provision_run(cfg, run_id, state=state, store=store, corpus=corpus)
     console.print(f"model {cfg.model.entry}: {plan.num_params:,} parameters in {len(plan.tensors)} tensors, "

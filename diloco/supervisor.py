@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from kafka.errors import KafkaError
 from redis.exceptions import RedisError
 from rich.text import Text
 
 from diloco import chaos, coverage, hooks, membership, messages, resume
 from diloco.config import BUILTIN_MODEL, Config
+from diloco.infra import kafka as kafka_io
 from diloco.infra.jobs import JobBackend
 from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import epochs_read
@@ -92,6 +94,9 @@ class RunSupervisor:
         self.merged_ends: dict[str, int] = {}     # learner -> furthest cursor end of its merged contributions
         self._merges_read = 0                     # merge records folded into merged_ends
         self.settling: dict[str, float] = {}      # learner -> until when its restart waits for the records
+        # learner -> (its region topic's end offsets when it went down, until when its restart waits for
+        # the syncer to have read up to them)
+        self.read_up: dict[str, tuple[dict[tuple[str, int], int], float]] = {}
         self.to_spare: dict[str, tuple[str, float]] = {}  # died, to be handed to a spare: (why, cold-restart delay)
         self.deferred_starts: set[str] = set()    # first starts put off until Redis answers (not restarts)
         self.draining = False                     # the syncer was asked to drain: no kills, joins or requests
@@ -150,7 +155,10 @@ class RunSupervisor:
         it, never where an event says. None while that is not known yet: Redis does not answer, or
         (`wait`) its beats say it handed in more than the records hold while a syncer shard is down,
         or for up to resume.SETTLE_S after (a contribution it saw acked may not be read yet; a forged
-        claim costs that wait and moves nothing)."""
+        claim costs that wait and moves nothing); and after a death (`wait`), until the syncer has read
+        what the learner wrote before it (_read_up)."""
+        if wait and not self._read_up(name, now):
+            return None
         try:
             accepted = self.accepted_end(name)
         except (RedisError, state_mod.StateError, OSError) as err:
@@ -165,10 +173,46 @@ class RunSupervisor:
             log.warning("resuming at the syncer's records, short of what the events say was handed in",
                         extra={"learner": name, "accepted_end": accepted, "claimed": claimed})
         self.settling.pop(name, None)
+        self.read_up.pop(name, None)
         return resume.resume_step(accepted, default=self.join_step.get(name, 0), schedule_end=self.cfg.learner_steps(name))
+
+    def _read_up(self, name: str, now: float) -> bool:
+        """Whether the syncer has handled every record learner `name` wrote before it went down (the end
+        offsets taken then, against the syncer's read_to positions in Redis), or has been waited for
+        resume.READ_UP_S; read before the records, so an acceptance between the two reads is seen."""
+        if name not in self.read_up:
+            return True
+        ends, until = self.read_up[name]
+        try:
+            if resume.read_up_to(self.state.read_to(), ends):
+                return True
+        except (RedisError, state_mod.StateError, OSError) as err:
+            log.warning("syncer positions unknown: redis did not answer", extra={"learner": name, "error": str(err)[:200]})
+            return False
+        if now < until:
+            return False
+        log.warning("resuming before the syncer read all the dead learner wrote: a contribution it reads later may "
+                    "repeat steps", extra={"learner": name, "ends": {f"{t}|{p}": o for (t, p), o in ends.items()}})
+        return True
+
+    def _written_before(self, name: str) -> dict[tuple[str, int], int]:
+        """The end offsets, now, of the partitions learner `name` writes (its region's fragments topic);
+        empty when there is no log to ask (a unit test's runner) or it does not answer (then logged)."""
+        if self.events is None or name not in self.members:
+            return {}
+        topic = kafka_io.Topics.for_run(self.cfg, self.cfg.run.id).fragments[self.cfg.region_of(name).name]
+        try:
+            ends = kafka_io.log_ends(self.cfg.transport, kafka_io.partitions_of(topic, self.cfg.fragments.count))
+        except (KafkaError, kafka_io.TransportError, OSError) as err:
+            log.warning("end offsets unknown: the restart will not wait for the syncer to read them",
+                        extra={"learner": name, "error": str(err)[:200]})
+            return {}
+        return {(tp.topic, tp.partition): int(off) for tp, off in ends.items()}
 
     def _down(self, name: str, now: float, delay: float, why: str) -> None:
         self.outages.append(Outage(name, now))
+        if name not in self.syncers and (ends := self._written_before(name)):
+            self.read_up[name] = (ends, now + resume.READ_UP_S)
         if name in self.members and self.spares:  # handed to a spare once its resume point is known (_restart_due)
             self.to_spare[name] = (why, delay)
             self.restart_at[name] = now

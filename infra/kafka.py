@@ -222,6 +222,23 @@ def read_to_end(t: TransportConfig, tps: list[TopicPartition], timeout_s: float 
         c.close()
 
 
+def log_ends(t: TransportConfig, tps: list[TopicPartition], timeout_s: float = 5.0) -> dict[TopicPartition, int]:
+    """Each partition's end offset now (the offset its next record will get), from the high watermark
+    of a fetch: the local broker's end_offsets() reports the start of the last batch (read_to_end)."""
+    c = consumer(t)
+    try:
+        start = c.end_offsets(tps)
+        assign_from(c, start)
+        deadline = time.time() + timeout_s
+        while any(c.highwater(tp) is None for tp in tps):
+            if time.time() > deadline:
+                raise TransportError(f"no high watermark of {tps} in {timeout_s}s")
+            c.poll(timeout_ms=100)
+        return {tp: max(c.highwater(tp), start[tp]) for tp in tps}
+    finally:
+        c.close()
+
+
 def group_lag(t: TransportConfig, group: str, tps: list[TopicPartition], timeout_s: float = 30.0) -> list[dict]:
     """Per partition: the group's committed offset (None if it committed none), the end offset and
     the lag between them (the end offset, from the start, where nothing is committed).
@@ -263,6 +280,7 @@ def rdkafka_settings(t: TransportConfig, group_id: str | None) -> dict:
 class _Record(NamedTuple):
     offset: int
     value: bytes
+    headers: list[tuple[str, bytes]]  # as kafka-python's ConsumerRecord.headers: (name, value) pairs
 
 
 class RdKafkaConsumer:
@@ -319,7 +337,7 @@ class RdKafkaConsumer:
                 continue  # transient (a broker away, a partition's end): librdkafka retries by itself
             tp = TopicPartition(msg.topic(), msg.partition())
             if tp in self._positions and msg.offset() >= self._positions[tp]:
-                out.setdefault(tp, []).append(_Record(msg.offset(), msg.value()))
+                out.setdefault(tp, []).append(_Record(msg.offset(), msg.value(), msg.headers() or []))
                 self._positions[tp] = msg.offset() + 1
         return out
 

@@ -158,9 +158,12 @@ def start_redis(state: Path, port: int, password: str | None = None) -> int:
     return _spawn("redis", argv, state, port)
 
 
-def start_redis_cluster(state: Path, ports: list[int], timeout: float = 30.0) -> None:
-    """A Redis Cluster of one master per port (no replicas) sharing the 16384 slots; for tests.
-    Its nodes are the services `redis-cluster-<i>`: stop them with stop_redis_cluster."""
+def start_redis_cluster(state: Path, ports: list[int], timeout: float = 30.0, replicas: int = 0,
+                        node_timeout_ms: int = 15000) -> None:
+    """A Redis Cluster on these ports sharing the 16384 slots, `replicas` replicas per master (one
+    master per port without them); for tests. Its nodes are the services `redis-cluster-<i>`: stop them
+    with stop_redis_cluster. `node_timeout_ms`: how long a master may be silent before its replica
+    takes over."""
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
         raise ServiceError("redis-server and redis-cli are needed: `apt-get install -y redis-server`")
@@ -170,8 +173,9 @@ def start_redis_cluster(state: Path, ports: list[int], timeout: float = 30.0) ->
         # the cluster bus on a port of its own: the default, port + 10000, may be taken or past 65535
         _spawn(f"redis-cluster-{i}", [exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                                       "--cluster-port", str(free_port()), "--save", "", "--appendonly", "yes",
+                                      "--cluster-node-timeout", str(node_timeout_ms),
                                       "--dir", str(data), "--daemonize", "no"], state, port)
-    made = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0",
+    made = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", str(replicas),
                            "--cluster-yes"], capture_output=True, text=True, timeout=timeout)
     if made.returncode != 0:
         raise ServiceError(f"redis-cli --cluster create failed:\n{(made.stdout + made.stderr)[-2000:]}")

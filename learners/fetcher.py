@@ -99,6 +99,8 @@ class Fetcher(threading.Thread):
         self.announced: dict[int, int] = {}  # fragment -> the newest version announced (versions behind)
         self.newest: dict[int, int] = {}     # fragment -> the newest version that may be committed
         self.needed: set[int] = set()        # fragments the learner asked for: the newest, once
+        # fragment -> (a version announced but not committed when fetched, when to look at the marker again)
+        self.unconfirmed: dict[int, tuple[int, float]] = {}
         self.applied: set[int] = set()       # fragments the learner applied a version of (joined)
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -126,6 +128,7 @@ class Fetcher(threading.Thread):
                     for rec in records:
                         self._take(rec.value)
                 now = time.monotonic()
+                self._confirm(now)
                 for p, v in self._due() if self.wanted.is_set() else ():
                     entry = tries.get(p)
                     if entry and entry[0] == v and entry[2] > now:
@@ -133,6 +136,8 @@ class Fetcher(threading.Thread):
                     try:
                         got = self.fetch(p, v)
                     except (StoreError, quantize.CodecError, OSError, ValueError, KeyError) as err:
+                        if self._not_committed_yet(p, v):
+                            continue  # the newest committed version now; v once the store commits it
                         # transient (the store is slow or away) or a version that is not there: try
                         # again with backoff; a newer announcement replaces it meanwhile
                         entry = tries[p] = entry if entry and entry[0] == v else [v, 0, 0.0]
@@ -218,6 +223,41 @@ class Fetcher(threading.Thread):
         log.warning("announcement ignored: fragment %d v%d is not committed (the store's commit marker says v%d)",
                     p, v, marker)
         return False
+
+    def _not_committed_yet(self, p: int, v: int) -> bool:
+        """After a failed fetch of v: whether the store's commit marker is below it (an announcement
+        relayed before the marker moved, or a forged one at marker + 1). Then the fragment's newest
+        committed version is fetched now instead of chasing v, and v is taken once the marker
+        reaches it (_confirm): a joining learner never waits on a version that may never exist."""
+        try:
+            marker = self.store.read_committed(p)
+        except (StoreError, OSError, ValueError):
+            return False
+        if marker is None or marker >= v:
+            return False
+        log.warning("fragment %d v%d is announced but not committed (the store's marker says v%d): "
+                    "fetching v%d meanwhile", p, v, marker, marker)
+        self.markers[p] = marker
+        self.unconfirmed[p] = (max(self.unconfirmed.get(p, (v,))[0], v), 0.0)
+        self.newest[p] = marker
+        return True
+
+    def _confirm(self, now: float) -> None:
+        """Take each announced version that was not committed yet once the store's marker reaches it
+        (checked once a second per fragment); a newer announcement makes it moot."""
+        for p, (v, next_check) in list(self.unconfirmed.items()):
+            if self.newest.get(p, -1) >= v:
+                del self.unconfirmed[p]
+            elif now >= next_check:
+                try:
+                    marker = self.store.read_committed(p)
+                except (StoreError, OSError, ValueError):
+                    marker = None
+                if marker is not None and marker >= v:
+                    self.newest[p] = v
+                    del self.unconfirmed[p]
+                else:
+                    self.unconfirmed[p] = (v, now + 1.0)
 
     def fetch(self, p: int, v: int) -> Fetched:
         """This host's blocks of version v of fragment p."""

@@ -9,10 +9,11 @@ delta (anchor - local, in float32), quantizes it, and moves its anchor by what a
 decode; it is compiled once per shape (a model's layers share a handful), not per fragment. Only
 the codes and row scales leave the devices, copied to the host asynchronously
 (device_codec.DeviceCode) and read by the publisher thread. The training thread dispatches and
-returns. A learner spanning hosts gathers the codes, not the values (int4: an eighth of float32).
+returns. A learner spanning hosts gathers nothing: each host codes the blocks its devices hold and
+sends them itself, as parts of one contribution (docs/wire-format.md).
 A new version comes as its snapshot and update code (learners.fetcher.Fetched) and is decoded,
 rebased and made the new anchor in one jitted function per tensor.
-The codes below 4 bits (int2, topk) keep their error buffers on the host and are made there.
+The codes below 4 bits (int2, ternary, topk) keep their error buffers on the host and are made there.
 
 The anchor (`fragments.anchor`, `fragments.anchor_dtype`): the global version a tensor was last
 on, less every delta sent since (what quantization left out stays in the difference and goes with
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -38,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco import device_codec, quantize
-from diloco.plan import gather, place, place_blocks, whole
+from diloco.messages import TensorSpec
+from diloco.plan import Region, place, place_blocks, region_of, senders, whole
 
 
 def _host_kind(sharding) -> str | None:
@@ -303,31 +305,28 @@ def outer_deltas(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], 
     """The codes of the outer deltas (anchor - local) of tensors `names`, each made once, and each
     anchor moved to what was just sent, so that if the merged global is slow to arrive two
     contributions never carry the same progress twice; what quantization left out stays in the
-    difference and travels with the next delta (error feedback). On a learner sharded across hosts
-    every host must call it (the codes are gathered).
+    difference and travels with the next delta (error feedback). On a learner over several hosts
+    this is `outer_block_deltas`: every host calls it, and gets the codes of the blocks it sends.
 
     For the codes below 4 bits (quantize.BELOW_4_BITS), which leave out a third or more of a delta,
     what was left out waits in `error` (host arrays) instead, and the anchor moves to the local
     value: the learner then trains on from the merged global plus its own steps since the send,
     not from a point its residual keeps apart from the other learners'."""
+    if jax.process_count() > 1:
+        return outer_block_deltas(anchors, leaves, names, schemes, error)
     on_device = [n for n in names if schemes[n] in device_codec.ON_DEVICE and isinstance(leaves[n], jax.Array)]
     codes: dict[str, Any] = {}
     if on_device:
         made = [_delta_code[recipe is None](src, leaves[n], recipe, schemes[n], dt) for n, (src, recipe), dt in
                 zip(on_device, anchors.sources(on_device)[0], _anchor_dtypes(anchors, leaves, on_device))]
-        many_hosts = jax.process_count() > 1
         for n, (p, _) in zip(on_device, made):
-            shape = tuple(leaves[n].shape)
-            if many_hosts:  # every host takes part in each gather; the leader sends
-                p = tuple(gather(x) for x in p)
-            code = device_codec.DeviceCode(shape, schemes[n], p)
-            codes[n] = code.coded() if many_hosts else code
+            codes[n] = device_codec.DeviceCode(tuple(leaves[n].shape), schemes[n], p)
         anchors.sent({n: codes[n] for n in on_device}, {n: m for n, (_, m) in zip(on_device, made)})
     for n in names:
         if n in codes:
             continue
         local, anchor = _float32(leaves[n]), _float32(anchors[n])  # one transfer of the anchor
-        delta = gather(anchor - local)
+        delta = np.asarray(anchor - local)
         if error is not None and schemes[n] in quantize.BELOW_4_BITS:
             delta = delta + error[n] if n in error else delta
             codes[n] = quantize.coded(delta, schemes[n])
@@ -338,6 +337,66 @@ def outer_deltas(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], 
             anchors[n] = anchor - place(codes[n].decoded(), anchor)
         del delta
     return codes
+
+
+def outer_block_deltas(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], schemes: Mapping[str, str],
+                       error: dict | None = None) -> dict[tuple[str, Region | None], Any]:
+    """`outer_deltas` on a learner over several hosts: every host codes each block of a tensor its
+    devices hold, as an array of its own (row scales over the block's rows), moves its anchors by
+    what a receiver decodes of them, and returns the codes of the blocks it sends (plan.senders: a
+    block held by several hosts goes from the lowest) keyed by (name, block), the block None where
+    it is the whole tensor. Nothing is gathered across hosts; every host calls it at the same step.
+    The codes below 4 bits keep their error buffers per block (`error[(name, block)]`), on the
+    host that sends the block."""
+    me, codes, moved = jax.process_index(), {}, {}
+    sources = anchors.sources(names)[0]
+    for n, (anchor, _), dt in zip(names, sources, _anchor_dtypes(anchors, leaves, names)):
+        leaf, scheme = leaves[n], schemes[n]
+        shape, sends = tuple(leaf.shape), senders(leaf)
+        mine = {r for r, host in sends.items() if host == me}
+        key = {r: (n, None if len(sends) == 1 else r) for r in sends}  # a whole tensor's entry has no block
+        if scheme in device_codec.ON_DEVICE:
+            by_device = {s.device: s.data for s in anchor.addressable_shards}
+            new = []
+            for shard in leaf.addressable_shards:  # each device its own copy of a block: replicas stay alike
+                r = region_of(shard.index, shape)
+                parts, m = _delta_code[False](by_device[shard.device], shard.data, None, scheme, dt)
+                new.append(m)
+                if r in mine and key[r] not in codes:
+                    codes[key[r]] = device_codec.DeviceCode(tuple(shard.data.shape), scheme, parts)
+            moved[n] = jax.make_array_from_single_device_arrays(shape, anchor.sharding, new)
+            continue
+        local = _float32(leaf)
+        delta = _float32(anchor) - local
+        sent = {}
+        for shard in delta.addressable_shards:
+            r = region_of(shard.index, shape)
+            if r in sent or (error is not None and r not in mine):
+                continue
+            d = np.asarray(shard.data)
+            if error is not None:
+                d = d + error[key[r]] if key[r] in error else d
+            sent[r] = quantize.coded(d, scheme)
+            if error is not None:
+                error[key[r]] = (d - sent[r].decoded()).astype(np.float32)
+        codes.update({key[r]: c for r, c in sent.items() if r in mine})
+        moved[n] = local if error is not None else (
+            _float32(anchor) - place_blocks({r: c.decoded() for r, c in sent.items()}, delta, np.float32))
+    anchors.keep(moved)
+    return codes
+
+
+def part_entries(leaves: Mapping[str, Any], names: list[str], schemes: Mapping[str, str]) -> list[list[TensorSpec]]:
+    """Each host's manifest entries of a contribution of tensors `names` (sorted) from a learner over
+    several hosts: the blocks it sends (plan.senders), in name and block order; the same lists on
+    every host, made from the shardings alone."""
+    hosts: list[list[TensorSpec]] = [[] for _ in range(jax.process_count())]
+    for n in names:
+        sends, shape = senders(leaves[n]), tuple(leaves[n].shape)
+        for r, host in sorted(sends.items()):
+            spec = TensorSpec(n, shape, schemes[n], 0, None if len(sends) == 1 else r)
+            hosts[host].append(replace(spec, nbytes=quantize.encoded_nbytes(spec.coded_shape, spec.scheme)))
+    return hosts
 
 
 def rebase(anchors: Anchors, leaves: Mapping[str, Any], names: list[str], made_of: Mapping[str, tuple],

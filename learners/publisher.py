@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kafka.errors import KafkaError
 
-from diloco import messages
+from diloco import messages, signing
 from diloco.config import Config
 from diloco.device_codec import DeviceCode
 from diloco.infra import kafka as kafka_io
@@ -47,6 +47,9 @@ class Publisher(threading.Thread):
         self.queue: queue.Queue = queue.Queue(maxsize=PUBLISH_QUEUE)
         self.error: BaseException | None = None
         self.on_published = None   # called after each contribution is acked (the heartbeat says so at once)
+        # with run.signing_secret_env set, each frame is signed with this learner's own key (diloco.signing)
+        self.key = (signing.read_key(signing.key_path(cfg.keys_dir(run_id), learner))
+                    if cfg.run.signing_secret_env else None)
 
     def run(self) -> None:
         while (job := self.queue.get()) is not None:
@@ -59,17 +62,21 @@ class Publisher(threading.Thread):
                 self.queue.task_done()
         self.queue.task_done()
 
-    def _send(self, fragment: int, base_version: int, tokens: int, steps: int, step_time: float, deltas,
-              schemes: dict[str, str] | None = None, cursor: tuple[int, int] | None = None) -> None:
-        # codes made on the devices: their copies to the host were started at dispatch; read them here
-        deltas = {n: d.coded() if isinstance(d, DeviceCode) else d for n, d in deltas.items()}
-        manifest, frames = messages.encode_contribution(
-            run=self.run_id, learner=self.learner, region=self.region, fragment=fragment, base_version=base_version,
-            tokens=tokens, steps=steps, step_time=step_time, deltas=deltas,
-            scheme=schemes or self.cfg.fragments.quantization,
-            chunk_bytes=self.cfg.fragments.chunk_bytes, packing=self.cfg.fragments.packing, cursor=cursor)
+    def _send(self, fragment: int, base_version: int, tokens: int, steps: int, step_time: float, deltas=None,
+              schemes: dict[str, str] | None = None, cursor: tuple[int, int] | None = None,
+              part: dict | None = None) -> None:
+        claims = dict(run=self.run_id, learner=self.learner, region=self.region, fragment=fragment,
+                      base_version=base_version, tokens=tokens, steps=steps, step_time=step_time, cursor=cursor)
+        if part is not None:  # this host's share of a contribution written by several (messages.part_frames)
+            manifest, frames = messages.part_frames(**part, chunk_bytes=self.cfg.fragments.chunk_bytes, **claims)
+        else:
+            # codes made on the devices: their copies to the host were started at dispatch; read them here
+            deltas = {n: d.coded() if isinstance(d, DeviceCode) else d for n, d in deltas.items()}
+            manifest, frames = messages.encode_contribution(
+                **claims, deltas=deltas, scheme=schemes or self.cfg.fragments.quantization,
+                chunk_bytes=self.cfg.fragments.chunk_bytes, packing=self.cfg.fragments.packing)
         topic = self.topics.fragments[self.region]
-        part = self.topics.partition_of(fragment)
+        partition = self.topics.partition_of(fragment)
         key = str(fragment).encode()
         # Emulated WAN: this thread holds the region's link for latency + bytes / its share of the bandwidth.
         time.sleep(self.cfg.transport.wan_delay_s(sum(len(f) + len(key) for f in frames),
@@ -77,14 +84,16 @@ class Publisher(threading.Thread):
         delay = 0.5
         while True:  # resend the whole contribution until acked: the syncer drops repeats by id
             try:
-                futures = [self.producer.send(topic, f, key=key, partition=part) for f in frames]
+                futures = [self.producer.send(topic, f, key=key, partition=partition, headers=self._headers(f))
+                           for f in frames]
                 self.producer.flush(timeout=30)
                 for fut in futures:
                     fut.get(timeout=30)
                 break
             except KafkaError as err:
                 log.warning("broker unavailable; retrying contribution", extra={
-                    "id": manifest.id, "fragment": fragment, "retry_in_s": delay, "error": type(err).__name__})
+                    "id": part["cid"] if part else manifest.id, "fragment": fragment, "retry_in_s": delay,
+                    "error": type(err).__name__})
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         with self.counters.lock:
@@ -93,11 +102,20 @@ class Publisher(threading.Thread):
             self.counters.handed_in_tokens += tokens
             if cursor is not None:
                 self.counters.handed_in_to = max(self.counters.handed_in_to, cursor[1])
+        if part is not None:  # which chunks this host wrote (tests/test_sharded.py reads them)
+            indexes = [messages.parse_frame(f)[0] for f in frames]
+            log.info("published part", extra={"fragment": fragment, "id": part["cid"], "host": part["host"], "chunks": [
+                h["index"] for h in indexes if h["kind"] == "chunk"], "bytes": len(part["payload"])})
+        if manifest is None:
+            return
         log.info("published", extra={"fragment": fragment, "base_version": base_version, "id": manifest.id,
                                      "bytes": manifest.total_bytes, "chunks": manifest.n_chunks, "tokens": tokens,
                                      "cursor": None if cursor is None else list(cursor)})
         if self.on_published is not None:
             self.on_published()
+
+    def _headers(self, frame: bytes) -> list[tuple[str, bytes]] | None:
+        return None if self.key is None else signing.headers(self.learner, self.key, frame)
 
 
 class Heartbeat(threading.Thread):

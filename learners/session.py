@@ -21,9 +21,10 @@ their leaf's dtype and device placement (sharding). The anchors live in host mem
 (`fragments.anchor`): the devices hold the user's state and one fragment's transients.
 
 A learner may span many devices and hosts (learners/parallel.py). Then no host ever holds the
-model: each host keeps its own shards of the anchors, a sync gathers one fragment's codes (not its
-values), and each host's fetcher reads only its own blocks of a new
-version from TensorStore. The hosts of one learner act alike at every step: `step` agrees with the
+model: each host keeps its own shards of the anchors, at a sync codes the blocks it holds and sends
+them itself, as its part of one contribution (nothing is gathered: the hosts agree on the
+contribution's id and each part's CRC-32C in one small all-gather), and each host's fetcher reads
+only its own blocks of a new version from TensorStore. The hosts of one learner act alike at every step: `step` agrees with the
 others (one small all-gather) on which fetched versions to apply, whether to stop, and the compute
 time, so they never diverge and all stop at the same step. Host memory per host is its share of
 the anchors (with fragments.anchor=host) plus what is in flight: the codes of PUBLISH_QUEUE
@@ -55,7 +56,8 @@ from diloco.fragments import fragments_due, fragments_to_fetch, must_hold, syncs
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError, array_digest
 from diloco.learners.fetcher import Fetcher
-from diloco.learners.outer import Anchors, copy_as, outer_deltas, rebase, version_on_devices
+from diloco.device_codec import DeviceCode
+from diloco.learners.outer import Anchors, copy_as, outer_deltas, part_entries, rebase, version_on_devices
 from diloco.learners.publisher import PUBLISH_QUEUE, Counters, Heartbeat, Publisher
 from diloco.plan import Plan, Region, check_tree, flatten, is_whole, regions, with_leaves
 
@@ -116,7 +118,7 @@ class Session:
         self.producer = producer or kafka_io.producer(cfg.transport)
         self._outer = outer_consumer
         self.plan: Plan = self.store.read_plan()
-        self.leader = jax.process_index() == 0  # one host per learner publishes and beats, not one per host
+        self.leader = jax.process_index() == 0  # one host per learner beats and sends the manifests
         self.counters = Counters()
         self.metrics = metrics.LearnerMetrics(learner, self._metric_values)
         self._endpoint = None
@@ -131,7 +133,8 @@ class Session:
         self._fragments = [FragmentState() for _ in range(P)]
         # the reference each next delta starts from (learners/outer.py), on the host or the devices
         self._base = Anchors(cfg.fragments.anchor, cfg.fragments.anchor_dtype)
-        self._error: dict[str, np.ndarray] = {}  # what an int2 / topk delta left out, added to the next one
+        # what an int2 / ternary / topk delta left out, added to the next one (by name; by (name, block) over hosts)
+        self._error: dict = {}
         self._last_t: float | None = None
         self._params = None
         configured = cfg.fragments.quantization
@@ -183,8 +186,8 @@ class Session:
         self.publisher.on_published = self.heartbeat.beat_now  # a restart resumes past what was handed in
         self.fetcher = Fetcher(self.cfg, self.run_id, self._outer or kafka_io.consumer(self.cfg.transport), self.store,
                                self.topics, self.counters, self.plan, keep=1 if jax.process_count() == 1 else 2)
+        self.publisher.start()  # every host of a learner sends its share of each contribution
         if self.leader:
-            self.publisher.start()
             self.heartbeat.start()
             if port := self.cfg.learner_port(self.id):
                 self._endpoint = metrics.serve(self.metrics.registry, self.cfg.monitoring.host, port)
@@ -341,9 +344,10 @@ class Session:
             for p, f in enumerate(self._fragments):
                 if f.steps:
                     self._sync(p, self._params)
-        if self.leader and self.publisher.is_alive():
+        if self.publisher.is_alive():
             self.publisher.queue.put(None)
             self.publisher.queue.join()
+        if self.leader and self.heartbeat.is_alive():
             self.heartbeat.stop.set()
             self.heartbeat.beat_now()  # wakes it to see the stop
             self.heartbeat.join(timeout=30)
@@ -434,12 +438,15 @@ class Session:
 
     def _sync(self, p: int, params) -> None:
         names, f = self._names[p], self._fragments[p]
-        deltas = outer_deltas(self._base, flatten(params, self.plan), names, self._schemes, self._error)  # codes
-        if self.leader:
-            job = {"fragment": p, "base_version": f.version, "tokens": f.tokens, "steps": f.steps,
-                   "step_time": f.time / max(f.steps, 1), "deltas": deltas,
-                   "schemes": {n: self._schemes[n] for n in names},
-                   "cursor": (self.steps - f.steps, self.steps)}  # the data-stream steps it trained on
+        leaves = flatten(params, self.plan)
+        deltas = outer_deltas(self._base, leaves, names, self._schemes, self._error)  # codes
+        job = {"fragment": p, "base_version": f.version, "tokens": f.tokens, "steps": f.steps,
+               "step_time": f.time / max(f.steps, 1), "deltas": deltas,
+               "schemes": {n: self._schemes[n] for n in names},
+               "cursor": (self.steps - f.steps, self.steps)}  # the data-stream steps it trained on
+        if jax.process_count() > 1:  # every host sends its blocks; the leader the manifest too
+            job["part"], job["deltas"] = self._part(leaves, names, deltas), None
+        if self.leader or "part" in job:
             if self.publisher.queue.full():
                 log.warning("publisher %d contributions behind: waiting for the link", PUBLISH_QUEUE)
             while True:  # only this thread puts: wait for room, but not on a publisher that died
@@ -450,6 +457,22 @@ class Session:
                 except queue.Full:
                     continue
         f.sent()
+
+    def _part(self, leaves: dict, names: list[str], deltas: dict) -> dict:
+        """This host's share of a contribution written by all of this learner's hosts (see
+        messages.part_frames): its bytes, every host's entries and CRC-32C, and the contribution's
+        id, agreed in one all-gather of a few numbers. Waits for this host's codes to reach the host."""
+        specs = part_entries(leaves, names, self._schemes)
+        me = jax.process_index()
+        codes = {k: c.coded() if isinstance(c, DeviceCode) else c for k, c in deltas.items()}
+        payload = messages.part_payload(specs[me], codes)
+        nonce = uuid.uuid4().int
+        rows = gather_ints([len(payload), messages.checksum(payload), nonce & _U48, nonce >> 48 & _U48, nonce >> 96])
+        sizes = [sum(t.nbytes for t in mine) for mine in specs]
+        if [r[0] for r in rows] != sizes:  # the hosts disagree on the plan: no contribution could assemble
+            raise RuntimeError(f"hosts hold {[r[0] for r in rows]} bytes of fragment codes, their entries say {sizes}")
+        cid = uuid.UUID(int=rows[0][2] | rows[0][3] << 48 | rows[0][4] << 96).hex  # the leader's id
+        return {"cid": cid, "host": me, "specs": specs, "crcs": [r[1] for r in rows], "payload": payload}
 
     def _wait_for_merge(self, p: int, version: int, params):
         """Synchronous DiLoCo's barrier: no step until fragment p reaches `version`, the round this
@@ -504,6 +527,20 @@ class Session:
         log.warning("tensor %s is placed differently than at the join; reading its new blocks", n)
         self.fetcher.want({**self.fetcher.blocks, n: need})
         return self.store.read_blocks(p, v, {n: need})[n]
+
+
+_U48 = (1 << 48) - 1
+
+
+def gather_ints(values: list[int]) -> list[list[int]]:
+    """Each host's `values` (non-negative integers below 2^48), for every host, in one all-gather:
+    sent as 16-bit pieces, exact whatever dtype the collective uses."""
+    from jax.experimental import multihost_utils
+
+    pieces = np.array([v >> s & 0xFFFF for v in values for s in (0, 16, 32)], np.int32)
+    rows = np.asarray(multihost_utils.process_allgather(pieces)).reshape(jax.process_count(), -1)
+    return [[int(r[3 * i]) | int(r[3 * i + 1]) << 16 | int(r[3 * i + 2]) << 32 for i in range(len(values))]
+            for r in rows]
 
 
 def blocks_digest(params, plan: Plan) -> str:

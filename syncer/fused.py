@@ -53,9 +53,46 @@ class Encoded:
 
 
 @dataclass(frozen=True)
+class Blocks:
+    """One tensor of one contribution that arrived in blocks (a learner over several hosts): each
+    block's `Encoded` (of the block's own shape) with where it lies in the tensor."""
+    scheme: str
+    shape: tuple[int, ...]
+    parts: tuple[tuple[messages.Region, Encoded], ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def decode(self) -> np.ndarray:
+        out = np.empty(self.shape, np.float32)
+        for block, e in self.parts:
+            out[messages.slices(block)] = e.decode()
+        return out
+
+    def in_order(self) -> list[tuple[int | None, messages.Region, Encoded]]:
+        """(where the block starts in the flat tensor, or None where it is no contiguous run of it;
+        block; codes), the contiguous runs first, in the tensor's order."""
+        runs = [(flat_start(self.shape, block), block, e) for block, e in self.parts]
+        return sorted(runs, key=lambda r: (r[0] is None, r[0] or 0))
+
+
+def flat_start(shape: tuple[int, ...], block: messages.Region) -> int | None:
+    """Where a block starts in the C-order flattening of `shape`, if its values are one contiguous
+    run there (the axes after its last partial one are whole, those before it one index wide)."""
+    partial = [i for i, ((a, b), n) in enumerate(zip(block, shape)) if (a, b) != (0, n)]
+    if partial and any(b - a != 1 for a, b in block[:partial[-1]]):
+        return None
+    start = 0
+    for (a, _), n in zip(block, shape):
+        start = start * n + a
+    return start
+
+
+@dataclass(frozen=True)
 class EncodedDelta:
     """A validated contribution's tensors as they arrived, with each one's norm."""
-    tensors: dict[str, Encoded]
+    tensors: dict[str, Encoded | Blocks]
     norms: dict[str, float]
 
     @property
@@ -66,12 +103,17 @@ class EncodedDelta:
         return {n: e.decode() for n, e in self.tensors.items()}
 
 
-def views(manifest: Manifest, payload: bytes) -> dict[str, Encoded]:
-    """The payload's tensors as `Encoded` views (no copy); raises WireError if a size does not fit."""
-    out, pos, buf = {}, 0, memoryview(messages.codes_of(manifest, payload))
-    for t in manifest.tensors:
-        out[t.name] = Encoded(t.scheme, tuple(t.shape), buf[pos:pos + t.nbytes])
-        pos += t.nbytes
+def views(manifest: Manifest, payload: bytes) -> dict[str, Encoded | Blocks]:
+    """The payload's tensors as `Encoded` views (no copy), a tensor sent in blocks as `Blocks`;
+    raises WireError if a size does not fit."""
+    out: dict[str, Encoded | Blocks] = {}
+    for t, view in messages.tensor_codes(manifest, messages.codes_of(manifest, payload)):
+        e = Encoded(t.scheme, t.coded_shape, view)
+        if t.block is None:
+            out[t.name] = e
+        else:
+            had = out.get(t.name)
+            out[t.name] = Blocks(t.scheme, t.shape, (had.parts if had else ()) + ((t.block, e),))
     return out
 
 
@@ -86,16 +128,26 @@ def encoded_delta(manifest: Manifest, payload: bytes) -> EncodedDelta:
     return EncodedDelta(tensors, {n: math.sqrt(s) if s == s else math.nan for n, s in squares.items()})
 
 
-def sumsq(e: Encoded) -> float:
-    """The squared norm of the decoded tensor (float64), from its codes; nan if any value is not finite."""
+BY_ROWS = ("int8", "int4", "fp32", "bf16")  # the schemes whose norm is a running sum over rows (or values)
+
+
+def sumsq(e: Encoded | Blocks, total: float = 0.0) -> float:
+    """`total` plus the squared norm of the decoded tensor (float64), from its codes; nan if any
+    value is not finite. A tensor in blocks adds them up in the tensor's order, one running sum,
+    so a tensor in blocks of whole rows has the norm of the same tensor sent whole, bit for bit."""
+    if isinstance(e, Blocks) and e.scheme in BY_ROWS:
+        for _, _, part in e.in_order():
+            total = sumsq(part, total)
+        return total
     if e.scheme in ("int8", "int4"):
         scale, codes = e.rows()
         if e.scheme == "int8":
-            return float(kernels.sumsq_q8(codes, scale))
-        return float(kernels.sumsq_q4(codes, scale, quantize._rows(e.shape)[1]))
+            return float(kernels.sumsq_q8(codes, scale, total))
+        return float(kernels.sumsq_q4(codes, scale, quantize._rows(e.shape)[1], total))
     if e.scheme in ("fp32", "bf16"):
-        return float(kernels.sumsq_f32(e.flat()) if e.scheme == "fp32" else kernels.sumsq_bf16(e.flat()))
-    s = squared_norm(e.decode())  # int2, topk: a quarter and a thirteenth of int8's bytes, decoded once
+        return float(kernels.sumsq_f32(e.flat(), total) if e.scheme == "fp32" else kernels.sumsq_bf16(e.flat(), total))
+    # int2, ternary, topk (in blocks: put together first): a quarter, a fifth, a thirteenth of int8's bytes, decoded once
+    s = total + squared_norm(e.decode())
     return s if math.isfinite(s) else math.nan
 
 
@@ -107,9 +159,18 @@ def squared_norm(a: np.ndarray) -> float:
     return float(np.sum(np.square(a, dtype=np.float64)))
 
 
-def axpy(acc: np.ndarray, e: Encoded, coef: float) -> None:
+def axpy(acc: np.ndarray, e: Encoded | Blocks, coef: float) -> None:
     """acc (float32, the tensor's shape) += coef * decode(e)."""
-    if e.scheme in ("int8", "int4"):
+    if isinstance(e, Blocks):  # each block where it lies: in place where it is a contiguous run
+        flat = acc.reshape(-1)
+        for start, block, part in e.in_order():
+            if start is not None:
+                axpy(flat[start:start + part.size].reshape(part.shape), part, coef)
+            else:
+                tmp = np.zeros(part.shape, np.float32)
+                axpy(tmp, part, coef)
+                acc[messages.slices(block)] += tmp
+    elif e.scheme in ("int8", "int4"):
         scale, codes = e.rows()
         target = acc.reshape(quantize._rows(e.shape))
         (kernels.axpy_q8 if e.scheme == "int8" else kernels.axpy_q4)(target, codes, scale, coef)
@@ -117,11 +178,11 @@ def axpy(acc: np.ndarray, e: Encoded, coef: float) -> None:
         kernels.axpy_f32(acc.reshape(-1), e.flat(), coef)
     elif e.scheme == "bf16":
         kernels.axpy_bf16(acc.reshape(-1), e.flat(), coef)
-    else:  # int2, topk: decoded to float32 first, then the fp32 kernel
+    else:  # int2, ternary, topk: decoded to float32 first, then the fp32 kernel
         kernels.axpy_f32(acc.reshape(-1), e.decode().reshape(-1), coef)
 
 
-def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.ndarray, *, plain: bool,
+def merge_tensor(parts: Sequence[Encoded | Blocks], norms: Sequence[float], weights: np.ndarray, *, plain: bool,
                  share: float = 1.0, learners: Sequence[str] | None = None) -> np.ndarray:
     """One tensor's merged delta: RDA over `learners` (merge.rda) times learner_share, or, if `plain`,
     the weighted mean (merge.weighted_mean) times `share`. `norms` are the parts' norms, `weights`
@@ -138,7 +199,7 @@ def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.n
     radius = float(np.sum(gw * np.asarray(gnorms)) / np.sum(gw))
     for group, wm, nm in zip(groups, gw / np.sum(gw), gnorms):
         if nm > _NO_DIRECTION:  # an all-zero (or vanishing) delta has no direction and adds none
-            if isinstance(group, Encoded):
+            if not isinstance(group, np.ndarray):  # one learner's part as it arrived
                 axpy(acc, group, float(wm / nm))
             else:
                 kernels.axpy_f32(acc.reshape(-1), group.reshape(-1), float(wm / nm))
@@ -149,7 +210,7 @@ def merge_tensor(parts: Sequence[Encoded], norms: Sequence[float], weights: np.n
     return acc
 
 
-def _by_learner(parts: Sequence[Encoded], norms: Sequence[float], w: np.ndarray, learners: Sequence[str] | None):
+def _by_learner(parts: Sequence[Encoded | Blocks], norms: Sequence[float], w: np.ndarray, learners: Sequence[str] | None):
     """merge.by_learner on encoded parts: ([a learner's one Encoded part, or its parts summed in
     float32], weights, norms), learners in order of first appearance."""
     if learners is None or len(set(learners)) == len(learners):

@@ -8,7 +8,7 @@ import math
 from collections.abc import Collection
 from typing import NamedTuple
 
-from diloco import messages
+from diloco import messages, signing
 from diloco.config import Config
 from diloco.messages import Manifest, Reason, WireError
 from diloco.plan import Plan
@@ -38,6 +38,33 @@ class Intake:
     def __init__(self, cfg: Config, run_id: str, plan: Plan):
         self.cfg, self.run_id, self.plan = cfg, run_id, plan
         self.shapes = plan.shapes
+        self.secret = cfg.signing_secret()   # None: frames are not signed (the topics' ACLs say who writes)
+        self._keys: dict[str, bytes] = {}
+
+    def key_of(self, learner: str) -> bytes | None:
+        """Learner `learner`'s signing key, None for an id that is no member of this run and may not join."""
+        if learner not in self._keys:
+            if not self.cfg.is_member_id(learner):
+                return None
+            self._keys[learner] = signing.learner_key(self.secret, self.run_id, learner)
+        return self._keys[learner]
+
+    def signer(self, raw: bytes, headers) -> str | None:
+        """The learner that signed the frame `raw` (its record headers), None when the run signs nothing;
+        raises signing.SigningError when a signed run's frame is unsigned or its signature does not hold."""
+        return None if self.secret is None else signing.signer_of(headers, raw, self.key_of)
+
+    @staticmethod
+    def not_the_signers(header: dict, signer: str, began: str | None) -> Rejection | None:
+        """Why a frame `signer` signed may not join its set: a manifest naming another learner, or a
+        set whose first frame another learner signed (`began`). Such a frame is refused alone."""
+        named = header.get("learner") if header.get("kind") == "manifest" else signer
+        if named != signer:
+            return Rejection(Reason.BAD_SIGNATURE, f"a manifest of learner {messages.short(named, 64)} signed by "
+                             f"{signer!r}")
+        if began is not None and began != signer:
+            return Rejection(Reason.BAD_SIGNATURE, f"a frame signed by {signer!r} for a set {began!r} began")
+        return None
 
     def assembler(self, check) -> messages.ChunkAssembler:
         """The chunk assembler of this run's contributions, bounded as syncer.* says; `check` judges each

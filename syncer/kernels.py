@@ -5,7 +5,7 @@ contribution, a stack of K of them). These kernels read the wire encoding where 
 into one float32 accumulator per tensor:
 
 - `sumsq_*`: the squared norm of an encoded delta (and whether it is finite) from its codes and
-  row scales, without decoding it;
+  row scales, without decoding it, added to a running `total` (a tensor's blocks in its order);
 - `axpy_*`: acc += coef * decode(encoded), the step of a weighted sum;
 - `update_q`: the syncer's broadcast encoding of new - old + residual, the published global and
   the residual left, in one pass per row; `step_update_q` the same with the outer SGD step that
@@ -29,44 +29,47 @@ _JIT = {"cache": True, "nogil": True, "fastmath": False}
 # --- norms of encoded deltas ---------------------------------------------------------------------
 
 @nb.njit(**_JIT)
-def sumsq_q8(q, scale):
-    """sum(decode(int8)^2) in float64; nan when a scale is not finite."""
+def sumsq_q8(q, scale, total):
+    """total + sum(decode(int8)^2) in float64; nan when a scale is not finite or a decoded value (binary32) is."""
     rows, cols = q.shape
-    total = 0.0
     for r in range(rows):
         s = scale[r]
         if not math.isfinite(s):
             return math.nan
-        acc = 0
+        acc, top = 0, 0
         for c in range(cols):
             v = np.int64(q[r, c])
             acc += v * v
+            top = max(top, abs(v))
+        if not math.isfinite(np.float32(s) * np.float32(top)):  # decoded in binary32: q x s overflows
+            return math.nan
         total += np.float64(s) * np.float64(s) * np.float64(acc)
     return total
 
 
 @nb.njit(**_JIT)
-def sumsq_q4(packed, scale, cols):
+def sumsq_q4(packed, scale, cols, total):
     """The same for int4 codes, two per byte (low nibble first); padding nibbles hold 0 (code 8)."""
     rows = packed.shape[0]
-    total = 0.0
     for r in range(rows):
         s = scale[r]
         if not math.isfinite(s):
             return math.nan
-        acc = 0
+        acc, top = 0, 0
         for c in range(cols):
             b = np.int64(packed[r, c // 2])
             v = ((b >> 4) if c % 2 else (b & 15)) - 8
             acc += v * v
+            top = max(top, abs(v))
+        if not math.isfinite(np.float32(s) * np.float32(top)):
+            return math.nan
         total += np.float64(s) * np.float64(s) * np.float64(acc)
     return total
 
 
 @nb.njit(**_JIT)
-def sumsq_f32(x):
+def sumsq_f32(x, total):
     """sum(x^2) in float64 of a flat float32 array; nan when any value is not finite."""
-    total = 0.0
     for i in range(x.shape[0]):
         v = np.float64(x[i])
         if not math.isfinite(v):
@@ -76,9 +79,8 @@ def sumsq_f32(x):
 
 
 @nb.njit(**_JIT)
-def sumsq_bf16(bits):
+def sumsq_bf16(bits, total):
     """The same for bfloat16 given as its uint16 bits."""
-    total = 0.0
     for i in range(bits.shape[0]):
         v = np.float64(_bf16(bits[i]))
         if not math.isfinite(v):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from kafka import TopicPartition
 from kafka.errors import KafkaError
 
-from diloco import messages
+from diloco import messages, signing
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.store import FragmentStore, StoreError
@@ -43,6 +43,8 @@ def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]],
     if not by_tp:
         return out
     assembler = ChunkAssembler(max_bytes=cfg.syncer.max_contribution_bytes, timeout_s=timeout_s)
+    secret = cfg.signing_secret()   # a signed run: a frame counts only signed, and by its set's signer
+    keys = {lid: signing.learner_key(secret, run_id, lid) for lid in cfg.member_ids()} if secret else {}
     c = kafka_io.consumer(cfg.transport)
     try:
         kafka_io.assign_from(c, by_tp)
@@ -50,15 +52,18 @@ def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]],
         while len(out) < len(wanted) and time.time() < deadline:
             for records in c.poll(timeout_ms=200).values():
                 for rec in records:
+                    where = partition_key((rec.topic, rec.partition))
                     try:
+                        signer = signing.signer_of(rec.headers, rec.value, keys.get) if secret else None
                         header, payload = messages.parse_frame(rec.value)
-                    except WireError:
+                    except (WireError, signing.SigningError):
                         continue
                     cid = header.get("id")
                     if cid not in wanted or cid in out or not _at(wanted[cid], rec.topic, rec.partition, rec.offset):
                         continue
-                    got = assembler.add(header, payload, now=time.time(), offset=rec.offset,
-                                        where=partition_key((rec.topic, rec.partition)))
+                    if signer is not None and assembler.signer(cid, where) not in (None, signer):
+                        continue
+                    got = assembler.add(header, payload, now=time.time(), offset=rec.offset, where=where, signer=signer)
                     if isinstance(got, Assembled) and got.manifest.run == run_id and got.first_offset == wanted[cid][2]:
                         out[cid] = (got.manifest, got.payload)
             if all(c.highwater(tp) is not None and c.position(tp) >= c.highwater(tp) for tp in by_tp):

@@ -7,6 +7,7 @@ Keys, all under `<key_prefix>:{<run>}:` (run_prefix builds it; add a key as `sel
     finished:<t>|<n> zset  finished ids from partition n of topic t by first offset (see prune_statuses)
     offsets          hash  "<topic>|<partition>" -> next offset to read on restart (fragment partitions)
     events_offset    hash  shard -> next offset of the events topic that shard reads
+    read_to          hash  "<shard>|<topic>|<partition>" -> offset after the last record the shard handled
     lease:<p>        string "<shard>:<incarnation>" of the fragment's owner, with a TTL the owner renews
     owner:<p>        string the last owner to claim it (kept after its lease expires)
     epoch:<p>        int   the fragment's fencing token: bumped by every claim, checked by every write
@@ -180,6 +181,15 @@ class SyncerState:
             out[(events_topic, 0)] = min(int(v) for v in shards)
         return out
 
+    def read_to(self) -> dict[TP, int]:
+        """Per partition of the fragments topics, how far the syncer has handled it (the furthest any
+        shard got, save_read_to): every record below is accepted, rejected or waiting in a chunk set."""
+        out: dict[TP, int] = {}
+        for field, off in self.r.hgetall(self.k + "read_to").items():
+            tp = parse_partition_key(field.split("|", 1)[1])
+            out[tp] = max(out.get(tp, 0), int(off))
+        return out
+
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.r.hgetall(self.k + "stats").items()}
 
@@ -267,6 +277,14 @@ class SyncerState:
                 p.zrem(key, *old)
             self._transact(fence, build)
         return old
+
+    def save_read_to(self, shard: int, positions: Mapping[TP, int]) -> None:
+        """Shard `shard` has handled each partition up to `positions` (the offset after the last record
+        it read), its acceptances already written: a restart's resume point (diloco.resume) waits for
+        these to pass what a dead learner had written. One field per shard and partition: an owner that
+        replays from an earlier offset never moves back what another shard saw."""
+        if positions:
+            self.r.hset(self.k + "read_to", mapping={f"{shard}|{partition_key(tp)}": off for tp, off in positions.items()})
 
     def save_events_offset(self, shard: int, offset: int) -> None:
         self.r.hset(self.k + "events_offset", str(shard), offset)

@@ -31,7 +31,7 @@ from kafka import TopicPartition
 from kafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from diloco import messages
+from diloco import messages, signing
 from diloco import metrics as metrics_mod
 from diloco.config import Config
 from diloco.faults import crash_point
@@ -184,7 +184,7 @@ class Syncer:
                 self.consumed[key] = rec.offset + 1
                 self.handle_event(rec.value)
             else:
-                self.handle_record(rec.value, key, rec.offset)
+                self.handle_record(rec.value, key, rec.offset, rec.headers)
         except (RedisError, KafkaError, Fenced):
             raise                     # the service or the ownership, not the record: handled above
         except Exception as err:  # one bad record must never stop the syncer
@@ -292,13 +292,22 @@ class Syncer:
         elif ev and isinstance(ev.get("learner"), str):
             self.registry.heard(ev)
 
-    def handle_record(self, raw: bytes, tp: TP, offset: int) -> None:
+    def handle_record(self, raw: bytes, tp: TP, offset: int, headers=None) -> None:
         self.consumed[tp] = offset + 1
         self.assembler.read(partition_key(tp), len(raw))
+        try:  # a signed run's frame is judged by its signature before anything in it is read
+            signer = self.intake.signer(raw, headers)
+        except signing.SigningError as err:
+            self._reject(None, Reason.BAD_SIGNATURE, str(err), where=Where(*tp, offset))
+            return
         try:
             cid, header, payload = read_frame(raw)
         except WireError as err:
             self._reject(None, Reason.MALFORMED, str(err), where=Where(*tp, offset))
+            return
+        if signer is not None and (why := self.intake.not_the_signers(header, signer,
+                                                                      self.assembler.signer(cid, partition_key(tp)))):
+            self._reject(cid, *why, where=Where(*tp, offset), settles=False)  # this frame alone: the set is not its
             return
         status, pending = self.status.get(cid, ""), self._pending(cid)
         if status and (pending_fragment(status) is None or (pending is not None and pending.deltas is not None)):
@@ -306,7 +315,8 @@ class Syncer:
             return
         crash_point("record_received")
         try:
-            result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=partition_key(tp))
+            result = self.assembler.add(header, payload, now=self.clock(), offset=offset, where=partition_key(tp),
+                                        signer=signer)
         except WireError as err:
             self.assembler.discard(cid, partition_key(tp))
             self._reject_set(cid, Reason.MALFORMED, str(err), where=Where(*tp, offset))
@@ -458,6 +468,7 @@ class Syncer:
         if not self.every_offsets_save.due(force=force):
             return
         self.state.save_events_offset(self.shard, self.consumed[self.events_tp])
+        self.state.save_read_to(self.shard, {tp: off for tp, off in self.consumed.items() if tp != self.events_tp})
         for p in list(self.fragments):
             self._guarded(p, lambda p=p: self.state.save_offsets(self.replay_offsets([p]),
                                                                  fence=self.ownership.fence(p)))

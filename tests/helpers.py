@@ -126,15 +126,15 @@ class Harness:
         return {n: (scale * rng.normal(size=self.params[n].shape)).astype(np.float32) for n in self.plan[fragment]}
 
     def publish(self, learner="us-0", fragment=0, base_version=0, deltas=None, tokens=512, steps=2, scheme="fp32",
-                region=None, run=None, frames_filter=None):
+                region=None, run=None, frames_filter=None, cursor=None, sign=None):
         m, frames = messages.encode_contribution(
             run=run or self.run_id, learner=learner, region=region or learner.split("-")[0], fragment=fragment,
             base_version=base_version, tokens=tokens, steps=steps, step_time=0.01,
-            deltas=self.deltas(fragment) if deltas is None else deltas, scheme=scheme, chunk_bytes=2048)
+            deltas=self.deltas(fragment) if deltas is None else deltas, scheme=scheme, chunk_bytes=2048, cursor=cursor)
         self.sent[m.id] = (region or learner.split("-")[0], fragment, frames)
-        for f in (frames_filter(frames) if frames_filter else frames):
+        for f in (frames_filter(frames) if frames_filter else frames):  # sign(frame): its record headers
             self.producer.send(self.topics.fragments[region or learner.split("-")[0]], f,
-                               partition=self.topics.partition_of(fragment))
+                               partition=self.topics.partition_of(fragment), headers=sign(f) if sign else None)
         self.producer.flush()
         return m
 

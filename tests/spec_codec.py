@@ -6,6 +6,8 @@ hold the project's codec, syncer and Kafka client against this one and against l
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import struct
@@ -46,7 +48,7 @@ def nbytes(shape, scheme: str) -> int:
     if scheme == "topk":
         return sum(4 + 2 * min(8, n - b) for b in range(0, n, 256))
     return {"fp32": 4 * n, "bf16": 2 * n, "int8": 4 * rows + n, "int4": 4 * rows + rows * ((cols + 1) // 2),
-            "int2": 4 * rows + rows * ((cols + 3) // 4)}[scheme]
+            "int2": 4 * rows + rows * ((cols + 3) // 4), "ternary": 4 * rows + rows * math.ceil(cols / 5)}[scheme]
 
 
 def encode(x, scheme: str) -> bytes:
@@ -61,6 +63,8 @@ def encode(x, scheme: str) -> bytes:
     rows, cols = rows_cols(x.shape)
     if scheme == "int2":
         return encode_int2(x.reshape(rows, cols))
+    if scheme == "ternary":
+        return encode_ternary(x.reshape(rows, cols))
     m, level = x.reshape(rows, cols), LEVELS[scheme]
     scale = np.array([np.abs(r).max() / level if r.size and np.abs(r).max() > 0 else 1.0 for r in m], "<f4")
     q = np.clip(np.rint(m / scale[:, None]), -level, level).astype(np.int64)
@@ -82,6 +86,38 @@ def encode_int2(m: np.ndarray) -> bytes:
                       for i in range(0, len(codes), 4))
         scales.append(s)
     return np.array(scales, "<f4").tobytes() + bytes(body)
+
+
+def encode_ternary(m: np.ndarray) -> bytes:
+    """Per row: m = mean |x| (binary64), keep |x| > binary32(0.9 m), s = mean |x| of those kept (0 if
+    none; NaN if the row holds a value that is not finite), code sign(x) or 0; five digits code + 1
+    per byte, the first column the lowest (times 1), the next times 3, 9, 27, 81; padding digit 1."""
+    scales, body = [], bytearray()
+    for row in m:
+        mags = [abs(float(v)) for v in row]
+        cut = np.float32(0.9 * (sum(mags) / len(mags))) if mags else np.float32(0)
+        kept = [mag > cut for mag in mags]
+        chosen = [mag for mag, k in zip(mags, kept) if k]
+        s = np.float32(sum(chosen) / len(chosen)) if chosen else np.float32(0)
+        scales.append(s if all(math.isfinite(v) for v in mags) else np.float32(math.nan))
+        digits = [(2 if v > 0 else 0) if k else 1 for v, k in zip(row, kept)]
+        digits += [1] * (-len(digits) % 5)
+        body += bytes(sum(d * 3 ** i for i, d in enumerate(digits[j:j + 5])) for j in range(0, len(digits), 5))
+    return np.array(scales, "<f4").tobytes() + bytes(body)
+
+
+def decode_ternary(buf: bytes, rows: int, cols: int) -> np.ndarray:
+    """Byte j of a row holds columns 5j .. 5j + 4 as base-3 digits (lowest first), digit d decoding
+    to (d - 1) x s; a byte above 242 is refused."""
+    scale = np.frombuffer(buf[:4 * rows], "<f4")
+    width, out = math.ceil(cols / 5), np.zeros((rows, cols), np.float32)
+    for r in range(rows):
+        for j, byte in enumerate(buf[4 * rows + r * width:4 * rows + (r + 1) * width]):
+            assert byte <= 242, (r, j, byte)
+            for i in range(5):
+                if 5 * j + i < cols:
+                    out[r, 5 * j + i] = np.float32(byte // 3 ** i % 3 - 1) * scale[r]
+    return out
 
 
 def encode_topk(flat: np.ndarray) -> bytes:
@@ -124,6 +160,8 @@ def decode(buf: bytes, shape, scheme: str) -> np.ndarray:
     if scheme == "topk":
         return decode_topk(buf, math.prod(shape)).reshape(shape)
     rows, cols = rows_cols(shape)
+    if scheme == "ternary":
+        return decode_ternary(buf, rows, cols).reshape(shape)
     scale = np.frombuffer(buf[:4 * rows], "<f4")
     if scheme == "int2":
         packed = np.frombuffer(buf[4 * rows:], np.uint8).reshape(rows, (cols + 3) // 4).astype(np.int64)
@@ -137,14 +175,28 @@ def decode(buf: bytes, shape, scheme: str) -> np.ndarray:
     return (q.astype(np.float32) * scale[:, None]).astype(np.float32).reshape(shape)
 
 
+def entries(tensors: dict[str, tuple]) -> list[tuple[dict, bytes]]:
+    """(tensor entry, its codes) in name order. A tensor given as (x, scheme, blocks) is sent as its
+    blocks ([[start, stop], ...] per axis), each coded as an array of the block's own shape."""
+    out = []
+    for name in sorted(tensors):
+        x, scheme, *blocks = tensors[name]
+        for block in (blocks[0] if blocks else [None]):
+            part = x if block is None else x[tuple(slice(a, b) for a, b in block)]
+            blob = encode(part, scheme)
+            entry = {"name": name, "shape": list(np.shape(x)), "scheme": scheme, "nbytes": len(blob)}
+            out.append((entry if block is None else {**entry, "block": [list(p) for p in block]}, blob))
+    return out
+
+
 def contribution(*, run: str, learner: str, fragment: int, base_version: int, tokens: int, steps: int,
-                 step_time: float, tensors: dict[str, tuple[np.ndarray, str]], chunk_bytes: int,
+                 step_time: float, tensors: dict[str, tuple], chunk_bytes: int,
                  packing: str = "none") -> tuple[dict, list[bytes]]:
-    """The manifest header and every frame (manifest first) of one contribution, tensors in name order;
-    with packing "zstd" the payload is one zstd frame of the codes (a level of this codec's own choosing)."""
-    names = sorted(tensors)
-    blobs = [encode(*tensors[n]) for n in names]
-    payload = b"".join(blobs)
+    """The manifest header and every frame (manifest first) of one contribution, tensors in name order
+    (see `entries` for tensors in blocks); with packing "zstd" the payload is one zstd frame of the
+    codes (a level of this codec's own choosing)."""
+    listed = entries(tensors)
+    payload = b"".join(blob for _, blob in listed)
     if packing == "zstd":
         payload = zstandard.ZstdCompressor(level=19).compress(payload)
     n_chunks = max(1, -(-len(payload) // chunk_bytes))
@@ -152,8 +204,7 @@ def contribution(*, run: str, learner: str, fragment: int, base_version: int, to
     manifest = {
         "kind": "manifest", "id": cid, "run": run, "learner": learner, "region": learner.rsplit("-", 1)[0],
         "fragment": fragment, "base_version": base_version, "tokens": tokens, "steps": steps, "step_time": step_time,
-        "tensors": [{"name": n, "shape": list(np.shape(tensors[n][0])), "scheme": tensors[n][1], "nbytes": len(b)}
-                    for n, b in zip(names, blobs)],
+        "tensors": [entry for entry, _ in listed],
         "total_bytes": len(payload), "n_chunks": n_chunks, "crc32c": crc32c.crc32c(payload), "created": time.time(),
     }
     if packing != "none":
@@ -193,16 +244,29 @@ def assemble_log(records) -> dict[tuple[object, str], tuple[dict, bytes]]:
 
 
 def tensors_of(manifest: dict, payload: bytes) -> dict[str, np.ndarray]:
-    out, pos = {}, 0
+    """Each tensor decoded; a tensor sent in blocks is put together whole, its blocks checked to
+    cover it exactly once."""
+    out, pos, covered = {}, 0, {}
     if manifest.get("packing", "none") == "zstd":
         size = sum(t["nbytes"] for t in manifest["tensors"])
         assert zstandard.frame_content_size(payload) == size, "the frame must state the codes' size"
         payload = zstandard.ZstdDecompressor().decompress(payload, allow_extra_data=False)
     for t in manifest["tensors"]:
-        assert t["nbytes"] == nbytes(t["shape"], t["scheme"]), t
-        out[t["name"]] = decode(payload[pos:pos + t["nbytes"]], tuple(t["shape"]), t["scheme"])
+        shape, block = tuple(t["shape"]), t.get("block")
+        coded = shape if block is None else tuple(b - a for a, b in block)
+        assert t["nbytes"] == nbytes(coded, t["scheme"]), t
+        value = decode(payload[pos:pos + t["nbytes"]], coded, t["scheme"])
         pos += t["nbytes"]
+        if block is None:
+            assert t["name"] not in out, t
+            out[t["name"]] = value
+            continue
+        where = tuple(slice(a, b) for a, b in block)
+        out.setdefault(t["name"], np.zeros(shape, np.float32))[where] = value
+        count = covered.setdefault(t["name"], np.zeros(shape, np.int64))
+        count[where] += 1
     assert pos == len(payload)
+    assert all((c == 1).all() for c in covered.values()), "blocks must cover their tensor exactly once"
     return out
 
 
@@ -215,3 +279,15 @@ def heartbeat(*, run: str, learner: str, step: int, tokens: int, state: str = "r
         "versions_applied": 0, "step_time": 0.01, "compute_s": 0.01, "at": time.time(), "loss": None,
         "state": state, "versions": {},
     }).encode()
+
+
+def learner_key(secret: bytes, run: str, learner: str) -> bytes:
+    """K(L) of the spec's "Signatures": HMAC-SHA256 of the label, the run and the learner, 0-separated."""
+    return hmac.new(secret, b"diloco learner key v1" + b"\x00" + run.encode() + b"\x00" + learner.encode(),
+                    hashlib.sha256).digest()
+
+
+def signed_headers(secret: bytes, run: str, learner: str, value: bytes) -> list[tuple[str, bytes]]:
+    """The two record headers that sign a frame (`value`) as `learner`'s."""
+    return [("diloco-learner", learner.encode()),
+            ("diloco-sig", hmac.new(learner_key(secret, run, learner), value, hashlib.sha256).digest())]

@@ -177,6 +177,42 @@ def test_methods_differ_only_in_what_they_name():
     assert long.inner.steps == 5 * quick.inner.steps and long.model == quick.model
 
 
+def test_the_ternary_methods_differ_from_decoupled_in_their_codecs_and_1000x_in_its_sync_period_too():
+    dec = setups.build("decoupled", "healthy", "long")
+    want = {"decoupled-ternary": ("ternary", "ternary", "previous", 20),
+            "decoupled-ternary-up": ("ternary", "int4", "snapshot", 20),
+            "decoupled-1000x": ("ternary", "ternary", "previous", setups.THOUSAND_X_SYNC_EVERY)}
+    for name, codecs in want.items():
+        cfg = setups.build(name, "healthy", "long")
+        assert (cfg.fragments.quantization, cfg.syncer.broadcast, cfg.syncer.updates_from,
+                cfg.fragments.sync_every) == codecs
+        assert cfg.model_copy(update={"run": dec.run, "fragments": dec.fragments, "syncer": dec.syncer}) == dec
+        assert cfg.fragments.model_copy(update={"quantization": dec.fragments.quantization,
+                                                "sync_every": dec.fragments.sync_every}) == dec.fragments
+    # the acceptance run compares it with int8 at H = 20 in every scenario that heals, not in healthy alone
+    assert setups.plan(["decoupled", "decoupled-1000x", "decoupled-ternary"], ["mixed", "failures"]) == [
+        ("decoupled", "mixed"), ("decoupled-1000x", "mixed"),
+        ("decoupled", "failures"), ("decoupled-1000x", "failures")]
+
+
+def test_the_1000x_sync_period_clears_1000x_by_the_budget_the_bench_counts():
+    """6H / (bytes per parameter up + down per sync period), as setups explains it: the codes of the
+    long size's model, a tenth more up for the frames and 1.47 updates down per period, clear 1000x
+    with a tenth to spare; a sync period a fifth shorter would not."""
+    from diloco import quantize
+    from diloco.models.transformer import init_params
+
+    params = init_params(setups.build("decoupled-1000x", "healthy", "long").model.transformer, 0)
+    per_param = sum(quantize.encoded_nbytes(a.shape, "ternary") for a in params.values()) / sum(
+        a.size for a in params.values())
+    assert per_param == pytest.approx(0.244, abs=5e-4)
+
+    def ratio(h: int) -> float:
+        return 6 * h / (per_param * (1.1 + 1.47))
+
+    assert ratio(setups.THOUSAND_X_SYNC_EVERY) >= 1100 > 1000 > ratio(int(0.8 * setups.THOUSAND_X_SYNC_EVERY))
+
+
 def test_scavenge_cases_train_the_same_token_budget_with_0_50_and_100_percent_joining_a_third_in():
     budget = 4 * setups.SCAVENGE_STEPS * 8 * 64    # the starting learners' inner.steps, at the quick size
     assert setups.expand(["healthy", "scavenge"]) == ["healthy", "scavenge-0", "scavenge-50", "scavenge-100"]
@@ -316,8 +352,14 @@ def test_ideal_diloco_with_one_learner_is_plain_training(tiny_corpus):
     cfg = cfg.model_copy(update={"regions": [cfg.regions[0].model_copy(update={"learners": 1})]})
     held = np.random.default_rng(2).integers(0, 256, (2, 2, 9)).astype(np.int32)
     want = dp.train_dp(cfg, tiny_corpus, held, evals=3)["curve"]
-    got = ideal.train_ideal(cfg, tiny_corpus, held, evals=3)["curve"]
+    rounds = []
+    got = ideal.train_ideal(cfg, tiny_corpus, held, evals=3, rounds=rounds)["curve"]
     assert got["step"] == want["step"] == [0, 2, 4, 6]
+    # what a codec would be fed: each fragment's one delta a step, and the global stepped by all of it
+    assert [(p, list(d)) for p, d, _ in rounds] == [(p, [0]) for _ in range(6) for p in (0, 1)]
+    for _, deltas, step in rounds:
+        for n, x in step.items():
+            np.testing.assert_allclose(x, -deltas[0][n], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     apart = cfg.model_copy(update={"fragments": cfg.fragments.model_copy(update={"sync_every": 4})})
     ends = ideal.train_ideal(apart, tiny_corpus, held, evals=3)["curve"]["loss"]
@@ -327,6 +369,22 @@ def test_ideal_diloco_with_one_learner_is_plain_training(tiny_corpus):
     slow = ideal.train_ideal(cfg.model_copy(update={"outer": cfg.outer.model_copy(update={"lr": 0.5})}),
                              tiny_corpus, held, evals=3)["curve"]
     assert all(s != pytest.approx(g, rel=1e-5) for s, g in zip(slow["loss"][1:], got["loss"][1:]))
+
+
+def test_codec_rules_measure_what_error_feedback_carries():
+    from bench import codec_rules
+    from diloco import quantize
+
+    stream = [{"w": np.full((2, 5), v, np.float32)} for v in (1.0, 2.0, 3.0)]
+    assert codec_rules.feedback(stream, lambda x: x) == {"alone": 0.0, "held": 0.0, "held_back": 0.0}
+    nothing = codec_rules.feedback(stream, np.zeros_like)   # a code that sends nothing holds everything back
+    assert (nothing["alone"], nothing["held_back"]) == (1.0, 1.0)
+    assert nothing["held"] == pytest.approx((1 + 3 + 6) / 3 / 2)   # buffers 1, 3, 6 against messages of 2 on average
+    x = np.random.default_rng(0).normal(size=(4, 23)).astype(np.float32)
+    np.testing.assert_array_equal(codec_rules.ternary_code(quantize.TERNARY_THRESHOLD)(x),
+                                  quantize.roundtrip(x, "ternary"))
+    up, down = codec_rules.streams([(0, {0: "a0", 1: "b0"}, "s0"), (1, {0: "a1"}, "t0"), (0, {0: "a2"}, "s1")])
+    assert (up, down) == ([["a0", "a2"], ["b0"], ["a1"]], [["s0", "s1"], ["t0"]])
 
 
 def test_drain_intake_is_compared_with_the_client_per_core_on_both_sides():

@@ -74,6 +74,7 @@ def test_spec_codec_and_project_codec_agree_bit_for_bit(scheme):
 
 
 VECTORS = [("int2", [[0.5, -1.0, 0.25, 2.0, 0.0]], "7b f0 83 3f e6 02"),
+           ("ternary", [[0.5, -1.0, 0.25, 2.0, 0.0, -0.125, 0.75]], "00 00 a0 3f 91 7c"),
            ("topk", [0.1, -0.9, 0.0, 0.3, 0.05, -0.2, 0.6, 0.0, -0.01, 0.45],
             "d4 36 e8 3b 00 01 03 04 05 06 08 09 0e 81 2a 07 e4 55 ff 40")]
 
@@ -85,6 +86,81 @@ def test_the_specs_codec_vectors_are_what_both_codecs_write_and_read(scheme, val
     assert quantize.encode(x, scheme) == spec.encode(x, scheme) == bytes.fromhex(hexed)
     np.testing.assert_array_equal(quantize.decode(bytes.fromhex(hexed), x.shape, scheme),
                                   spec.decode(bytes.fromhex(hexed), x.shape, scheme))
+
+
+def test_the_specs_signing_vectors_are_what_both_codecs_derive_and_sign():
+    from diloco import signing
+
+    text = " ".join(DOC.read_text().split())
+    key, sig = (text.split(f"{label} = ")[-1].split()[0] for label in ("K(L)", 'diloco-sig of "abc"'))
+    assert spec.learner_key(b"secret", "run-1", "us-0").hex() == signing.learner_key(b"secret", "run-1", "us-0").hex() == key
+    assert signing.sign(bytes.fromhex(key), b"abc").hex() == spec.signed_headers(b"secret", "run-1", "us-0", b"abc")[1][1].hex() == sig
+
+
+@pytest.mark.integration
+def test_a_spec_producer_signs_on_librdkafka_and_only_its_own_key_is_accepted(tiny_config, kafka_bootstrap, monkeypatch):
+    """A second client (librdkafka, the spec's codec and signatures) writes us-0's contribution signed
+    with us-0's key, and one that names us-0 in its headers but is signed with eu-0's key: the syncer,
+    reading through librdkafka, merges the first and rejects every frame of the second `bad_signature`."""
+    monkeypatch.setenv("DILOCO_TEST_RUN_SECRET", "secret")
+    cfg = tiny_config(run={"signing_secret_env": "DILOCO_TEST_RUN_SECRET"}, syncer={"quorum": 1, "consumer": "librdkafka"})
+    h = Harness(cfg, f"spec-signed-{time.time_ns() % 10**8}")
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    mine = {n: (0.01 * np.random.default_rng(1).normal(size=h.params[n].shape).astype(np.float32), "int8")
+            for n in h.plan[0]}
+    sent = {}
+    for signer in ("eu-0", "us-0"):   # eu-0's forgery first: it must not settle us-0's id or version
+        manifest, frames = spec.contribution(run=h.run_id, learner="us-0", fragment=0, base_version=0, tokens=64,
+                                             steps=1, step_time=0.01, tensors=mine, chunk_bytes=1000)
+        sent[signer] = manifest["id"]
+        for f in frames:
+            (_, name), (_, sig) = spec.signed_headers(b"secret", h.run_id, signer, f)
+            producer.produce(h.topics.fragments["us"], f, partition=h.topics.partition_of(0),
+                             headers=[("diloco-learner", b"us-0"), ("diloco-sig", sig)])
+    producer.flush(10)
+    h.pump(lambda: h.state.versions()[0] == 1)
+    assert h.state.merges()[0]["ids"] == [sent["us-0"]] and h.state.statuses()[sent["us-0"]] == "applied:0:1"
+    h.pump(lambda: [e for e in run_events(cfg, h.run_id) if e["kind"] == "contribution_rejected"])
+    rejected = [e for e in run_events(cfg, h.run_id) if e["kind"] == "contribution_rejected"]
+    assert {e["reason"] for e in rejected} == {"bad_signature"}
+    assert "signature does not hold for signer 'us-0'" in rejected[0]["detail"] and sent["eu-0"] not in h.state.statuses()
+BLOCKED = np.array([[0.7, -0.35, 0.1, 0.0], [0.5, -1.0, 0.25, 2.0]], np.float32)
+BLOCK_VECTORS = [([((0, 1), (0, 4)), ((1, 2), (0, 4))], ["cd cc cc 3d 4f 89", "25 49 92 3e 5a f9"]),
+                 ([((0, 2), (0, 2)), ((0, 2), (2, 4))], ["cd cc cc 3d 25 49 12 3e 4f 1b",
+                                                          "a1 0e 6a 3c 25 49 92 3e 8f f9"])]
+
+
+@pytest.mark.parametrize("blocks,hexed", BLOCK_VECTORS, ids=["by-rows", "by-columns"])
+def test_the_specs_block_vectors_are_what_both_codecs_write_and_read(blocks, hexed):
+    """A tensor in two blocks, written by two hosts (the project's part_frames), read by the spec's
+    reader; and written by the spec's codec, read by the project's."""
+    doc = " ".join(DOC.read_text().replace("|", " ").split())
+    assert all(h in doc for h in hexed)
+    kw = dict(run="r1", learner="us-0", fragment=0, base_version=3, tokens=512, steps=4, step_time=0.05)
+    manifest, frames = spec.contribution(**kw, tensors={"w": (BLOCKED, "int4", blocks)}, chunk_bytes=4)
+    assert [t["block"] for t in manifest["tensors"]] == [[list(p) for p in b] for b in blocks]
+    payload = b"".join(bytes.fromhex(h) for h in hexed)
+    (_, got), = spec.assemble(frames).values()
+    assert got == payload
+    m = messages.Manifest.from_header(messages.parse_frame(frames[0])[0])
+    ours = messages.decode_payload(m, payload)["w"]
+    np.testing.assert_array_equal(ours, spec.tensors_of(manifest, payload)["w"])
+    if blocks[0][1] == (0, 4):  # by rows: the whole tensor's codes, cut by rows
+        np.testing.assert_array_equal(ours, quantize.roundtrip(BLOCKED, "int4"))
+    # two hosts, one block each: chunks numbered across them, the CRC combined from the two parts
+    specs = [[messages.TensorSpec("w", (2, 4), "int4", len(bytes.fromhex(h)), b)] for h, b in zip(hexed, blocks)]
+    codes = [{("w", b): quantize.coded(BLOCKED[messages.slices(b)], "int4")} for b in blocks]
+    parts = [messages.part_payload(mine, c) for mine, c in zip(specs, codes)]
+    assert parts == [bytes.fromhex(h) for h in hexed]
+    crcs = [crc32c.crc32c(p) for p in parts]
+    ours_frames = []
+    for host in (1, 0):
+        _, f = messages.part_frames(cid="c" * 32, host=host, specs=specs, crcs=crcs, payload=parts[host],
+                                    chunk_bytes=4, region="us", **kw)
+        ours_frames += f
+    (header, got), = spec.assemble(ours_frames).values()
+    assert got == payload and header["crc32c"] == crc32c.crc32c(payload)
+    np.testing.assert_array_equal(spec.tensors_of(header, got)["w"], ours)
 
 
 def test_topk_blocks_the_spec_refuses_are_refused_by_the_project_reader():
@@ -99,6 +175,24 @@ def test_topk_blocks_the_spec_refuses_are_refused_by_the_project_reader():
             spec.decode(bytes(bad), x.shape, "topk")
         with pytest.raises(quantize.CodecError, match="strictly increasing"):
             quantize.decode(bytes(bad), x.shape, "topk")
+
+
+def test_the_ternary_vector_decodes_to_the_levels_the_spec_states():
+    got = quantize.decode(bytes.fromhex("00 00 a0 3f 91 7c"), (1, 7), "ternary")
+    np.testing.assert_array_equal(got, np.float32(1.25) * np.array([[0, -1, 0, 1, 0, 0, 1]], np.float32))
+
+
+def test_ternary_bytes_the_spec_refuses_are_refused_by_the_project_reader():
+    """A byte above 242 holds no five base-3 digits: both readers refuse it, the project's by row and byte."""
+    x = np.random.default_rng(3).normal(size=(3, 12)).astype(np.float32)   # 3 bytes a row
+    good = spec.encode(x, "ternary")
+    for value in (243, 255):
+        bad = bytearray(good)
+        bad[4 * 3 + 3 + 2] = value                                       # row 1, its last byte
+        with pytest.raises(AssertionError):
+            spec.decode(bytes(bad), x.shape, "ternary")
+        with pytest.raises(quantize.CodecError, match=f"ternary row 1: byte 2 is {value}"):
+            quantize.decode(bytes(bad), x.shape, "ternary")
 
 
 def test_packed_payloads_cross_between_the_codecs_and_decode_to_the_same_codes():

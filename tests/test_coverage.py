@@ -168,3 +168,10 @@ def test_gaps_within_a_span():
     assert coverage.gaps(iv, 3, 10) == [(4, 6), (8, 10)]
     assert coverage.gaps(iv, 0, 5) == [(0, 2), (4, 5)]
     assert coverage.gaps([], 30, 50) == [(30, 50)]
+
+
+def test_a_restart_waits_for_every_partition_the_dead_learner_wrote():
+    ends = {("t", 0): 5, ("t", 1): 0, ("t", 2): 3}
+    assert resume.read_up_to({("t", 0): 5, ("t", 2): 4}, ends)       # a partition never written needs no position
+    assert not resume.read_up_to({("t", 0): 4, ("t", 2): 9}, ends)   # one record of partition 0 unread
+    assert not resume.read_up_to({("t", 0): 5}, ends)                # partition 2 never read

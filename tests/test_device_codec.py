@@ -159,3 +159,60 @@ def test_a_version_decoded_on_the_devices_is_the_hosts_bit_for_bit(dtype):
         assert asked == ["s"] and isinstance(got["w"], jax.Array) and got["w"].dtype == np_dtype
         for n in shapes:
             np.testing.assert_array_equal(np.asarray(got[n]), want[n], err_msg=f"{scheme} {n}")
+
+
+_BLOCKS_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from diloco import messages, quantize
+from diloco.learners.outer import Anchors, outer_block_deltas, outer_deltas, part_entries
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "fsdp"))
+rng = np.random.default_rng(0)
+out = {}
+for scheme in ("int4", "int8", "fp32", "int2"):
+    a, l = (rng.normal(size=(8, 12)).astype(np.float32) for _ in range(2))
+    moved, codes = [], None
+    for spec in (P("fsdp", None), P()):  # rows cut over fsdp, replicated over data; then one device's whole
+        sh = NamedSharding(mesh, spec)
+        anchors = Anchors("host", "float32")
+        anchors.keep({"w": jax.device_put(a, sh)})
+        leaf = jax.device_put(l, sh)
+        if spec == P():
+            got = outer_deltas(anchors, {"w": leaf}, ["w"], {"w": scheme}, {})
+            whole = got["w"].coded() if hasattr(got["w"], "coded") else got["w"]
+        else:
+            got = outer_block_deltas(anchors, {"w": leaf}, ["w"], {"w": scheme}, {})
+            specs = part_entries({"w": leaf}, ["w"], {"w": scheme})
+            codes = messages.part_payload(specs[0], {k: c.coded() if hasattr(c, "coded") else c for k, c in got.items()})
+            blocks = [t.block for t in specs[0]]
+        moved.append(np.asarray(anchors["w"]))
+    m = messages.Manifest(id="x", run="r", learner="l", region="g", fragment=0, base_version=0, tokens=1, steps=1,
+                          step_time=0.1, tensors=tuple(specs[0]), total_bytes=len(codes), n_chunks=1,
+                          crc32c=messages.checksum(codes), created=0.0)
+    cut = b"".join(quantize.encode(a[messages.slices(b)] - l[messages.slices(b)], scheme) for b in blocks)
+    out[scheme] = {"blocks": [list(map(list, b)) for b in blocks],
+                   "codes_are_whole_cut_by_rows": codes == cut and np.array_equal(
+                       messages.decode_payload(m, codes)["w"], whole.decoded()),
+                   "anchors_equal": moved[0].tobytes() == moved[1].tobytes()}
+print(json.dumps(out))
+"""
+
+
+def test_a_row_sharded_learner_codes_its_blocks_as_the_whole_tensors_codes_cut_by_rows():
+    """outer_block_deltas (a learner over hosts; here 4 CPU devices of one process, data 2 x fsdp 2):
+    each block of rows is coded by itself, once however many devices hold it, its codes are the
+    whole tensor's cut by rows, and the anchors move exactly as the whole tensor's would."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
+    done = subprocess.run([sys.executable, "-c", _BLOCKS_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for scheme, got in out.items():
+        assert got["blocks"] == [[[0, 4], [0, 12]], [[4, 8], [0, 12]]], scheme
+        assert got["codes_are_whole_cut_by_rows"] and got["anchors_equal"], (scheme, got)

@@ -69,6 +69,55 @@ def test_tiny_run_trains_and_accounts_for_every_contribution(tiny_config, tmp_pa
     assert (tmp_path / "summary.json").is_file()
 
 
+def test_a_signed_run_trains_and_every_frame_carries_its_learners_own_signature(tiny_config, monkeypatch):
+    """run.signing_secret_env set: the runner writes each learner its own key, the learners sign every
+    frame, the syncer accepts them all; read back from the log, each record's signer is the learner
+    its contribution names and its signature holds under that learner's key alone."""
+    from kafka import TopicPartition
+
+    from diloco import messages, signing
+    from diloco.infra import kafka as kafka_io
+
+    monkeypatch.setenv("DILOCO_TEST_RUN_SECRET", "a run's secret")
+    cfg = tiny_config(regions=[{"name": "us", "learners": 1}, {"name": "eu", "learners": 1}],
+                      run={"signing_secret_env": "DILOCO_TEST_RUN_SECRET"}, inner={"steps": 40})
+    summary = train(cfg, progress=False, console=Console(quiet=True))
+    c = summary["contributions"]
+    assert c["published"] == c["applied"] == c["accepted"] > 0 and c["rejected"] == 0
+    run_id = summary["run_id"]
+    keys = {lid: signing.learner_key(b"a run's secret", run_id, lid) for lid in cfg.learner_ids()}
+    assert all(signing.read_key(signing.key_path(cfg.keys_dir(run_id), lid)) == k for lid, k in keys.items())
+    topics = kafka_io.Topics.for_run(cfg, run_id)
+    consumer = kafka_io.consumer(cfg.transport)
+    try:
+        tps = [TopicPartition(t, p) for t in topics.fragments.values() for p in range(topics.partitions)]
+        records = _records(consumer, tps)
+    finally:
+        consumer.close()
+    manifests = 0
+    for rec in records:
+        signer = signing.signer_of(rec.headers, rec.value, keys.get)   # raises unless it holds
+        header, _ = messages.parse_frame(rec.value)
+        if header["kind"] == "manifest":
+            manifests += 1
+            assert header["learner"] == signer
+        sig = dict(rec.headers)[signing.SIGNATURE_HEADER]
+        assert all(signing.sign(k, rec.value) != sig for lid, k in keys.items() if lid != signer)
+    assert manifests == c["published"]
+
+
+def _records(consumer, tps):
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    ends, out = consumer.end_offsets(tps), []
+    deadline = time.time() + 30
+    while any(consumer.position(tp) < ends[tp] for tp in tps):
+        assert time.time() < deadline, "the region topics were not read to their ends"
+        for batch in consumer.poll(timeout_ms=500).values():
+            out.extend(batch)
+    return out
+
+
 def test_a_learner_ahead_sends_one_delta_per_version_and_every_token_is_merged(tiny_config):
     """fragments.one_delta_per_version: every learner waited for (K = M) and eu at half us's speed, so
     us is due again before the version it sent from has moved on. It holds that delta, training on,

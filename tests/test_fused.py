@@ -45,11 +45,23 @@ def test_a_non_finite_value_or_scale_makes_the_norm_nan(scheme):
     x[1, 2] = np.nan if scheme in ("fp32", "bf16") else 1.0
     manifest, payload = _encoded({"x": x}, scheme)
     payload = bytearray(payload)
-    if scheme in ("int8", "int4", "int2"):
+    if scheme in ("int8", "int4", "int2", "ternary"):
         payload[4:8] = np.float32(np.inf).tobytes()   # row 1's scale
     elif scheme == "topk":
         payload[0:4] = np.float32(np.inf).tobytes()   # the one block's scale
     e = fused.views(manifest, bytes(payload))["x"]
+    assert math.isnan(fused.sumsq(e))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_finite_scale_whose_decoded_values_overflow_makes_the_norm_nan(scheme):
+    """Issue 53 L3: the receiver decodes q x s in binary32, so a scale of 1e38 with a code of 7 or
+    127 is an infinite value: non_finite, though the float64 sum of squares of q x s is finite."""
+    manifest, payload = _encoded({"x": np.ones((3, 4), np.float32)}, scheme)
+    payload = bytearray(payload)
+    payload[4:8] = np.float32(1e38).tobytes()   # row 1's scale, finite
+    e = fused.views(manifest, bytes(payload))["x"]
+    assert not np.isfinite(e.decode()).all()
     assert math.isnan(fused.sumsq(e))
 
 
@@ -212,3 +224,57 @@ def test_squared_norm_equals_numpy(dtype, shape):
     want = float(np.sum(a.astype(np.float64) ** 2))
     assert fused.squared_norm(a) == pytest.approx(want, rel=1e-12, abs=0.0)
     assert fused.squared_norm(a.T) == pytest.approx(want, rel=1e-12, abs=0.0)   # not contiguous
+
+
+def _in_blocks(x: np.ndarray, scheme: str, blocks) -> tuple[messages.Manifest, bytes]:
+    """x sent as `blocks` by as many hosts (messages.part_frames), assembled."""
+    specs = [[messages.TensorSpec("w", x.shape, scheme, quantize.encoded_nbytes(
+        tuple(b - a for a, b in block), scheme), block)] for block in blocks]
+    parts = [messages.part_payload(s, {("w", s[0].block): quantize.coded(x[messages.slices(s[0].block)], scheme)})
+             for s in specs]
+    crcs = [messages.checksum(p) for p in parts]
+    frames = []
+    for h, payload in enumerate(parts):
+        frames += messages.part_frames(cid="c", host=h, specs=specs, crcs=crcs, payload=payload, chunk_bytes=64,
+                                       run="r", learner=f"us-{h}", region="us", fragment=0, base_version=0, tokens=1,
+                                       steps=1, step_time=0.1)[1]
+    asm = messages.ChunkAssembler(max_bytes=1 << 20, timeout_s=5)
+    (got,) = [r for r in (asm.add(*messages.parse_frame(f), now=0.0) for f in frames) if r is not None]
+    messages.verify_payload(got.manifest, got.payload)
+    return got.manifest, got.payload
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+def test_a_row_sharded_learners_blocks_merge_bit_for_bit_as_the_whole_tensors(scheme, rule):
+    """What a learner over hosts sends for tensors cut by rows (FSDP's usual layout) merges to the
+    very bits the same deltas give coded whole: the same codes, the same norms, the same sums."""
+    rng = np.random.default_rng(5)
+    rows = [((0, 3), (0, 40)), ((3, 5), (0, 40)), ((5, 16), (0, 40))]
+    whole, blocked = [], []
+    for k in range(4):
+        x = (rng.normal(size=(16, 40)) * (k + 1)).astype(np.float32)
+        m, frames = messages.encode_contribution(run="r", learner=f"us-{k}", region="us", fragment=0, base_version=0,
+                                                 tokens=1, steps=1, step_time=0.1, deltas={"w": x}, scheme=scheme,
+                                                 chunk_bytes=64)
+        whole.append(fused.encoded_delta(m, b"".join(bytes(messages.parse_frame(f)[1]) for f in frames[1:])))
+        blocked.append(fused.encoded_delta(*_in_blocks(x, scheme, rows)))
+        assert blocked[-1].norms == whole[-1].norms
+    weights = np.array([0.1, 0.2, 0.3, 0.4])
+    a = fused.merge(whole, weights, rule=rule, learners=["a", "b", "a", "c"])
+    b = fused.merge(blocked, weights, rule=rule, learners=["a", "b", "a", "c"])
+    assert a["w"].tobytes() == b["w"].tobytes()
+
+
+def test_column_blocks_merge_as_their_decoded_values():
+    """Blocks that are no run of the flat tensor (cut by columns) are added where they lie."""
+    rng = np.random.default_rng(6)
+    cols = [((0, 8), (0, 5)), ((0, 8), (5, 12))]
+    deltas = [fused.encoded_delta(*_in_blocks(rng.normal(size=(8, 12)).astype(np.float32), "int8", cols))
+              for _ in range(3)]
+    weights = np.array([0.5, 0.25, 0.25])
+    got = fused.merge(deltas, weights, rule="mean")["w"]
+    want = sum(np.float32(w) * d.decode()["w"] for w, d in zip(weights, deltas))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    for d in deltas:  # a norm over all of a tensor's blocks
+        np.testing.assert_allclose(d.norms["w"], np.linalg.norm(d.decode()["w"].astype(np.float64)), rtol=1e-6)

@@ -5,6 +5,7 @@ poisons the global parameters, and good contributions still merge."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -180,11 +181,7 @@ def test_the_fetcher_skips_bad_announcements_and_outlives_a_missing_version(harn
         h.producer.send(h.topics.outer, raw, partition=0)
     h.producer.send(h.topics.outer, messages.event("version", run=h.run_id, fragment=3, version=99), partition=0)
     h.producer.flush()
-    fetcher = Fetcher(h.cfg, h.run_id, kafka_io.consumer(h.cfg.transport), h.store, h.topics, Counters(), h.run_plan)
-    fetcher.want({n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()})
-    thread = threading.Thread(target=fetcher.run, daemon=True)
-    thread.start()
-    try:
+    with _fetching(h) as (fetcher, thread):
         deadline = time.time() + 30
         while 1 not in fetcher.ready_now().get(2, {}):
             assert time.time() < deadline and fetcher.error is None, fetcher.error
@@ -199,6 +196,40 @@ def test_the_fetcher_skips_bad_announcements_and_outlives_a_missing_version(harn
         while 2 not in fetcher.ready_now().get(2, {}):         # ...the real next one
             assert time.time() < deadline and fetcher.error is None, (fetcher.error, fetcher.ready_now())
             time.sleep(0.05)
+
+
+@pytest.mark.integration
+def test_a_forged_announcement_one_past_the_marker_does_not_hold_a_joiner_back(harness):
+    """Issue 53 L9: fragment 2 is at v1 and the store's marker says so; a record on the outer topic
+    announces v2, which may be committed next (marker + 1) but never was. A learner joining now gets
+    v1 at once instead of chasing v2 until a real merge makes it; the real v2 is taken when it comes."""
+    h = harness
+    _good_round(h, fragment=2)
+    h.syncer.outbox.relay()
+    h.producer.send(h.topics.outer, messages.event("version", run=h.run_id, fragment=2, version=2), partition=0)
+    h.producer.flush()
+    with _fetching(h) as (fetcher, thread):
+        deadline = time.time() + 5     # the first retry of v2 alone would come 1 s after its failure, the give-up after minutes
+        while 1 not in fetcher.ready_now().get(2, {}):
+            assert time.time() < deadline and fetcher.error is None, (fetcher.error, fetcher.ready_now())
+            time.sleep(0.05)
+        _good_round(h, fragment=2)                               # the real v2, committed and announced
+        h.syncer.outbox.relay()
+        deadline = time.time() + 15
+        while 2 not in fetcher.ready_now().get(2, {}):
+            assert time.time() < deadline and fetcher.error is None, (fetcher.error, fetcher.ready_now())
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _fetching(h):
+    """A learner's fetcher of every whole tensor, running on a thread of its own; stopped on exit."""
+    fetcher = Fetcher(h.cfg, h.run_id, kafka_io.consumer(h.cfg.transport), h.store, h.topics, Counters(), h.run_plan)
+    fetcher.want({n: [tuple((0, s) for s in shape)] for n, shape in h.run_plan.shapes.items()})
+    thread = threading.Thread(target=fetcher.run, daemon=True)
+    thread.start()
+    try:
+        yield fetcher, thread
     finally:
         fetcher.stop.set()
         thread.join(timeout=30)

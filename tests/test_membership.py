@@ -535,18 +535,54 @@ def test_a_forged_heartbeat_or_acceptance_on_the_events_topic_moves_no_resume_po
         while run.prog.accepted < 1 or "us-0" not in run.prog.learners:
             assert time.time() < deadline, "the forged events did not arrive"
             run._pump(200)
+        assert run.bad_events == 0 and run.prog.handed_in["us-0"] == end    # well formed: read as news
+        assert run.accepted_end("us-0") == 24 and run.accepted_end("eu-0") == 30
+        assert run.resume_point("us-0", 0.0, wait=False) == 24
+        now = time.time()
+        run._down("us-0", now, 0.0, "killed")
     finally:
         run.events.close()
-    assert run.bad_events == 0 and run.prog.handed_in["us-0"] == end    # well formed: read as news
-    assert run.accepted_end("us-0") == 24 and run.accepted_end("eu-0") == 30
-    assert run.resume_point("us-0", 0.0, wait=False) == 24
-    now = time.time()
-    run._down("us-0", now, 0.0, "killed")
     run._restart_due(now)                                     # the claims are past the records: it waits
     assert jobs.jobs["us-0"] == [] and "us-0" in run.restart_at
     run._restart_due(now + resume.SETTLE_S)                   # and then resumes where the records say
     assert jobs.jobs["us-0"][-2:] == ["--start-step", "24"] and run.restarts == {"us-0": 1}
     assert run.resume_point("eu-0", now, wait=True) == 30     # no claim past its records: no wait
+
+
+@pytest.mark.integration
+def test_a_restart_waits_until_the_syncer_has_read_what_the_dead_learner_wrote(tiny_config):
+    """Issue 53 item 4: us-0 published its delta of steps [0, 8) and died before the syncer read it (a
+    loaded machine: seen in test_spares, where the spare resumed at 20 and [17, 27) was accepted
+    after). Resuming from the records as they stood would start at 0, and steps 0-8 would reach the
+    global twice once the syncer accepted the delta. The runner takes the region topic's end offsets
+    when it learns of the death and resumes only once the syncer's read_to positions pass them: at 8."""
+    from diloco.run import events_from_start
+    from helpers import Harness
+
+    run_id = f"read-up-{time.time_ns() % 10 ** 8}"
+    cfg = tiny_config(run={"id": run_id}, regions=[{"name": "us", "learners": 1}, {"name": "eu", "learners": 1}])
+    h = Harness(cfg, run_id)            # its syncer runs in this process, stepped by hand below
+    h.syncer.save_offsets(force=True)  # where it stands before the delta
+    h.publish(learner="us-0", fragment=0, steps=8, tokens=512, cursor=(0, 8))
+    jobs = _Jobs()
+    jobs.jobs["us-0"] = []
+    run = RunSupervisor(cfg, Path("config.yaml"), SimpleNamespace(dir=Path("corpus")), jobs, events_from_start(cfg),
+                        Console(quiet=True), [], syncer=False, state=h.state)
+    try:
+        now = time.time()
+        run._down("us-0", now, 0.0, "killed")
+        assert run.accepted_end("us-0") is None             # the records alone would resume it at 0
+        run._restart_due(now)
+        assert jobs.jobs["us-0"] == [] and "us-0" in run.restart_at   # the syncer has not read it yet: wait
+        deadline = time.time() + 30
+        while not h.state.pending(cfg.fragments.count):
+            assert time.time() < deadline, "the syncer did not accept the delta"
+            h.syncer.step()
+        h.syncer.save_offsets(force=True)
+        run._restart_due(now)
+    finally:
+        run.events.close()
+    assert jobs.jobs["us-0"][-2:] == ["--start-step", "8"]
 
 
 def test_the_coverage_ledger_measures_each_learner_against_the_schedule_the_runner_set(tmp_path):

@@ -1,3 +1,4 @@
+import itertools
 import json
 import random
 import struct
@@ -309,3 +310,140 @@ def test_a_repeated_chunk_keeps_its_first_copy_and_counts_one_with_other_bytes()
     asm.add(h, b"\x00" * len(p), now=0.0, where="topic|0")
     (d,) = _ticks(asm, 0.0, 6.0)
     assert d.reason == "incomplete" and "1 repeated chunks with other bytes ignored" in d.detail
+
+
+# --- tensors in blocks, and payloads written by several hosts ------------------------------------
+
+def _grid(rng: random.Random, shape: tuple[int, ...]) -> list[tuple]:
+    """A random grid of blocks over `shape`: each axis cut at random points."""
+    spans = []
+    for n in shape:
+        cuts = sorted(rng.sample(range(1, n), rng.randint(0, min(3, n - 1)))) if n > 1 else []
+        spans.append(list(zip([0, *cuts], [*cuts, n])))
+    return [tuple(c) for c in itertools.product(*spans)]
+
+
+def _blocked(x: np.ndarray, blocks, scheme: str, hosts: int, rng: random.Random):
+    """(manifest, payload) of x sent as `blocks` by `hosts` hosts, each a random share of them, the
+    frames through part_frames and a ChunkAssembler in a random order."""
+    from diloco import quantize
+    owner = {b: rng.randrange(hosts) for b in blocks}
+    specs = [[messages.TensorSpec("w", x.shape, scheme, quantize.encoded_nbytes(tuple(e - s for s, e in b), scheme),
+                                  None if len(blocks) == 1 else b)
+              for b in sorted(blocks) if owner[b] == h] for h in range(hosts)]
+    parts = [messages.part_payload(mine, {("w", t.block): quantize.coded(x[messages.slices(b)], scheme)
+                                          for t, b in zip(mine, sorted(b for b in blocks if owner[b] == h))})
+             for h, mine in enumerate(specs)]
+    crcs = [messages.checksum(p) for p in parts]
+    frames = []
+    for h in range(hosts):
+        frames += messages.part_frames(cid="c1", host=h, specs=specs, crcs=crcs, payload=parts[h], chunk_bytes=7,
+                                       run="r", learner="us-0", region="us", fragment=0, base_version=0, tokens=1,
+                                       steps=1, step_time=0.1)[1]
+    rng.shuffle(frames)
+    (got,) = [r for r in feed(ChunkAssembler(max_bytes=1 << 20, timeout_s=5), frames) if r is not None]
+    return got
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "bf16", "int8", "int4", "int2", "topk"])
+def test_any_grid_of_blocks_from_any_hosts_decodes_to_the_whole_tensor(scheme):
+    from diloco import quantize
+    from diloco.syncer import fused
+    rng, nrng = random.Random(scheme), np.random.default_rng(0)
+    for _ in range(25):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
+        x = nrng.normal(size=shape).astype(np.float32)
+        blocks = _grid(rng, shape)
+        got = _blocked(x, blocks, scheme, rng.randint(1, 3), rng)
+        assert isinstance(got, Assembled), (shape, blocks, got)
+        decoded = messages.decode_payload(got.manifest, got.payload)["w"]
+        expect = np.zeros(shape, np.float32)
+        for b in blocks:
+            expect[messages.slices(b)] = quantize.roundtrip(x[messages.slices(b)], scheme)
+        np.testing.assert_array_equal(decoded, expect)
+        np.testing.assert_array_equal(fused.encoded_delta(got.manifest, got.payload).decode()["w"], expect)
+        if len(shape) > 1 and all(b[1:] == tuple((0, n) for n in shape[1:]) for b in blocks) and scheme != "topk":
+            np.testing.assert_array_equal(decoded, quantize.roundtrip(x, scheme))  # rows: the whole tensor's codes
+
+
+def _tensor(block=None, shape=(4, 6)):
+    """An fp32 entry of tensor w, whole or (`block`: [[start, stop], ...] as JSON) one block of it."""
+    coded = shape if block is None else [max(p[1] - p[0], 0) if isinstance(p, list) and len(p) == 2 else 1
+                                         for p in block]
+    t = {"name": "w", "shape": list(shape), "scheme": "fp32", "nbytes": 4 * int(np.prod(coded))}
+    return t if block is None else t | {"block": block}
+
+
+def _header(tensors: list) -> dict:
+    return contribution()[1].to_header() | {"tensors": tensors, "total_bytes": sum(t["nbytes"] for t in tensors)}
+
+
+BROKEN_TILINGS = [
+    ([None, None], "is repeated"),
+    ([None, [[0, 2], [0, 6]]], "with and without a block"),
+    ([[[0, 2], [0, 6]], None], "with and without a block"),
+    ([[[0, 3], [0, 6]], [[2, 4], [0, 6]]], "overlap along axis 0"),
+    ([[[0, 2], [0, 6]], [[3, 4], [0, 6]]], "leave a gap along axis 0"),
+    ([[[0, 2], [0, 6]], [[2, 3], [0, 6]]], "leave a gap along axis 0 from 3 to 4"),
+    ([[[0, 2], [0, 6]], [[0, 2], [0, 6]], [[2, 4], [0, 6]]], "repeated"),
+    ([[[0, 2], [0, 3]], [[2, 4], [0, 6]]], "overlap along axis 1"),
+    ([[[0, 2], [0, 3]], [[0, 2], [3, 6]], [[2, 4], [0, 3]]], "do not cover"),
+    ([[[0, 4], [0, 7]]], "not a non-empty span of axis 1"),
+    ([[[2, 2], [0, 6]], [[0, 4], [0, 6]]], "not a non-empty span of axis 0"),
+    ([[[0, 4]]], r"one \[start, stop\] pair of integers per axis"),
+    ([[[0, 4], [0, True]]], r"one \[start, stop\] pair of integers per axis"),
+]
+
+
+@pytest.mark.parametrize("blocks,why", BROKEN_TILINGS)
+def test_blocks_that_do_not_tile_their_tensor_are_malformed_naming_it(blocks, why):
+    header = _header([_tensor(b) for b in blocks])
+    with pytest.raises(WireError, match=why) as err:
+        messages.Manifest.from_header(header)
+    assert "'w'" in str(err.value)
+    with pytest.raises(WireError, match=why):  # an assembler refuses the frame the same way (malformed)
+        feed(ChunkAssembler(max_bytes=1 << 20, timeout_s=5), [messages.frame(header)])
+
+
+def test_random_broken_tilings_are_refused_and_valid_ones_read():
+    """Random grids read; the same with one block dropped, repeated, grown or shrunk by one along an
+    axis (a gap, an overlap, a block outside the tensor or an empty one) are refused."""
+    rng = random.Random(7)
+    for _ in range(400):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3)))
+        blocks = [[list(p) for p in b] for b in _grid(rng, shape)]
+        if len(blocks) > 1 or rng.random() < 0.5:
+            messages.Manifest.from_header(_header([_tensor(b, shape) for b in blocks]))
+        change, i = rng.choice(["drop", "repeat", "grow", "shrink"]), rng.randrange(len(blocks))
+        if change == "drop":
+            if len(blocks) == 1:
+                continue
+            blocks.pop(i)
+        elif change == "repeat":
+            blocks.append(blocks[i])
+        else:
+            blocks[i][rng.randrange(len(shape))][1] += 1 if change == "grow" else -1
+        with pytest.raises(WireError, match="'w'"):
+            messages.Manifest.from_header(_header([_tensor(b, shape) for b in blocks]))
+
+
+def test_an_unblocked_manifest_reads_and_writes_byte_for_byte_as_before():
+    _, m, frames = contribution()
+    assert b'"block"' not in frames[0]
+    header = messages.parse_frame(frames[0])[0]
+    assert messages.frame(messages.Manifest.from_header(header).to_header()) == frames[0]
+
+
+def test_crc32c_combine_is_the_crc_of_the_concatenation():
+    import crc32c
+    rng = random.Random(3)
+    for _ in range(200):
+        a = rng.randbytes(rng.choice([0, 1, 2, rng.randrange(3000)]))
+        b = rng.randbytes(rng.choice([0, 1, 3, rng.randrange(70000)]))
+        assert messages.crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+    # three parts, as three hosts' bytes
+    parts = [rng.randbytes(n) for n in (5, 0, 1000)]
+    crc = crc32c.crc32c(parts[0])
+    for p in parts[1:]:
+        crc = messages.crc32c_combine(crc, crc32c.crc32c(p), len(p))
+    assert crc == crc32c.crc32c(b"".join(parts))

@@ -1,7 +1,8 @@
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+import spec_codec as spec
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -40,6 +41,7 @@ def test_sizes_shrink_as_promised():
     x = np.ones((64, 32), np.float32)
     sizes = {s: len(quantize.encode(x, s)) for s in quantize.SCHEMES}
     assert sizes == {"fp32": 8192, "bf16": 4096, "int8": 64 * 4 + 2048, "int4": 64 * 4 + 1024, "int2": 64 * 4 + 512,
+                     "ternary": 64 * 4 + 64 * 7,  # 32 values a row: 7 bytes of five codes
                      "topk": 8 * (4 + 2 * 8)}  # 2048 values: 8 blocks of 256, each 8 (index, code) pairs
     assert all(quantize.encoded_nbytes(x.shape, s) == n for s, n in sizes.items())
     odd = np.ones((3, 5), np.float32)
@@ -75,7 +77,51 @@ def test_topk_keeps_the_largest_of_each_block_within_half_a_step(x):
         assert np.all(np.abs(got[kept] - block[kept]) <= step / 2 * (1 + 1e-5) + 1e-30)
 
 
-@pytest.mark.parametrize("scheme", ["int2", "topk"])
+# the ternary code's hard cases beside any finite values: ties with the cut, constant and zero rows,
+# one value far above the rest, the tiniest and largest magnitudes binary32 has
+ternary_values = st.one_of(finite, st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -0.7, 2.0, 1e-30, 1e-45, -3e38, 3e38]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(x=arrays(np.float32, st.lists(st.integers(0, 13), max_size=3).map(tuple), elements=ternary_values))
+@example(x=np.array([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], np.float32))   # a constant row is exact
+@example(x=np.full((2, 11), -3e38, np.float32))
+def test_ternary_keeps_the_values_past_its_cut_at_their_mean_magnitude(x):
+    """The reference encoder's rule, written out in float64: values above the cut decode to their
+    sign times the mean magnitude of those kept, the rest to 0; so no value is off by more than the
+    cut or the largest magnitude less the cut, and what is left out is never larger than the row
+    (error feedback's buffer cannot grow from one message). The size is exact and the spec's codec
+    writes and reads the same bytes."""
+    blob = quantize.encode(x, "ternary")
+    assert len(blob) == quantize.encoded_nbytes(x.shape, "ternary") == spec.nbytes(list(x.shape), "ternary")
+    assert blob == spec.encode(x, "ternary")
+    y = quantize.decode(blob, x.shape, "ternary")
+    np.testing.assert_array_equal(y, spec.decode(blob, x.shape, "ternary"))
+    rows, cols = quantize._rows(x.shape)
+    for row, got in zip(x.reshape(rows, cols).astype(np.float64), y.reshape(rows, cols).astype(np.float64)):
+        a = np.abs(row)
+        cut = float(np.float32(quantize.TERNARY_THRESHOLD * a.mean())) if cols else 0.0
+        kept = a > cut
+        s = a[kept].mean() if kept.any() else 0.0
+        np.testing.assert_allclose(got, np.where(kept, np.sign(row) * s, 0.0), rtol=2 ** -23, atol=1e-45)
+        err = np.abs(got - row)
+        assert np.all(err <= max(cut, a.max(initial=0.0) - cut) * (1 + 2 ** -23) + 1e-45)
+        assert np.sum(err ** 2) <= np.sum(row ** 2) * (1 + 2 ** -22)
+
+
+def test_ternary_codes_five_values_a_byte_in_base_3():
+    codes = np.array([[1, -1, 0, 1, 0, 0, 1], [-1, -1, -1, -1, -1, 1, 1]], np.int8)
+    packed = quantize.pack_trits(codes)
+    assert packed.tolist() == [[2 + 0 * 3 + 1 * 9 + 2 * 27 + 1 * 81, 1 + 2 * 3 + 1 * 9 + 1 * 27 + 1 * 81],
+                               [0, 2 + 2 * 3 + 1 * 9 + 1 * 27 + 1 * 81]]   # padding digits are the zero code
+    np.testing.assert_array_equal(quantize.unpack_trits(packed, 7), codes)
+    every = np.arange(243, dtype=np.uint8)[None]                             # each byte value once: 243 x 5 codes
+    assert (quantize.pack_trits(quantize.unpack_trits(every, 5 * 243)) == every).all()
+    with pytest.raises(quantize.CodecError, match="row 0: byte 1 is 243"):
+        quantize.unpack_trits(np.array([[0, 243, 255]], np.uint8), 15)
+
+
+@pytest.mark.parametrize("scheme", ["int2", "ternary", "topk"])
 def test_error_feedback_sends_what_the_messages_sum_to_and_plain_compression_does_not(scheme):
     """A sender that adds what the code left out to its next message (what a learner's base does)
     sends, over many messages, their sum but for one bounded residual, so its relative error falls
@@ -95,13 +141,16 @@ def test_error_feedback_sends_what_the_messages_sum_to_and_plain_compression_doe
     assert error[200] < 0.2 * np.linalg.norm(plain - total) / np.linalg.norm(total)
 
 
-def test_a_topk_or_int2_block_with_a_non_finite_value_decodes_non_finite():
+def test_a_topk_int2_or_ternary_block_with_a_non_finite_value_decodes_non_finite():
     x = np.ones(300, np.float32)
     x[270] = np.nan                                                          # in the second block, not among its top 8
     x[3] = 1e4
     y = quantize.roundtrip(x, "topk")
     assert np.isfinite(y[:256]).all() and not np.isfinite(y[256:]).all()
     assert not np.isfinite(quantize.roundtrip(x.reshape(3, 100), "int2")[2]).all()
+    assert not np.isfinite(quantize.roundtrip(x.reshape(3, 100), "ternary")[2]).any()   # its scale is NaN
+    x[270] = np.inf
+    assert not np.isfinite(quantize.roundtrip(x.reshape(3, 100), "ternary")[2]).any()
 
 
 def test_bf16_matches_ml_dtypes_rounding():

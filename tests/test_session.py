@@ -77,10 +77,10 @@ def test_a_learner_that_joins_a_run_under_way_starts_from_its_latest_version_not
         h.producer.close()
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int2", "topk"])
+@pytest.mark.parametrize("scheme", ["int8", "int2", "ternary", "topk"])
 def test_what_a_delta_left_out_goes_with_the_next_one_and_the_learner_keeps_training_from_the_global(scheme):
     """outer_deltas, a learner's side of error feedback. For int8 the residual stays in the learner's
-    values (base moves by what was sent); for int2 / topk, which leave out a third or more, it waits
+    values (base moves by what was sent); for int2 / ternary / topk, which leave out a third or more, it waits
     in the error buffer and base moves to the local values, so a rebase lands on the new global plus
     the steps since the send. Either way the deltas sent plus what is left add up to all progress."""
     import jax.numpy as jnp

@@ -217,3 +217,37 @@ def test_default_fsdp_placement_and_bad_partition_specs():
         check_spec(P("fsdp", None), (6, 8), fake)
     with pytest.raises(ConfigError, match="names \\['model'\\]"):
         check_spec(P("model"), (8,), fake)
+
+
+@pytest.mark.integration
+def test_a_learner_over_two_hosts_sends_each_hosts_blocks_from_that_host(tiny_config, monkeypatch):
+    """With the parameters sharded across both hosts (fsdp 4 over 2 processes), each host codes the
+    blocks it holds and sends them itself, as its part of one contribution: nothing is gathered
+    (plan.gather is gone), the manifests carry blocks, and every contribution's chunks came from
+    both hosts, each sending about half of the payload."""
+    from tests.helpers import published_manifests
+
+    cfg = _two_hosts(tiny_config, monkeypatch, fsdp=4, steps=40)
+    s = train(cfg, progress=False, console=_quiet())
+    manifests = {m.id: m for m in published_manifests(cfg, s["run_id"])}
+    assert manifests and s["contributions"]["applied"] == s["contributions"]["published"] == len(manifests)
+    assert set(s["rejections"]) == set()
+    for m in manifests.values():
+        blocked = [t for t in m.tensors if t.block is not None]
+        assert blocked and m.packing == "none", m
+        assert len({t.name for t in blocked}) < len(blocked)  # a tensor in several blocks, under one name
+    logs = _logs(s)
+    parts = {host: _records(logs / f, "published part") for host, f in enumerate(("us-0.log", "us-0.p1.log"))}
+    by_id: dict[str, dict[int, dict]] = {}
+    for host, records in parts.items():
+        for r in records:
+            assert r["host"] == host
+            by_id.setdefault(r["id"], {})[host] = r
+    assert set(by_id) == set(manifests)
+    for cid, hosts in by_id.items():
+        m = manifests[cid]
+        assert set(hosts) == {0, 1}, cid                        # both hosts wrote chunks of it
+        assert sorted(hosts[0]["chunks"] + hosts[1]["chunks"]) == list(range(m.n_chunks))
+        assert hosts[0]["bytes"] + hosts[1]["bytes"] == m.total_bytes
+        assert 0.3 < hosts[1]["bytes"] / m.total_bytes < 0.7    # each host its own half, not the whole
+    assert s["eval_loss_end"] < s["eval_loss_start"]

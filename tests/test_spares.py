@@ -119,10 +119,9 @@ def test_a_warm_spare_takes_a_killed_learners_place_within_seconds(tiny_config):
     [handover] = s["spare_handovers"]
     assert handover["learner"] == "us-0" and handover["spare"] == "spare-0"
     # the killed learner's next incarnation is the spare's process: it joined as us-0, mid-run, from the
-    # step the runner read off the syncer's records (beats are advisory: issue 53 H2). Not asserted here:
-    # that the point is exact. A contribution acked by the broker just before the kill can be accepted
-    # after the handover read the records (seen here: resumed at 20, a delta [17, 27) accepted later), so
-    # those steps of its fragment train twice; issue 53 item 4 tracks that race.
+    # step the runner read off the syncer's records (beats are advisory: issue 53 H2), once the syncer had
+    # read all the killed learner wrote (issue 53 item 4: here a delta [17, 27) acked just before the
+    # kill was once accepted after the handover had read the records and resumed at 20)
     [joined] = _records(logs / "spare-0.log", "joined")
     assert joined["learner"] == "us-0" and joined["start_step"] == handover["start_step"] > 0
     assert _records(logs / "spare-0.log", "finished")[-1]["step"] == 200
@@ -135,6 +134,7 @@ def test_a_warm_spare_takes_a_killed_learners_place_within_seconds(tiny_config):
     c = s["contributions"]
     assert c["applied_twice"] == 0 and c["pending"] == 0
     assert c["published"] == c["applied"] + c["rejected"]
+    assert s["coverage"]["totals"]["tokens_twice"] == 0, s["coverage"]
     assert set(s["rejections"]) <= {"incomplete"}
     assert_exact_accounting(cfg, s["run_id"])
     assert s["eval_loss_end"] < s["eval_loss_start"]

@@ -122,10 +122,12 @@ def test_a_complete_payload_of_another_length_is_a_checksum_mismatch_as_the_spec
         assert got.reason == Reason.CHECKSUM and "bytes, manifest says" in got.detail
 
 
-@pytest.mark.parametrize("scheme", ["int2", "topk"])
+@pytest.mark.parametrize("scheme", ["int2", "ternary", "topk"])
 def test_the_codecs_below_4_bits_are_judged_as_strictly_as_int8(scheme):
-    """Honest int2 / topk deltas enter with the norm of what they decode to; a topk block whose indices
-    repeat (no encoder writes that, and it would add one value twice) is malformed, even re-signed."""
+    """Honest int2 / ternary / topk deltas enter with the norm of what they decode to; a topk block
+    whose indices repeat (no encoder writes that, and it would add one value twice) is malformed, even
+    re-signed, and so is a ternary byte past five base-3 digits (243..255); a ternary row scale that
+    is not finite is non_finite, whatever its codes."""
     x = np.linspace(-1, 1, 300, dtype=np.float32)
     plan = Plan((Tensor("v", (300,), "float32", 0, "rda"),), 1)
     _, frames = messages.encode_contribution(run="run", learner="us-0", region="us", fragment=0, base_version=3,
@@ -144,6 +146,20 @@ def test_the_codecs_below_4_bits_are_judged_as_strictly_as_int8(scheme):
         forged = dataclasses.replace(m, crc32c=crc32c.crc32c(bytes(bad)))
         verdict = intake.check(forged, bytes(bad), members=MEMBERS, fragment=frag)
         assert verdict.reason == Reason.MALFORMED and "strictly increasing" in verdict.detail
+    if scheme == "ternary":
+        def judged(bad: bytearray):
+            forged = dataclasses.replace(m, crc32c=crc32c.crc32c(bytes(bad)))
+            return intake.check(forged, bytes(bad), members=MEMBERS, fragment=frag)
+
+        for value in (243, 255):
+            bad = bytearray(payload)
+            bad[4 + 7] = value                                            # the one row's eighth byte
+            verdict = judged(bad)
+            assert verdict.reason == Reason.MALFORMED and f"byte 7 is {value}" in verdict.detail
+        for scale in (np.inf, np.nan):
+            bad = bytearray(payload)
+            bad[:4] = np.float32(scale).tobytes()
+            assert judged(bad).reason == Reason.NON_FINITE
 
 
 def _pending(learner: str, base: int, arrival: float, norm: float = 1.0, cid: str | None = None) -> Pending:

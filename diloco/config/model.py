@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from diloco.config.backend import BackendConfig
+from diloco.config.secrets import resolve_secret
 from diloco.config.sections import (ConfigError, DataConfig, FragmentsConfig, InnerConfig, ModelConfig, OuterConfig,
                                     ParallelConfig, RegionConfig, SyncerConfig, _Section)
 from diloco.config.services import (ChaosConfig, MonitoringConfig, RunConfig, StateConfig, StoreConfig,
@@ -160,6 +161,15 @@ class Config(_Section):
     def learner_port(self, learner_id: str) -> int:
         """The port the learner serves /metrics on (by its data shard); 0 = none."""
         return self.monitoring.learner_port_base and self.monitoring.learner_port_base + self.shard_index(learner_id)
+
+    def keys_dir(self, run_id: str | None = None) -> str:
+        """Where learners read their signing keys (run.keys_dir, default <run.dir>/<run id>/keys)."""
+        return self.run.keys_dir or f"{self.run.dir}/{run_id or self.run.id}/keys"
+
+    def signing_secret(self) -> bytes | None:
+        """The run's signing secret from the env var run.signing_secret_env names; None when unset."""
+        value = resolve_secret(self.run.signing_secret_env, "run.signing_secret_env")
+        return None if value is None else value.encode()
 
     def learner_steps(self, learner_id: str) -> int:
         """Inner steps this learner takes: inner.steps, or with inner.steps_by_speed its share of the

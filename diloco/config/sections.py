@@ -154,10 +154,10 @@ class OuterConfig(_Section):
 class FragmentsConfig(_Section):
     count: int = Field(4, ge=1)
     sync_every: int = Field(40, ge=1, description="H: inner steps between two syncs of one fragment")
-    quantization: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field(
+    quantization: Literal["fp32", "bf16", "int8", "int4", "int2", "ternary", "topk"] = Field(
         "int4", description="encoding of each delta a learner sends (docs/wire-format.md; int4: +0.25% from int8 "
                             "over ten seeds at half its bytes, docs/bench.md); what it leaves out goes with its "
-                            "next delta (error feedback: for int2 and topk, 8 of every 256 values, from a buffer "
+                            "next delta (error feedback: for int2, ternary and topk, 8 of every 256 values, from a buffer "
                             "beside the parameters), so nothing is lost, some of it is sent later")
     packing: Literal["none", "zstd"] = Field(
         "zstd", description="the lossless stage over each delta's codes (diloco.packing): zstd takes about a sixth "
@@ -248,7 +248,7 @@ class SyncerConfig(_Section):
     scale_partial_rounds: bool = Field(True, description="a round with n of M learners applies n/M of its merged delta")
     staleness_discount: float = Field(2.0, ge=0, description="weigh a contribution by (1 + staleness) ** -discount, its "
                                       "staleness being the versions its fragment gained since its base; 0 = off")
-    broadcast: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field(
+    broadcast: Literal["fp32", "bf16", "int8", "int4", "int2", "ternary", "topk"] = Field(
         "int4", description="encoding of each global update learners fetch (its error is carried to the next)")
     broadcast_packing: Literal["none", "zstd"] = Field(
         "zstd", description="the lossless stage over each stored update's codes, as fragments.packing for deltas: "
@@ -257,7 +257,7 @@ class SyncerConfig(_Section):
         "auto", description="what each update is encoded against: snapshot = the fragment's newest snapshot, so "
                                 "one update brings a learner to any later version (its values span the versions since "
                                 "the snapshot: coarser codes); previous = the version before, finer codes, one update "
-                                "per version to catch up; auto = snapshot, but previous for broadcast int2 / topk, "
+                                "per version to catch up; auto = snapshot, but previous for broadcast int2 / ternary / topk, "
                                 "whose code of everything since the snapshot would stay that coarse (topk: the "
                                 "global could differ from the snapshot in 3% of its values)")
     flush_on_stop: bool = Field(True, description="on stop, merge every open round even below quorum")

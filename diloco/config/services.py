@@ -86,6 +86,13 @@ class RunConfig(_Section):
     id: str | None = Field(None, pattern=_ID, description="set to resume a run; default: name + time")
     dir: str = ".diloco/runs"
     heartbeat_s: float = Field(1.0, gt=0)
+    signing_secret_env: str | None = Field(None, pattern=_ENV, description="name of the env var holding the run's "
+                                           "signing secret (the runner and the syncer read it; learners never): every "
+                                           "frame is then signed with its learner's own key and the syncer refuses any "
+                                           "other (docs/wire-format.md); unset = the topics' ACLs alone say who writes")
+    keys_dir: str | None = Field(None, description="where each learner reads its key file <learner>.key when "
+                                 "signing_secret_env is set (default <run.dir>/<run.id>/keys, written by the local "
+                                 "runner; on GKE or TPU VMs mount each learner's own key there)")
     eval_batches: int = Field(16, ge=1)
     eval_batch_size: int = Field(16, ge=1)
     timeout_s: float = Field(1800.0, gt=0)
