@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     from bench import ideal
-    from diloco.learners.data import corpus_for, eval_batches
+    from diloco.learners.data import eval_batches
+    from diloco.pipelines.prepared import corpus_for
 
     cfg = setups.build("ideal", "healthy", a.size, [f"data.seed={a.seed}", f"model.seed={a.seed}"])
     corpus = corpus_for(cfg)

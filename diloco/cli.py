@@ -262,7 +262,7 @@ def _spare(cfg: Config, corpus: Optional[Path], learner_id: Optional[str]) -> in
         console.print("[red]error:[/] --spare learns its learner id from stdin: leave out --learner")
         return 2
     if corpus:
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": str(corpus)})})
+        cfg = cfg.with_corpus(corpus)
     logs.setup("learner:spare")
     try:
         spare.main(cfg, cfg.run.id)

@@ -21,7 +21,7 @@ from diloco import chaos, membership, signing
 from diloco.checkpoint import read_global
 from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.jobs import LocalJobs, Terminated, sigterm_raises
+from diloco.infra.jobs import JobBackend, LocalJobs, Terminated, sigterm_raises
 from diloco.infra.store import FragmentStore
 from diloco.pipelines.prepared import corpus_for
 from diloco.plan import Plan, flatten, unflatten
@@ -90,7 +90,7 @@ def prepare(cfg: Config, console: Console) -> RunSetup:
     corpus = corpus_for(cfg)
     console.print(f"corpus {corpus.dir}: {sum(s['tokens'] for s in corpus.manifest['shards']):,} train tokens "
                   f"in {corpus.num_shards} shards, {corpus.manifest['heldout']['tokens']:,} held out")
-    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": str(corpus.dir)})})
+    cfg = cfg.with_corpus(corpus.dir)
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(dump_config(cfg))
     if (secret := cfg.signing_secret()) is not None:  # each learner signs with its own key (diloco.signing)
@@ -132,7 +132,7 @@ def events_from_start(cfg: Config):
     return events
 
 
-def open_run(setup: RunSetup, jobs, console: Console, kills: list[chaos.Kill], **which) -> RunSupervisor:
+def open_run(setup: RunSetup, jobs: JobBackend, console: Console, kills: list[chaos.Kill], **which) -> RunSupervisor:
     """A RunSupervisor on `jobs` that reads the run's events topic from its start; `which`: its regions
     and syncer (RunSupervisor)."""
     return RunSupervisor(setup.cfg, setup.cfg_path, setup.corpus, jobs, events_from_start(setup.cfg), console, kills,
@@ -147,7 +147,7 @@ def finish(setup: RunSetup, run: RunSupervisor, console: Console, summary_json: 
                             time.time() - setup.t_start)
     summary |= run.resilience(setup.state)
     summary["coverage"] = run.coverage(setup.state)
-    summary["membership"] = membership.timeline(cfg.learner_ids(), run.prog.membership, start=run.first_beat)
+    summary["membership"] = membership.timeline(cfg.learner_ids(), run.prog.membership, start=run.ledger.first_beat)
     summary["members"] = list(run.members)
     summary["run_dir"] = str(setup.run_dir)
     summary["bad_events"] = run.bad_events  # skipped: malformed, or claims nothing in the run backs
@@ -168,7 +168,7 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     """Run to the end and return the summary; with_chaos kills processes on the seeded schedule."""
     console = console or Console(stderr=True)
     setup = prepare(cfg, console)
-    jobs = LocalJobs(setup.run_dir / "logs", child_env(setup.cfg), warm=setup.cfg.run.warm_starts)
+    jobs = LocalJobs.for_run(setup.cfg, setup.run_dir / "logs", child_env(setup.cfg))
     with sigterm_raises():  # a SIGTERM (exit status 143) stops the jobs first
         run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
         try:

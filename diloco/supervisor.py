@@ -1,8 +1,10 @@
 """The supervisor of a run's processes (`diloco train`, `diloco chaos`, the Prefect flows): it starts
-the syncer shards and the learners as processes, reads the run's events topic, restarts what fails
-(or hands a dead learner's place to a warm spare), applies the chaos schedule, carries out
-membership requests, follows the token budget, and keeps the figures goodput and the coverage
-ledger are computed from. The run's life cycle around it (provision, open, finish) is diloco.run.
+the syncer shards and the learners as jobs of a backend (diloco.infra.jobs), reads the run's events
+topic, restarts what fails (or hands a dead learner's place to a warm spare), and keeps the figures
+goodput (diloco.ledger) and the coverage ledger are computed from. Its watch loop is a short pass over hooks
+(diloco.hooks: the progress view, the chaos schedule, membership requests, the token budget; the
+flows add their own), each with its own state and cadence. The run's life cycle around it
+(provision, open, finish) is diloco.run.
 """
 
 from __future__ import annotations
@@ -12,28 +14,22 @@ import json
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from rich.live import Live
 from rich.text import Text
 
-from diloco import chaos, coverage, membership, messages, resume
+from diloco import chaos, coverage, hooks, membership, messages, resume
 from diloco.config import BUILTIN_MODEL, Config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.jobs import LocalJobs
+from diloco.infra.jobs import JobBackend
 from diloco.infra.state import ServiceError
 from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import epochs_read
+from diloco.ledger import RunLedger
 from diloco.messages import WireError
-from diloco.progress import (
-    Progress,
-    check_accepted_cursor,
-    check_event_fields,
-    check_heartbeat_claims,
-    progress_line,
-    progress_table,
-)
+from diloco.progress import Progress, check_accepted_cursor, check_event_fields, check_heartbeat_claims
 from diloco.syncer import state as state_mod
 from diloco.syncer.durability import EXIT_STATE_LOST
 
@@ -44,16 +40,30 @@ class RunError(RuntimeError):
     pass
 
 
+@dataclass
+class Outage:
+    """A process down: from its exit (or kill) until it is back (its next heartbeat, or syncer_started)."""
+    name: str
+    start: float
+    end: float | None = None
+
+
+def outage_seconds(outages: list[Outage]) -> dict[str, float]:
+    """Each process's last ended outage, in seconds (what the summary and a region's report show)."""
+    return {o.name: round(o.end - o.start, 2) for o in outages if o.end is not None}
+
+
 class RunSupervisor:
-    """Watches a run's processes and events: restarts what fails, applies the chaos schedule, and
-    records the outages and compute time that goodput is computed from.
+    """Watches a run's processes and events: restarts what fails, runs its hooks (the chaos schedule,
+    membership, the budget), and records the outages and, in its ledger, the compute time that
+    goodput is computed from.
 
     `regions`: the regions whose learners this runner starts and watches (None: all of them; a
     `diloco-region` flow run has one, the `decoupled-diloco` flow run none); `syncer`: whether it runs
     the syncer shards. A runner with the syncer but not every region's learners stops the syncer once
     its own learners are done and `elsewhere` (the other runners it waits for) is empty."""
 
-    def __init__(self, cfg: Config, cfg_path: Path, corpus, jobs: LocalJobs, events, console,
+    def __init__(self, cfg: Config, cfg_path: Path, corpus, jobs: JobBackend, events, console,
                  kills: list[chaos.Kill], regions: tuple[str, ...] | None = None, syncer: bool = True,
                  state: state_mod.SyncerState | None = None):
         self.cfg, self.cfg_path, self.corpus, self.jobs, self.events = cfg, cfg_path, corpus, jobs, events
@@ -63,31 +73,22 @@ class RunSupervisor:
         self.elsewhere: set[str] = set()
         self.syncers = cfg.syncer_ids() if syncer else []
         # the learners this runner starts (and restarts), in order; joiners are appended
-        self.members = [lid for lid in cfg.learner_ids() if self._ours(cfg.region_of(lid).name)]
-        self.kills = [k for k in kills if k.target in self.syncers or k.target in self.members]
+        self.members = [lid for lid in cfg.learner_ids() if self.ours(cfg.region_of(lid).name)]
         self.prog = Progress()
         self.finished: set[str] = set()
         self.restart_at: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
-        self.kill_counts: dict[str, int] = {}
-        self.outages: list[list] = []          # [name, start, end or None]
-        self.compute: dict[tuple[str, str], dict] = {}   # (learner, incarnation) -> last heartbeat figures
-        self.tails_s: dict[str, float] = {}     # compute after a killed incarnation's last heartbeat
+        self.outages: list[Outage] = []
         self.removing: set[str] = set()          # asked to leave: not restarted, whatever their exit
-        self.joins = [j for j in cfg.run.joins if self._ours(j.region)]  # run.joins not carried out yet
         self.join_step: dict[str, int] = {}       # joiner -> the step it entered the schedule at
-        self.spans: dict[str, list] = {}         # learner -> [since, until]: added or removed ones (wall clock)
         self.bad_events = 0  # events skipped as malformed (the topic is writable by every learner)
         self.syncers_up: set[str] = set()       # shards that said syncer_started since their last start
-        self.takeovers: list[dict] = []        # fragments claimed by a shard from another one
-        self.first_beat: float | None = None
-        self.learners_done_at: float | None = None
+        self.ledger = RunLedger()               # the accounting: compute, kills, members' spans, takeovers
         self.spares: list[str] = []             # warm spare jobs (run.spares), oldest first
         self.spares_started = 0
         self.spares_owed = 0                    # replacements to start once no handover is still warming up
         self.handovers: list[dict] = []          # each learner a spare took the place of
         self.replaced: dict[str, str | None] = {}  # learner -> the incarnation its spare replaced
-        self._last_line = 0.0                    # when the last progress line was printed (no live table)
         # where restarts resume (diloco.resume): from the syncer's records in Redis, never from an event
         self.merged_ends: dict[str, int] = {}     # learner -> furthest cursor end of its merged contributions
         self._merges_read = 0                     # merge records folded into merged_ends
@@ -97,6 +98,16 @@ class RunSupervisor:
         self.read_up: dict[str, tuple[dict[tuple[str, int], int], float]] = {}
         self.to_spare: dict[str, tuple[str, float]] = {}  # died, to be handed to a spare: (why, cold-restart delay)
         self.deferred_starts: set[str] = set()    # first starts put off until Redis answers (not restarts)
+        self.draining = False                     # the syncer was asked to drain: no kills, joins or requests
+        # the watch loop's hooks of its own (diloco.hooks); tests call each on its own
+        self.chaos = hooks.ChaosKills(self, kills)
+        self.serve_requests = hooks.MembershipRequests(self)
+        self.follow_budget = hooks.TokenBudget(self)
+
+    @property
+    def kills(self) -> list[chaos.Kill]:
+        """The chaos kills not carried out yet (the chaos hook's)."""
+        return self.chaos.kills
 
     @functools.cached_property
     def state(self) -> state_mod.SyncerState:
@@ -108,7 +119,7 @@ class RunSupervisor:
         """The run's store, read for the merges that count towards run.token_budget."""
         return FragmentStore(self.cfg.store.url, self.cfg.run.id)
 
-    def _ours(self, region: str | None) -> bool:
+    def ours(self, region: str | None) -> bool:
         return self.regions is None or region in self.regions
 
     # --- processes -----------------------------------------------------------------------------
@@ -198,7 +209,7 @@ class RunSupervisor:
         return {tp: int(off) for tp, off in ends.items()}
 
     def _down(self, name: str, now: float, delay: float, why: str) -> None:
-        self.outages.append([name, now, None])
+        self.outages.append(Outage(name, now))
         if name not in self.syncers and (ends := self._written_before(name)):
             self.read_up[name] = (ends, now + resume.READ_UP_S)
         if name in self.members and self.spares:  # handed to a spare once its resume point is known (_restart_due)
@@ -230,7 +241,7 @@ class RunSupervisor:
                     raise OSError(f"exited with {self.jobs.poll(spare)}")
                 self.jobs.tell(spare, json.dumps({"learner": name, "start_step": at}))
             except OSError as err:
-                self.console.print(Text(f"{spare} cannot take over ({err}); log {self.jobs.jobs[spare].log}:\n",
+                self.console.print(Text(f"{spare} cannot take over ({err}); log {self.jobs.where_log(spare)}:\n",
                                         style="red") + Text(self.jobs.tail(spare)))
                 continue
             self.jobs.rename(spare, name)
@@ -242,34 +253,13 @@ class RunSupervisor:
             return True
         return False
 
-    def _kill(self, kill: chaos.Kill, now: float) -> None:
-        if kill.target not in self.syncers:
-            hb = self.prog.learners.get(kill.target, {})
-            key = (kill.target, hb.get("incarnation"))
-            if key in self.compute and hb.get("state") == "running":
-                # wall time since the beat's figures were taken: at least the compute it did since
-                self.tails_s[kill.target] = self.tails_s.get(kill.target, 0.0) + now - self.compute[key]["at"]
-        self.jobs.signal(kill.target, signal.SIGKILL)
-        self.jobs.wait(kill.target)
-        self.kill_counts[kill.target] = self.kill_counts.get(kill.target, 0) + 1
-        self._down(kill.target, now, self.cfg.chaos.restart_after_s, "killed by chaos (SIGKILL)")
-
-    def _apply_due_kills(self, now: float, stop_sent: bool) -> None:
-        # Each kill waits on its own target's progress: a lagging target (say the syncer, whose
-        # progress is the mean over learners) must not hold back the others until they finish.
-        for kill in [k for k in self.kills if self._progress_of(k.target) >= k.at_progress]:
-            if stop_sent or kill.target in self.restart_at:
-                continue  # down right now (or draining): the kill stays due until it runs again
-            self.kills.remove(kill)
-            if kill.target not in self.finished:
-                self._kill(kill, now)
-
-    def _progress_of(self, target: str) -> float:
-        cfg = self.cfg
-        if target in self.syncers:
-            return sum(self.prog.learners.get(lid, {}).get("step", 0) for lid in self.members) / sum(
-                cfg.learner_steps(lid) for lid in self.members)
-        return self.prog.learners.get(target, {}).get("step", 0) / cfg.learner_steps(target)
+    def kill(self, target: str, now: float) -> None:
+        """SIGKILL `target` (a chaos kill): down until its restart, its compute since its last beat counted."""
+        beat = None if target in self.syncers else self.prog.learners.get(target, {})
+        self.jobs.signal(target, signal.SIGKILL)
+        self.jobs.wait(target)
+        self.ledger.killed(target, beat, now)
+        self._down(target, now, self.cfg.chaos.restart_after_s, "killed by chaos (SIGKILL)")
 
     # --- events --------------------------------------------------------------------------------
     def _pump(self, timeout_ms: int = 250) -> None:
@@ -301,9 +291,7 @@ class RunSupervisor:
         if tokens is not None:
             self.prog.merged[(ev["fragment"], ev["version"])] = tokens
         if ev["kind"] == "heartbeat":
-            self.first_beat = self.first_beat or time.time()
-            self.compute[(ev["learner"], ev.get("incarnation"))] = {"compute_s": ev.get("compute_s", 0.0),
-                                                                     "at": ev.get("at", ev["time"])}
+            self.ledger.beat(ev, time.time())
             if ev.get("incarnation") != self.replaced.get(ev["learner"]):  # not a late beat of the one replaced
                 self._close_outage(ev["learner"])
         elif ev["kind"] == "syncer_started":
@@ -315,7 +303,7 @@ class RunSupervisor:
             self._close_outage(name)
         elif ev["kind"] == "fragment_claimed" and ev.get("previous") \
                 and not ev["previous"].startswith(f"{ev['shard']}:"):
-            self.takeovers.append(ev)
+            self.ledger.takeovers.append(ev)
 
     def _stored_merge(self, ev: dict) -> int:
         """The tokens of the version a merge event announces, as the syncer stored them with it; KeyError
@@ -352,66 +340,11 @@ class RunSupervisor:
                 raise KeyError(f"syncer_started names fragment {messages.short(p, 20)} v{messages.short(v, 20)}, "
                                "which the store does not hold")
 
-    def serve_requests(self, now: float) -> None:
-        """Carry out the operator's membership requests (`diloco learners add/remove`, diloco.membership)."""
-        for path, op in membership.pending(self.cfg_path.parent):
-            try:
-                owner = self._region_asked(op)
-                if not (self._ours(owner) or (owner is None and self.syncers)):  # the syncer's runner refuses the rest
-                    continue
-                result = self._request(op, now)
-            except Exception as err:  # whatever a request holds, it gets an answer and the run goes on
-                log.exception("membership request failed", extra={"request": messages.short(op, 200)})
-                result = {"ok": False, "error": f"request {messages.short(op, 200)} failed: {type(err).__name__}: "
-                                                f"{messages.bounded(str(err), 200)}"}
-            membership.answer(path, result)
-
-    def _region_asked(self, op: dict | None) -> str | None:
-        """The region a request is for (its runner answers it); None for one that names none of the run's."""
-        if not isinstance(op, dict):
-            return None
-        if op.get("op") == "add":
-            region = op.get("region")
-            return region if isinstance(region, str) and region in {r.name for r in self.cfg.regions} else None
-        lid = op.get("learner")
-        return self.cfg.region_of(lid).name if isinstance(lid, str) and self.cfg.is_member_id(lid) else None
-
-    def _request(self, op: dict | None, now: float) -> dict:
-        """Carry out one membership request; its answer, {"ok": True, ...} or {"ok": False, "error": why}."""
-        try:
-            result = {"ok": True, **self.carry_out(op, now)}
-        except membership.RequestError as err:
-            result = {"ok": False, "error": str(err)}
-        except (TypeError, ValueError, KeyError, AttributeError) as err:  # a request of the wrong shape
-            result = {"ok": False, "error": f"bad request {messages.short(op, 200)}: {type(err).__name__}: "
-                                            f"{messages.bounded(str(err), 200)}"}
-        self.console.print(Text(f"membership: {messages.short(op, 200)} -> {result}", style="cyan"))  # never markup
-        return result
-
-    def follow_budget(self, now: float) -> None:
-        """run.joins once their share of run.token_budget is in the global model; once all of it is,
-        every running learner is asked to stop (it hands in its last deltas and says left). Merged
-        tokens, not the heartbeats' claims: one forged heartbeat must not end a run."""
-        budget = self.cfg.run.token_budget
-        if budget is None:
-            return
-        tokens = self.prog.merged_tokens(self.cfg.fragments.count)
-        if tokens >= budget:
-            self.joins.clear()  # nothing is left for them to train
-            running = self._running()
-            if running:
-                self.console.print(f"[cyan]token budget reached ({tokens:,} of {budget:,}): stopping {running}[/]")
-            for lid in running:
-                self._ask_to_leave(lid)
-            return
-        for join in [j for j in self.joins if tokens >= j.at_tokens_fraction * budget]:
-            self.joins.remove(join)
-            self._request({"op": "add", "region": join.region, "count": join.count}, now)
-
-    def _running(self) -> list[str]:
+    def running(self) -> list[str]:
         return [m for m in self.members if m not in self.finished and m not in self.removing]
 
-    def _ask_to_leave(self, lid: str) -> None:
+    def ask_to_leave(self, lid: str) -> None:
+        """Stop learner `lid` for good (the token budget, an operator's remove): it is not restarted."""
         self.removing.add(lid)
         self.restart_at.pop(lid, None)
         self.to_spare.pop(lid, None)
@@ -420,6 +353,7 @@ class RunSupervisor:
             self.jobs.signal(lid, signal.SIGTERM)  # it hands in its last deltas and says it left
 
     def carry_out(self, op: dict | None, now: float) -> dict:
+        """Add learners to a region or remove one (a membership request, diloco.hooks); RequestError why not."""
         if op is None or op.get("op") not in ("add", "remove"):
             raise membership.RequestError(f"a request is {{'op': 'add', 'region': R, 'count': N}} or "
                                           f"{{'op': 'remove', 'learner': ID}}, got {messages.short(op, 120)}")
@@ -438,16 +372,16 @@ class RunSupervisor:
                     f"{region.capacity - len(free)}: {count} more do not fit")
             # a joiner enters the inner schedule where the run is (as a restarted learner resumes, with
             # a new warm-up): the median step of the learners training now, not a fresh warm-up and peak
-            steps = sorted(self.prog.learners.get(m, {}).get("step", 0) for m in self._running())
+            steps = sorted(self.prog.learners.get(m, {}).get("step", 0) for m in self.running())
             at = steps[len(steps) // 2] if steps else 0
             for lid in free[:count]:
                 self.members.append(lid)
-                self.spans[lid] = [now, None]
+                self.ledger.spans[lid] = [now, None]
                 self.join_step[lid] = min(at, self.cfg.learner_steps(lid) - 1)
                 self.start(lid)
             return {"added": free[:count], "start_step": at}
         lid = op.get("learner")
-        running = self._running()
+        running = self.running()
         if lid not in running:
             raise membership.RequestError(f"learner {messages.short(lid, 40)} is not running in this run "
                                           f"(running: {running})")
@@ -456,14 +390,14 @@ class RunSupervisor:
         if left < region.min_learners:
             raise membership.RequestError(f"region {region.name} keeps at least {region.min_learners} learners "
                                           f"(regions[].min_learners); removing {lid} would leave {left}")
-        self._ask_to_leave(lid)
+        self.ask_to_leave(lid)
         return {"removed": lid}
 
     def _close_outage(self, name: str) -> None:
         for o in self.outages:
-            if o[0] == name and o[2] is None and name not in self.restart_at:
-                o[2] = time.time()
-        if self.spares_owed and not any(o[2] is None and o[0] in self.replaced for o in self.outages):
+            if o.name == name and o.end is None and name not in self.restart_at:
+                o.end = time.time()
+        if self.spares_owed and not any(o.end is None and o.name in self.replaced for o in self.outages):
             for _ in range(self.spares_owed):
                 self._start_spare()
             self.spares_owed = 0
@@ -487,7 +421,7 @@ class RunSupervisor:
         done: dict[str, bool] = {}
         for ev in sorted(self.prog.membership, key=lambda e: e.get("time", 0.0)):
             lid = ev.get("learner")
-            if isinstance(lid, str) and self.cfg.is_member_id(lid) and self._ours(self.cfg.region_of(lid).name):
+            if isinstance(lid, str) and self.cfg.is_member_id(lid) and self.ours(self.cfg.region_of(lid).name):
                 done[lid] = ev["kind"] in ("learner_left", "learner_finished")
         for lid in [*self.members, *done]:
             if self.prog.learners.get(lid, {}).get("state") in ("left", "finished"):  # its last heartbeat said so
@@ -500,45 +434,26 @@ class RunSupervisor:
 
     # --- the loop ------------------------------------------------------------------------------
     def watch(self, progress: bool, t0: float, on_tick=None) -> None:
-        """Until the syncer drained; `on_tick(self)` runs once per loop (evals, reports) and may take a while.
-
-        Each pass of the loop: read events, show them, apply due chaos kills, serve membership
-        requests and follow the token budget (until the stop), reap exited processes (finished,
-        or down and due a restart), restart those due, then stop the syncer once the learners are done."""
+        """Until the syncer drained. Each pass reads the events, then runs every hook once with the
+        pass's time: the view, the chaos kills, membership requests, the token budget, reaping exited
+        processes, restarting those due, `on_tick(self)` (the flows' evals and regions; it may take a
+        while), and the drain (diloco.hooks; Drain here)."""
         for name in self.syncers:
             self.start(name)
         self._start_learners(t0)
         self._await_syncers(t0)
-        deadline = t0 + self.cfg.run.timeout_s
-        stop_sent = False
-        live = Live(progress_table(self.cfg, self.prog, self.cfg.run.id, 0), console=self.console,
-                    refresh_per_second=2) if progress else None
-        if live:
-            live.start()
+        view, drain = hooks.ProgressView(self, t0, live=progress), Drain(self, t0 + self.cfg.run.timeout_s)
+        passes: list[hooks.Hook] = [view, self.chaos, self.serve_requests, self.follow_budget, self._reap,
+                                    self._restart_due, *([lambda now: on_tick(self)] if on_tick else []), drain]
         try:
-            while True:
+            while not drain.over:
                 self._pump()
                 now = time.time()
-                self._show(live, now, t0)
-                self._apply_due_kills(now, stop_sent)
-                if not stop_sent:
-                    self.serve_requests(now)
-                    self.follow_budget(now)
-                self._reap(now, stop_sent)
-                self._restart_due(now)
-                if on_tick:
-                    on_tick(self)
-                if not stop_sent and self._learners_done(now):
-                    stop_sent, deadline = True, min(deadline, now + self.cfg.syncer.drain_timeout_s + 60)
-                if stop_sent and set(self.syncers) <= self.finished:
-                    self._pump(500)  # the syncer's last events
-                    return
-                if now > deadline:
-                    raise RunError(f"run did not finish within run.timeout_s={self.cfg.run.timeout_s:.0f}s")
+                for hook in passes:
+                    hook(now)
+            self._pump(500)  # the syncer's last events
         finally:
-            if live:
-                live.update(progress_table(self.cfg, self.prog, self.cfg.run.id, time.time() - t0))
-                live.stop()
+            view.close(time.time())
 
     def _await_syncers(self, t0: float) -> None:
         """Until every syncer shard said syncer_started; a shard that exits first fails the run with its log."""
@@ -565,30 +480,22 @@ class RunSupervisor:
         for _ in range(self.cfg.run.spares if self.members else 0):  # spares stand in for this runner's learners
             self._start_spare()
 
-    def _show(self, live: Live | None, now: float, t0: float) -> None:
-        """The live table, or without a terminal a progress line every 10 s."""
-        if live:
-            live.update(progress_table(self.cfg, self.prog, self.cfg.run.id, now - t0))
-        elif now - self._last_line > 10:
-            self.console.print(progress_line(self.prog, now - t0), soft_wrap=True)
-            self._last_line = now
-
-    def _reap(self, now: float, stop_sent: bool) -> None:
+    def _reap(self, now: float) -> None:
         """Processes that exited: finished (a learner done, a syncer after the stop, one asked to leave),
         or down and due a restart after the backoff; RunError when no retry helps."""
         cfg = self.cfg
         for name in [*self.members, *self.syncers]:
-            rc = self.jobs.poll(name) if name in self.jobs.jobs else None
+            rc = self.jobs.poll(name) if self.jobs.has(name) else None
             if rc is None or name in self.restart_at or name in self.finished:
                 continue
-            if (rc == 0 and (name not in self.syncers or stop_sent)) or name in self.removing:
+            if (rc == 0 and (name not in self.syncers or self.draining)) or name in self.removing:
                 self.finished.add(name)
                 if name in self.removing:  # its time in the run ends here, not with the run's
-                    self.spans.setdefault(name, [None, None])[1] = now
+                    self.ledger.spans.setdefault(name, [None, None])[1] = now
                 continue
             n = self.restarts.get(name, 0)
             if n >= cfg.run.max_restarts or (name in self.syncers and rc == EXIT_STATE_LOST):  # no retry helps
-                raise RunError(f"{name} failed {n + 1} times (last exit {rc}); log {self.jobs.jobs[name].log}:\n"
+                raise RunError(f"{name} failed {n + 1} times (last exit {rc}); log {self.jobs.where_log(name)}:\n"
                                + self.jobs.tail(name))
             self._down(name, now, cfg.run.restart_backoff_s * 2 ** n, f"exited with {rc}")
 
@@ -614,46 +521,16 @@ class RunSupervisor:
                 self.restarts[name] = self.restarts.get(name, 0) + 1
             self.start(name, step)
 
-    def _learners_done(self, now: float) -> bool:
-        """True once this runner's learners are done (and no other runner is waited for) and the syncer
-        shards are up: then they are asked to drain, flush their open rounds and exit."""
-        done = all(lid in self.finished for lid in self.members) and not self.elsewhere
-        if done and self.learners_done_at is None:
-            self.learners_done_at = now
-        if not done or self.syncers_up != set(self.syncers) or set(self.syncers) & set(self.restart_at):
-            return False
-        for name in self.syncers:
-            self.jobs.signal(name, signal.SIGTERM)
-        return True
-
     def resilience(self, state: state_mod.SyncerState) -> dict:
         """Goodput, kills, restarts and outages of the run (all zero-loss figures for a healthy run)."""
-        P = self.cfg.fragments.count
-        productive: dict[str, float] = {}
-        for m in state.merges():
-            for lid, c in zip(m["learners"], m.get("compute_s", [])):
-                productive[lid] = productive.get(lid, 0.0) + c / P  # every step is in one delta per fragment
-        compute: dict[str, float] = dict(self.tails_s)
-        for (lid, _), figures in self.compute.items():
-            compute[lid] = compute.get(lid, 0.0) + figures["compute_s"]
-        total_compute = sum(compute.values())
         step_time = np.median([hb.get("step_time", 0.0) for hb in self.prog.learners.values()] or [0.0])
-        spans = [o[1:] for o in self.outages if o[2] is not None]
-        end = self.learners_done_at or time.time()
-        span = end - (self.first_beat or end)
-        chip_time = sum(self._time_in_run(lid, end) for lid in self.members)
         return {
-            "goodput": chaos.goodput(sum(productive.values()), total_compute),
-            "goodput_wall": chaos.goodput(sum(productive.values()), chip_time),
-            "goodput_per_learner": {lid: chaos.goodput(productive.get(lid, 0.0), compute.get(lid, 0.0))
-                                    for lid in self.members},
-            "goodput_sync_equivalent": chaos.sync_equivalent_goodput(
-                span_s=span, outages=spans, kills=sum(self.kill_counts.values()),
-                lost_per_kill_s=self.cfg.fragments.sync_every / 2 * float(step_time)),
-            "kills": dict(self.kill_counts),
+            **self.ledger.goodput(state.merges(), fragments=self.cfg.fragments.count, members=self.members,
+                                  outages=self.outages, step_time_s=float(step_time),
+                                  sync_every=self.cfg.fragments.sync_every, now=time.time()),
             "restarts": dict(self.restarts),
-            "outages_s": {o[0]: round(o[2] - o[1], 2) for o in self.outages if o[2] is not None},
-            "takeovers": self.takeover_times(),
+            "outages_s": outage_seconds(self.outages),
+            "takeovers": self.ledger.takeover_times(self.syncers, self.outages),
             "spare_handovers": list(self.handovers),
         }
 
@@ -686,20 +563,32 @@ class RunSupervisor:
         return {lid: (self.join_step.get(lid, 0), None if lid in early else self.cfg.learner_steps(lid))
                 for lid in self.members}
 
-    def _time_in_run(self, lid: str, end: float) -> float:
-        """Seconds `lid` was a member: from the first heartbeat of the run (a starting learner) or
-        its addition, until it was asked to leave or the run's learners were done."""
-        since, until = self.spans.get(lid, (None, None))
-        return (until or end) - (since or self.first_beat or end)
 
-    def takeover_times(self) -> list[dict]:
-        """Each fragment another shard claimed from a shard that went down: seconds from the outage."""
-        out = []
-        for ev in self.takeovers:
-            down = self.syncers[int(ev["previous"].split(":", 1)[0])]
-            starts = [o[1] for o in self.outages  # the outage it was claimed in (not a hand-back)
-                      if o[0] == down and o[1] <= ev["time"] and (o[2] is None or o[2] >= ev["time"])]
-            if starts:
-                out.append({"fragment": ev["fragment"], "from": down, "to": self.syncers[ev["shard"]],
-                            "after_s": round(ev["time"] - max(starts), 2)})
-        return out
+class Drain:
+    """The watch loop's end: once this runner's learners are done (and no other runner is waited for)
+    and the syncer shards are up, the shards are asked to drain (SIGTERM: they flush their open rounds
+    and exit), and the loop is `over` once they all finished. RunError past run.timeout_s, or past
+    syncer.drain_timeout_s (and a minute) after the drain was asked for."""
+
+    def __init__(self, run: RunSupervisor, deadline: float):
+        self.run, self.deadline, self.over = run, deadline, False
+
+    def __call__(self, now: float) -> None:
+        run = self.run
+        if not run.draining and self.learners_done(now):
+            for name in run.syncers:
+                run.jobs.signal(name, signal.SIGTERM)
+            run.draining, self.deadline = True, min(self.deadline, now + run.cfg.syncer.drain_timeout_s + 60)
+        if run.draining and set(run.syncers) <= run.finished:
+            self.over = True
+        elif now > self.deadline:
+            raise RunError(f"run did not finish within run.timeout_s={run.cfg.run.timeout_s:.0f}s")
+
+    def learners_done(self, now: float) -> bool:
+        """Whether the syncer may be asked to drain: this runner's learners are done, no other runner is
+        waited for, and every shard is up (none down or restarting); the first time they are done counts."""
+        run = self.run
+        done = all(lid in run.finished for lid in run.members) and not run.elsewhere
+        if done and run.ledger.learners_done_at is None:
+            run.ledger.learners_done_at = now
+        return done and run.syncers_up == set(run.syncers) and not set(run.syncers) & set(run.restart_at)

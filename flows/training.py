@@ -31,22 +31,20 @@ from rich.console import Console
 from diloco.config import Config, ConfigError, load_config
 from diloco.flows import reports
 from diloco.flows.evals import evaluate_checkpoint, record_eval, recorded_evals
-from diloco.flows.tpu import jobs_for
-from diloco.infra.jobs import LocalJobs, sigterm_raises
+from diloco.infra.jobs import JobBackend, backend_for, sigterm_raises
+from diloco.periodic import Every
 from diloco.pipelines.prepared import corpus_for
 from diloco.run import RunError, RunSetup, child_env, events_from_start, finish, open_run, prepare
-from diloco.supervisor import RunSupervisor
+from diloco.supervisor import RunSupervisor, outage_seconds
 
 REGION_ENTRYPOINT = "diloco.flows.training.region_run"  # a module path: workers import the installed package
 VERSION_EVENT = "diloco.version.committed"
 
 
-def make_jobs(cfg: Config, cfg_path: Path, region: str | None):
+def make_jobs(cfg: Config, cfg_path: Path, region: str | None) -> JobBackend:
     """The job backend of one region's learners, or of the syncer (region None): child processes here,
-    or that region's cluster or TPU VMs (flows/tpu.py), so a region's runner only ever stops its own."""
-    if cfg.backend.kind != "local":
-        return jobs_for(cfg, region, cfg_path, cfg_path.parent / "logs")
-    return LocalJobs(cfg_path.parent / "logs", child_env(cfg), warm=cfg.run.warm_starts)
+    or that region's cluster or TPU VMs (diloco.infra.tpu), so a region's runner only ever stops its own."""
+    return backend_for(cfg, region, cfg_path, child_env(cfg))
 
 
 def prefect_termination(signum: int) -> TerminationSignal:
@@ -79,7 +77,7 @@ def region_report(run: RunSupervisor, region: str, state: str, error: str | None
     learners = [{"learner": lid, "step": run.prog.learners.get(lid, {}).get("step", 0),
                  "restarts": run.restarts.get(lid, 0), "finished": lid in run.finished} for lid in run.members]
     return {"region": region, "state": state, "error": error, "learners": learners, "restarts": dict(run.restarts),
-            "outages_s": {o[0]: round(o[2] - o[1], 2) for o in run.outages if o[2] is not None}}
+            "outages_s": outage_seconds(run.outages)}
 
 
 @task(cache_policy=NO_CACHE)
@@ -149,11 +147,11 @@ class Regions:
     up, follows their states (a region whose latest flow run ended is done: the run waits for the
     others), and emits a version event each time every fragment gained `every` versions."""
 
-    def __init__(self, setup: RunSetup, every: int, logger):
+    def __init__(self, setup: RunSetup, every: int, logger, clock=time.time):
         self.setup, self.every, self.logger = setup, every, logger
         self.flow_runs: dict[str, object] = {}  # region -> its latest flow run, as last read
         self.announced = [0] * setup.cfg.fragments.count
-        self.checked = 0.0
+        self.every_follow = Every(2.0, clock)  # the Prefect API is asked at most this often
 
     @property
     def states(self) -> dict[str, str]:
@@ -173,9 +171,7 @@ class Regions:
         if not self.flow_runs:
             self.submit()
             run.elsewhere = set(self.states)
-        now = time.time()
-        if now - self.checked >= 2:
-            self.checked = now
+        if self.every_follow.due():
             self.follow(run)
         versions = [run.prog.versions.get(p, 0) for p in range(run.cfg.fragments.count)]
         if self.every and min(versions) >= min(self.announced) + self.every:

@@ -1,7 +1,10 @@
-"""Job backend: how the processes of a run are started, watched and stopped.
+"""Job backends: how the processes of a run are started, watched and stopped.
 
-`LocalJobs` runs them as child processes of this machine. A backend for TPU VMs or GKE offers the
-same four calls; orchestration code (run.py, flows/) never touches Popen directly.
+`JobBackend` is what the run supervisor (diloco.supervisor) drives, whoever started it (`diloco
+train`, `diloco chaos`, the Prefect flows); `backend_for` picks one for a runner from the config.
+`LocalJobs` (here) runs the jobs as child processes of this machine; `GkeJobs` and `TpuVmJobs`
+(diloco.infra.tpu) run them as JobSets or on TPU VM slices. Orchestration code (run.py, flows/)
+never touches Popen, kubectl or gcloud directly.
 
 Jobs are forked from a process that has imported the learner's and syncer's code already
 (infra/forkserver.py: a warm start costs milliseconds, not 1.3-1.7 CPU-seconds of imports, at every
@@ -25,11 +28,74 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from diloco.infra.forkserver import ForkedProcess, ForkServer
 from diloco.infra.services import free_port
 
+if TYPE_CHECKING:
+    from diloco.config import Config
+
 log = logging.getLogger(__name__)
+
+
+class JobBackend(Protocol):
+    """Named jobs, each one learner or syncer shard: `diloco ARGV...` wherever the backend runs it."""
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1) -> object:
+        """Start job `name` (again, for a restart); `env` and `processes` mean something locally only."""
+
+    def has(self, name: str) -> bool:
+        """Whether job `name` was started here."""
+
+    def poll(self, name: str) -> int | None:
+        """None while it runs (or is still being set up), else its exit code."""
+
+    def signal(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM: stop gracefully (a learner hands in and says it left); SIGKILL: at once."""
+
+    def wait(self, name: str, timeout: float | None = None) -> int:
+        """Until it exited; its exit code."""
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """Stop every job of this backend: no orphans."""
+
+    def tail(self, name: str, lines: int = 20) -> str:
+        """The last lines of its log, for an error message."""
+
+    def where_log(self, name: str) -> str:
+        """Where its whole log is: a path, or the command that reads it."""
+
+
+class SpareJobs(JobBackend, Protocol):
+    """A backend that keeps warm spares (run.spares; the config allows them on the local backend only)."""
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1,
+              stdin_pipe: bool = False) -> object:
+        """stdin_pipe: the job reads what `tell` writes (a spare's assignment)."""
+
+    def has(self, name: str) -> bool:
+        return name in self.jobs
+
+    def where_log(self, name: str) -> str:
+        return str(self.jobs[name].log)
+
+    def tell(self, name: str, line: str) -> None:
+        """One line to a job started with stdin_pipe."""
+
+    def rename(self, old: str, new: str) -> None:
+        """Job `old` goes on as `new` (a spare that became a learner)."""
+
+
+def backend_for(cfg: Config, region: str | None, config_file: Path, env: dict[str, str] | None = None) -> JobBackend:
+    """The backend of one runner of the run whose config is `config_file` (logs beside it): with
+    backend.kind local every job on this machine (`env` theirs); else region `region`'s learners on
+    its cluster or TPU VMs, or (None) the syncer's home cluster (diloco.infra.tpu)."""
+    if cfg.backend.kind == "local":
+        return LocalJobs.for_run(cfg, config_file.parent / "logs", env)
+    from diloco.infra.tpu import jobs_for
+
+    return jobs_for(cfg, region, config_file, config_file.parent / "logs")
 
 
 @dataclass
@@ -58,6 +124,11 @@ class LocalJobs:
         self.jobs: dict[str, Job] = {}
         logs.mkdir(parents=True, exist_ok=True)
         self.warm, self.forks = warm, None
+
+    @classmethod
+    def for_run(cls, cfg: Config, logs: Path, env: dict[str, str] | None) -> LocalJobs:
+        """A run's jobs on this machine, warm-started as run.warm_starts says."""
+        return cls(logs, env, warm=cfg.run.warm_starts)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1,
               stdin_pipe: bool = False) -> Job:
@@ -110,6 +181,12 @@ class LocalJobs:
         log.warning("%s: starting jobs from scratch; its log: %s", why, self.logs / "forkserver.log")
         self.forks.close()
         self.forks, self.warm = None, False
+
+    def has(self, name: str) -> bool:
+        return name in self.jobs
+
+    def where_log(self, name: str) -> str:
+        return str(self.jobs[name].log)
 
     def tell(self, name: str, line: str) -> None:
         """One line to process 0 of a job started with stdin_pipe."""

@@ -130,7 +130,7 @@ def main(cfg: Config, run_id: str, learner_id: str, corpus_dir: str | None = Non
     """What `diloco learner` runs: the built-in loop over the model entry point, or the user's own
     script (`model.script`), which finds the run through the environment (`Session.from_env()`)."""
     if corpus_dir:
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": corpus_dir})})
+        cfg = cfg.with_corpus(corpus_dir)
     if cfg.model.script is None:
         return run(cfg, run_id, learner_id, start_step=start_step)
     os.environ.update({ENV_CONFIG: str(config_path), ENV_LEARNER: learner_id, ENV_START_STEP: str(start_step)})

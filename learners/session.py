@@ -152,7 +152,7 @@ class Session:
                               "config.yaml --learner ID` (model.script) or set them to the run's config and a learner id")
         cfg = load_config(os.environ[ENV_CONFIG])
         if os.environ.get(ENV_CORPUS):
-            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prepared": os.environ[ENV_CORPUS]})})
+            cfg = cfg.with_corpus(os.environ[ENV_CORPUS])
         return Session(cfg, os.environ[ENV_LEARNER], start_step=int(os.environ.get(ENV_START_STEP) or 0), **kwargs)
 
     @property

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import sysconfig
+import warnings
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -164,11 +165,19 @@ class Source:
 
 
 @dataclass(frozen=True)
-class Plan:
+class CorpusPlan:
     files: list[Source]     # sorted by path, after the byte cap
     sources: list[dict]     # per input: what it matched
     skipped: list[dict]     # inputs that matched nothing
     capped: int             # files left out by max_bytes
+
+
+def __getattr__(name: str):
+    if name == "Plan":  # the run's plan is diloco.plan.Plan; this one was renamed so the two never meet
+        warnings.warn("diloco.pipelines.corpus.Plan is now CorpusPlan; the old name goes next release",
+                      DeprecationWarning, stacklevel=2)
+        return CorpusPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def stdlib_sources() -> tuple[str, list[Source]]:
@@ -201,7 +210,7 @@ def match_inputs(inputs: list[str]) -> tuple[list[dict], list[dict], list[Source
     return sources, skipped, sorted(files.values(), key=lambda f: f.path)
 
 
-def plan(inputs: list[str] | None, max_bytes: int | None = None) -> Plan:
+def plan(inputs: list[str] | None, max_bytes: int | None = None) -> CorpusPlan:
     """Match the inputs (None = the stdlib corpus) and keep the sorted prefix that fits max_bytes."""
     if inputs is None:
         pattern, files = stdlib_sources()
@@ -214,7 +223,7 @@ def plan(inputs: list[str] | None, max_bytes: int | None = None) -> Plan:
             break
         kept.append(f)
         total += f.size
-    return Plan(kept, sources, skipped, len(files) - len(kept))
+    return CorpusPlan(kept, sources, skipped, len(files) - len(kept))
 
 
 # --- the pipeline ----------------------------------------------------------------------------------
@@ -751,7 +760,7 @@ def bad_rows(counts: dict) -> dict[str, int]:
     return {r: counts[f"bad_rows_{r}"] for r in BAD_ROW_REASONS if counts.get(f"bad_rows_{r}")}
 
 
-def finalise(output: str, pl: Plan, *, learners: int, heldout_fraction: float, seed: int, spec: TokenizerSpec, tok,
+def finalise(output: str, pl: CorpusPlan, *, learners: int, heldout_fraction: float, seed: int, spec: TokenizerSpec, tok,
              dtype: str, seq_len: int, max_bytes: int | None, counts: dict, text_field: str = "text",
              near_duplicates: NearDuplicates | None = None) -> dict:
     """Manifest from the pipeline's shard stats; written last, so its presence means a complete corpus."""

@@ -15,7 +15,7 @@ import time
 
 from diloco import messages
 from diloco.infra.kafka import LogError
-from diloco.syncer.periodic import Every
+from diloco.periodic import Every
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from diloco.syncer import merge as merge_math
 from diloco.syncer import shards as shards_mod
 from diloco.syncer.intake import Intake, read_frame
 from diloco.syncer.ownership import Ownership
-from diloco.syncer.periodic import Every
+from diloco.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.provision import announce, announcement
 from diloco.syncer.records import (TP, Contribution, Status, Where, accepted_fields, parse_partition_key,

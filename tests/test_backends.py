@@ -1,4 +1,4 @@
-"""Production backends per region (flows/tpu.py) against recorded kubectl and gcloud: the exact commands each
+"""Production backends per region (infra/tpu.py) against recorded kubectl and gcloud: the exact commands each
 region's jobs send (context, namespace, project, zone), the TPU-VM job's states, its retry-only-on-I/O rule,
 and the rendered manifests checked against the Kubernetes and JobSet schemas."""
 
@@ -17,7 +17,7 @@ import yaml
 from referencing import Registry, Resource
 
 from diloco.config import ConfigError, build_config, dump_config
-from diloco.flows import tpu
+from diloco.infra import tpu
 
 DATA = Path(__file__).parent / "data"
 GCLOUD = json.loads((DATA / "gcloud-queued-resources.json").read_text())
@@ -348,6 +348,26 @@ def test_tpu_vm_runs_learners_by_gcloud_and_the_syncer_in_the_home_cluster(tmp_p
         tpu.jobs_for(build_config({}), "us", tmp_path / "config.yaml", tmp_path / "logs")
 
 
+
+def test_every_backend_is_one_job_backend_chosen_by_the_config(tmp_path):
+    """The supervisor drives a JobBackend and nothing else: the local, GKE and TPU-VM backends each
+    offer all of it (the local one the spares' calls too), and backend_for picks one from backend.kind."""
+    from diloco.infra.jobs import JobBackend, LocalJobs, SpareJobs, backend_for
+
+    protocol = [m for m in vars(JobBackend) if not m.startswith("_")]
+    assert set(protocol) == {"start", "has", "poll", "signal", "wait", "stop_all", "tail", "where_log"}
+    local = build_config({})
+    (tmp_path / "config.yaml").write_text(dump_config(local))
+    cfg = regional_config(kind="tpu-vm")
+    backends = [backend_for(local, None, tmp_path / "config.yaml"),
+                *(tpu.jobs_for(cfg, r, tmp_path / "config.yaml", tmp_path / "logs", run=Kubectl()) for r in (None, "eu"))]
+    assert [type(b) for b in backends] == [LocalJobs, tpu.GkeJobs, tpu.TpuVmJobs]
+    for backend in backends:
+        assert all(callable(getattr(backend, m, None)) for m in protocol), type(backend)
+    assert all(callable(getattr(backends[0], m)) for m in vars(SpareJobs) if not m.startswith("_"))
+    assert backends[0].logs == tmp_path / "logs" and backends[0].warm == local.run.warm_starts
+
+
 # --- the manifests against the Kubernetes and JobSet schemas -------------------------------------------------------
 
 def k8s_registry() -> Registry:
@@ -395,7 +415,7 @@ def test_the_schemas_catch_a_broken_jobset(path, value, words):
 def test_job_names_are_unique_and_valid_labels_by_construction():
     """dl-<run id>-<learner> cut to 63 characters gave us-0 and us-1 of a 35-character run one JobSet
     (starting one deleted the other's); us_east and us-east collided too."""
-    from diloco.flows.tpu import JOB_NAME_CHARS, job_name
+    from diloco.infra.tpu import JOB_NAME_CHARS, job_name
     dns = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
     cfg = build_config({"run": {"id": "a-very-long-run-name-for-a-big-job-20261202-101010-abcd"},
                         "regions": [{"name": "us_east", "learners": 2}, {"name": "us-east", "learners": 2}]})
@@ -421,3 +441,12 @@ def test_the_tpu_vm_command_quotes_every_argument():
     words = shlex.split(cmds["run"][-1].split("; ", 1)[1])
     assert words[-8:] == ["diloco", "learner", "--config", "/cfg/config.yaml", "--learner", "eu-0", "--corpus",
                           "/mnt/corpus"]
+
+
+def test_the_old_import_path_of_the_backends_still_answers_with_a_deprecation_warning():
+    from diloco.flows import tpu as old
+
+    with pytest.warns(DeprecationWarning, match="moved to diloco.infra.tpu.jobs_for"):
+        assert old.jobs_for is tpu.jobs_for
+    with pytest.raises(AttributeError):
+        old.no_such_backend

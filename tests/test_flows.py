@@ -29,10 +29,10 @@ from prefect.states import Cancelling
 from rich.console import Console
 
 from diloco.config import ConfigError, build_config, dump_config, load_config
-from diloco.flows import reports, tpu
+from diloco.flows import reports
 from diloco.flows.evals import eval_path, evaluate_checkpoint
 from diloco.flows.training import decoupled_diloco
-from diloco.infra import services
+from diloco.infra import services, tpu
 from diloco.run import prepare
 from diloco.syncer import state as state_mod
 
@@ -426,7 +426,7 @@ def test_prefect_yaml_deploys_the_training_flow_with_a_valid_config():
 # --- the tpu backend: every field that comes from the config ---------------------------------------
 
 def J(job: str) -> str:
-    """The name the backends give job `job` of tpu_config()'s run (flows/tpu.py: job_name)."""
+    """The name the backends give job `job` of tpu_config()'s run (infra/tpu.py: job_name)."""
     return tpu.job_name(tpu_config(), job)
 
 

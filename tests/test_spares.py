@@ -105,7 +105,7 @@ def test_a_warm_spare_takes_a_killed_learners_place_within_seconds(tiny_config):
     run = open_run(setup, jobs, console, [])
 
     def kill_once_the_spare_is_warm(r):  # mid-run, so that the spare's warm-up is not what is measured
-        if not r.kill_counts and not r.kills and (logs / "spare-0.log").exists() \
+        if not r.ledger.kill_counts and not r.kills and (logs / "spare-0.log").exists() \
                 and _records(logs / "spare-0.log", "spare ready") and r.prog.learners.get("us-0", {}).get("step", 0) >= 20:
             r.kills.append(chaos.Kill("us-0", 0.0))
 

@@ -21,7 +21,7 @@ from diloco.syncer import merge as merge_math
 from diloco.syncer.intake import Intake, Rejection
 from diloco.syncer import shards
 from diloco.syncer.ownership import LeaseKeeper, Ownership
-from diloco.syncer.periodic import Every
+from diloco.periodic import Every
 from diloco.syncer.policy import QuorumPolicy
 from diloco.syncer.records import (Contribution, Status, Where, parse_partition_key, partition_key,
                                    rejection_counter, rejections_by_reason, replay_mismatch)
@@ -302,6 +302,8 @@ def test_a_periodic_task_is_due_once_per_period():
     assert not every.due() and every.due(force=True)
     now[0] += 1.0
     assert every.due()
+    passes = Every(10.0)                      # no clock: a loop passes the time it read once per pass
+    assert [passes.due(t) for t in (0.0, 9.9, 10.0, 15.0, 20.0)] == [True, False, True, False, True]
 
 
 class _Leases:

@@ -93,6 +93,11 @@ class Config(_Section):
             raise ValueError(f"run.spares ({self.run.spares}): {why}")
         return self
 
+    def with_corpus(self, prepared) -> Config:
+        """This config reading the prepared corpus at `prepared` (data.prepared): the one a run prepared,
+        or a directory given on a command line or in the environment."""
+        return self.model_copy(update={"data": self.data.model_copy(update={"prepared": str(prepared)})})
+
     def spares_unsupported(self) -> str | None:
         """Why a warm spare (`diloco learner --spare`) cannot stand in for this run's learners, or None."""
         if self.backend.kind != "local":
