@@ -26,7 +26,7 @@ from diloco.infra.jobs import LocalJobs, Terminated, sigterm_raises
 from diloco.infra.store import FragmentStore
 from diloco.learners.data import Corpus, corpus_for
 from diloco.plan import Plan, flatten, unflatten
-from diloco.spec import ModelSpec, evaluate, import_roots, initial_plan, load_spec
+from diloco.spec import ModelSpec, evaluate, import_roots, initial_plan, load_spec, run_modules
 from diloco.summary import build_summary, run_warnings, summary_table
 from diloco.supervisor import RunError, RunSupervisor
 from diloco.syncer import state as state_mod
@@ -34,7 +34,7 @@ from diloco.syncer.provision import provision
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunError", "RunSetup", "RunSupervisor", "child_env", "events_from_start", "finish", "new_run_id",
+__all__ = ["RunError", "RunSetup", "RunSupervisor", "child_env", "events_from_start", "finish", "local_jobs", "new_run_id",
            "open_run", "prepare", "provision_run", "train"]
 
 
@@ -55,6 +55,12 @@ def child_env(cfg: Config) -> dict:
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(cfg.run.dir) / cfg.run.id / "jax-cache"))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     return env
+
+
+def local_jobs(cfg: Config, logs: Path) -> LocalJobs:
+    """The run's processes as children of this machine, forked (run.warm_starts) from a server that
+    imported the library and the run's own modules once."""
+    return LocalJobs(logs, child_env(cfg), warm=cfg.run.warm_starts, preload=run_modules(cfg))
 
 
 @dataclass
@@ -166,7 +172,7 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     """Run to the end and return the summary; with_chaos kills processes on the seeded schedule."""
     console = console or Console(stderr=True)
     setup = prepare(cfg, console)
-    jobs = LocalJobs(setup.run_dir / "logs", child_env(setup.cfg), warm=setup.cfg.run.warm_starts)
+    jobs = local_jobs(setup.cfg, setup.run_dir / "logs")
     with sigterm_raises():  # a SIGTERM (exit status 143) stops the jobs first
         run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
         try:

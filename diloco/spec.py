@@ -111,6 +111,13 @@ def import_roots() -> list[str]:
     return list(dict.fromkeys(roots))
 
 
+def run_modules(cfg: Config) -> list[str]:
+    """The run's own modules that a warm start imports once for all its learners (infra/forkserver.py):
+    the model entry's module (unless the learners run model.script), then run.preload."""
+    entry = [] if cfg.model.script else [cfg.model.entry.partition(":")[0]]
+    return list(dict.fromkeys(entry + cfg.run.preload))
+
+
 def load_entry(entry: str) -> Callable[..., ModelSpec]:
     module, _, func = entry.partition(":")
     for root in import_roots():

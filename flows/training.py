@@ -32,9 +32,9 @@ from diloco.config import Config, ConfigError, load_config
 from diloco.flows import reports
 from diloco.flows.evals import evaluate_checkpoint, record_eval, recorded_evals
 from diloco.flows.tpu import jobs_for
-from diloco.infra.jobs import LocalJobs, sigterm_raises
+from diloco.infra.jobs import sigterm_raises
 from diloco.learners.data import corpus_for
-from diloco.run import RunError, RunSetup, child_env, events_from_start, finish, open_run, prepare
+from diloco.run import RunError, RunSetup, events_from_start, finish, local_jobs, open_run, prepare
 from diloco.supervisor import RunSupervisor
 
 REGION_ENTRYPOINT = "diloco.flows.training.region_run"  # a module path: workers import the installed package
@@ -46,7 +46,7 @@ def make_jobs(cfg: Config, cfg_path: Path, region: str | None):
     or that region's cluster or TPU VMs (flows/tpu.py), so a region's runner only ever stops its own."""
     if cfg.backend.kind != "local":
         return jobs_for(cfg, region, cfg_path, cfg_path.parent / "logs")
-    return LocalJobs(cfg_path.parent / "logs", child_env(cfg), warm=cfg.run.warm_starts)
+    return local_jobs(cfg, cfg_path.parent / "logs")
 
 
 def prefect_termination(signum: int) -> TerminationSignal:

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,13 +51,15 @@ class Job:
 class LocalJobs:
     """`python -m diloco ARGV...` per job (per process of a job), output appended to a log file.
     warm: fork the jobs that run in `env` from a fork server, started with the first (its log:
-    forkserver.log) and stopped by `stop_all`."""
+    forkserver.log) and stopped by `stop_all`; it also imports `preload` (the run's model entry
+    module and `run.preload`) once for all of them."""
 
-    def __init__(self, logs: Path, env: dict[str, str] | None = None, warm: bool = True):
-        self.logs, self.env = logs, env or dict(os.environ)
+    def __init__(self, logs: Path, env: dict[str, str] | None = None, warm: bool = True, preload: Sequence[str] = ()):
+        self.logs, self.env, self.preload = logs, env or dict(os.environ), tuple(preload)
         self.jobs: dict[str, Job] = {}
         logs.mkdir(parents=True, exist_ok=True)
         self.warm, self.forks = warm, None
+        self.told_not_preloaded = False
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1,
               stdin_pipe: bool = False) -> Job:
@@ -82,11 +84,15 @@ class LocalJobs:
     def _fork(self, argv: list[str], log_path: Path, stdin_pipe: bool) -> ForkedProcess | None:
         """The job forked from the server, or None where there is none (then it starts from scratch)."""
         if self.warm and self.forks is None:
-            self.forks = ForkServer(self.env, self.logs / "forkserver.log")
+            self.forks = ForkServer(self.env, self.logs / "forkserver.log", preload=self.preload)
         if self.forks is None:
             return None
         if not self.forks.ready():
             return self._cold("the fork server did not start")
+        if not self.told_not_preloaded:
+            self.told_not_preloaded = True
+            for line in self.forks.not_preloaded:
+                log.warning("the fork server did not import %s; each job imports it itself", line)
         read, write = os.pipe() if stdin_pipe else (os.open(os.devnull, os.O_RDONLY), None)
         try:
             with open(log_path, "ab") as out:

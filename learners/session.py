@@ -191,6 +191,17 @@ class Session:
                 log.info("metrics served", extra={"url": f"http://{self.cfg.monitoring.host}:{port}/metrics"})
         self.fetcher.start()
 
+    def phase(self, name: str) -> None:
+        """Tell the run what this learner does before its first step, one of messages.LEARNER_PHASES
+        (`importing`, `compiling`, `joining`: `join` says the last itself): the live table shows it
+        with its time until the learner's first heartbeat says it trains."""
+        if name not in messages.LEARNER_PHASES:
+            raise ValueError(f"phase {name!r} is not one of {messages.LEARNER_PHASES}")
+        if self.leader:
+            self.producer.send(self.topics.events, messages.event(
+                "learner_phase", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
+                incarnation=self.incarnation, phase=name), partition=0)
+
     def join(self, params, timeout_s: float = 120.0):
         """`params` (your template pytree, on your devices) with the run's latest global values put
         into its synced leaves; waits until every fragment has a version. Raises PlanError naming the
@@ -198,6 +209,7 @@ class Session:
         slow (compiling your step on the template): steps trained from versions the run has left
         more than `syncer.max_staleness` behind are refused as stale, their tokens lost."""
         check_tree(params, self.plan)
+        self.phase("joining")
         leaves = flatten(params, self.plan)
         if jax.process_count() == 1:
             self._start_from_template(leaves)
