@@ -48,6 +48,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from diloco.config import StateConfig, redact_url, resolve_secret
+from diloco.infra.services import up_hint
 from diloco.syncer.records import TP, Status, Where, parse_partition_key, partition_key, rejection_counter
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ def wait_until_up(attempt, cfg: StateConfig, timeout_s: float):
                 raise StateError(f"state.redis_url {url} (state.cluster: {cfg.cluster}): {err}") from None
             if time.time() > deadline:
                 raise StateError(f"Redis not reachable at {url} ({why.__class__.__name__}); "
-                                 "start the local stack with `diloco infra up` or set state.redis_url") from None
+                                 + up_hint("state.redis_url")) from None
             log.warning("redis not reachable, retrying", extra={"url": url, "retry_in_s": delay})
             time.sleep(delay)
             delay = min(delay * 2, 2.0)

@@ -109,3 +109,96 @@ def test_a_model_entry_is_imported_once_per_run_not_once_per_learner(tiny_config
     log = Path(summary["run_dir"]) / "logs" / "forkserver.log"
     assert "not preloaded" not in log.read_text()
 
+
+def test_an_unimportable_entry_says_where_it_looked_and_suggests_pythonpath(tmp_path, monkeypatch):
+    from diloco.config import ConfigError
+    from diloco.spec import load_entry
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_entry("my_model_nowhere.model:spec")
+    text = str(err.value)
+    assert "no module 'my_model_nowhere'" in text and "PYTHONPATH=" in text and str(tmp_path) in text
+    (tmp_path / "needs_a_library.py").write_text("import some_library_not_installed\n")
+    with pytest.raises(ConfigError, match="No module named 'some_library_not_installed' \\(install "
+                                          "'some_library_not_installed' in this environment"):
+        load_entry("needs_a_library:spec")
+
+
+def test_services_not_started_by_this_users_infra_up_are_named_on_the_embedded_defaults(tmp_path):
+    import socket
+
+    from diloco.infra.services import listener_uid, not_ours
+    from diloco.run import foreign_stack
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert listener_uid(port) == os.getuid()
+        assert "kafka.pid names no live process" in not_ours("kafka", port, tmp_path)
+        (tmp_path / "kafka.pid").write_text(str(os.getpid()))
+        assert not_ours("kafka", port, tmp_path) is None                       # ours, started here
+        assert f"belongs to uid {os.getuid()}, not to you" in not_ours("kafka", port, tmp_path, uid=os.getuid() + 1)
+    notice = foreign_stack(build_config({}), tmp_path / "elsewhere")
+    assert "kafka on 127.0.0.1:9092" in notice and "redis on 127.0.0.1:6379" in notice and "--config FILE" in notice
+    own = {"transport": {"bootstrap_servers": "127.0.0.1:19092"}, "state": {"redis_url": "redis://127.0.0.1:16379/0"}}
+    assert foreign_stack(build_config(own), tmp_path / "elsewhere") is None    # a stack of one's own: nothing to say
+
+
+@pytest.mark.integration
+def test_a_start_that_fails_leaves_no_run_folder(tiny_config, tmp_path):
+    from diloco.config import ConfigError
+    from diloco.run import train
+
+    cfg = tiny_config(model={"entry": "no_model_here_xyz:spec"})
+    with pytest.raises(ConfigError, match="PYTHONPATH"):
+        train(cfg, progress=False, console=Console(quiet=True))
+    assert not Path(cfg.run.dir).exists() or list(Path(cfg.run.dir).iterdir()) == []
+
+
+def test_a_name_or_path_a_user_wrote_is_printed_as_written_not_read_as_markup(tmp_path):
+    from typer.testing import CliRunner
+
+    from diloco.cli import app
+
+    config = tmp_path / "[red]runs[/]" / "config.yaml"
+    res = CliRunner().invoke(app, ["learners", "remove", "--config", str(config), "[/]"])
+    assert res.exit_code == 2, res.output
+    flat = "".join(res.output.split())  # as written, however the console wrapped it
+    assert "".join(f"error: {config} is not a run's config.yaml".split()) in flat, res.output
+
+
+def test_an_unreachable_broker_names_its_address_and_infra_up_with_the_config():
+    from diloco.config import TransportConfig
+    from diloco.infra import kafka as kafka_io
+    from diloco.infra.services import free_port
+
+    port = free_port()  # nothing listens there
+    with pytest.raises(kafka_io.TransportError) as err:
+        kafka_io.ensure_topics(TransportConfig(bootstrap_servers=f"127.0.0.1:{port}"), {}, timeout_s=1)
+    assert f"127.0.0.1:{port}" in str(err.value) and "diloco infra up --config" in str(err.value)
+
+
+def test_the_byte_corpus_separator_is_configurable_for_models_that_read_0_as_padding(tmp_path):
+    """data.separator: the byte corpus joins documents with 0 unless told otherwise; 256 widens its
+    vocabulary to 257, and a document keeps every byte (a NUL inside one is dropped, as before)."""
+    pytest.importorskip("apache_beam")
+    import numpy as np
+
+    from diloco.learners.data import ensure_corpus
+
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"document {i} " * 20 for i in range(12)]
+    for i, t in enumerate(texts):
+        (src / f"doc{i:02d}.txt").write_text(t)
+    corpus = ensure_corpus(str(src), str(tmp_path / "data"), learners=1, heldout_fraction=0.2, max_bytes=1 << 20,
+                           seed=0, separator=256)
+    m = corpus.manifest
+    assert (m["separator"], m["vocab_size"], m["dtype"]) == (256, 257, "uint16")
+    tokens = np.concatenate([corpus.train_tokens(0), corpus.heldout_tokens()])
+    assert 0 not in tokens and (tokens == 256).sum() == len(texts) - 2  # one between each two in a part
+    assert (tokens != 256).sum() == sum(len(t.encode()) for t in texts)
+    default = ensure_corpus(str(src), str(tmp_path / "data"), learners=1, heldout_fraction=0.2, max_bytes=1 << 20, seed=0)
+    assert default.dir != corpus.dir and default.manifest["separator"] == 0  # another corpus: another key
