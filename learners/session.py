@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from kafka.errors import KafkaError
 
 from diloco import messages, metrics
 from diloco.config import Config, ConfigError, load_config
@@ -197,10 +198,14 @@ class Session:
         with its time until the learner's first heartbeat says it trains."""
         if name not in messages.LEARNER_PHASES:
             raise ValueError(f"phase {name!r} is not one of {messages.LEARNER_PHASES}")
-        if self.leader:
+        if not self.leader:
+            return
+        try:
             self.producer.send(self.topics.events, messages.event(
                 "learner_phase", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
                 incarnation=self.incarnation, phase=name), partition=0)
+        except KafkaError as err:  # only what the live view shows: the learner goes on
+            log.warning("phase not sent", extra={"phase": name, "error": type(err).__name__})
 
     def join(self, params, timeout_s: float = 120.0):
         """`params` (your template pytree, on your devices) with the run's latest global values put
