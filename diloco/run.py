@@ -123,8 +123,7 @@ def _prepare(cfg: Config, console: Console, run_dir: Path, t_start: float) -> Ru
     run_id = cfg.run.id
     console.print(Text.assemble(("run", "bold"), f" {run_id}  dir {run_dir}  broker {cfg.transport.bootstrap_servers}  "
                                 f"store {cfg.store.url}"))
-    if notice := foreign_stack(cfg):
-        log.warning(notice)
+    if notice := foreign_stack(cfg):  # once, on the console (a log line would repeat it there)
         console.print(Text(f"note: {notice}", style="yellow"))
 
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)  # fail fast
