@@ -2,6 +2,7 @@
 #   make demo   - install, start the local broker and Redis, run the 2 regions x 2 learners demo
 #   make test   - install, run the test suite (the tests start their own services), over every core
 #   make test-fast - the unit and property tests alone, no services, over every core (about 2.5 minutes on 2)
+#   make coexistence - the base package installs beside flax, equinox and gemma (needs the package registry)
 #   make bench  - benchmarks against data-parallel and sync DiLoCo (BENCH_ARGS, docs/bench.md)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -9,7 +10,7 @@ BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 CONFIG ?= configs/local.yaml
 
-.PHONY: install system-deps demo prefect-demo test test-fast test-stress bench up down status clean
+.PHONY: install system-deps demo prefect-demo test test-fast test-stress coexistence bench up down status clean
 
 install: system-deps $(VENV)/.installed
 
@@ -82,6 +83,11 @@ test-stress: install
 	@$(BIN)/python -c 'while True: pass' & b1=$$!; $(BIN)/python -c 'while True: pass' & b2=$$!; \
 	trap "kill $$b1 $$b2" EXIT; \
 	for i in 1 2 3; do echo "== stressed run $$i of 3"; $(BIN)/pytest -q -n 2 -p no:cacheprovider $(STRESS_TESTS) || exit 1; done
+
+# the base package beside flax, equinox and gemma: one pip command each, resolved against the registry
+# (a dry run), then a fresh venv with flax and equinox that imports them (.ci/coexistence.py; minutes)
+coexistence: install
+	$(BIN)/python .ci/coexistence.py --venv flax,equinox
 
 BENCH_ARGS ?= --quick --output docs/bench
 bench: up

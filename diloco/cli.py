@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from diloco.config import Config, ConfigError, load_config, redact_url
 from diloco.ops.cli import ckpt_app, state_app
@@ -16,6 +17,7 @@ from diloco.ops.cli import topics as topics_cmd
 from diloco.pipelines.cli import PASS_THROUGH, data_app
 from diloco.pipelines.cli import report as report_cmd
 from diloco.sim.cli import app as simulate_app
+from diloco.textout import labelled
 
 app = typer.Typer(
     help="Decoupled DiLoCo: resilient, low-communication LM pre-training.\n\n"
@@ -35,7 +37,7 @@ learners_app = typer.Typer(help="Add learners to a live local run, or ask one to
 app.add_typer(learners_app, name="learners")
 app.command("topics")(topics_cmd)
 app.command("report", context_settings=PASS_THROUGH)(report_cmd)
-console = Console(stderr=True)
+console = Console(stderr=True, markup=False)  # what it prints quotes names and paths a user chose (diloco/textout.py)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config; omitted = embedded defaults")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key, e.g. --set inner.steps=200")]
@@ -46,7 +48,7 @@ def _config(path: Optional[Path], overrides: Optional[list[str]]) -> Config:
     try:
         return load_config(path, overrides or [])
     except ConfigError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(2) from None
 
 
@@ -54,7 +56,7 @@ def _run_config(path: Path, overrides: Optional[list[str]], command: str) -> Con
     """The config of an existing run (`_config`); exit status 2 if it names no run (run.id)."""
     cfg = _config(path, overrides)
     if not cfg.run.id:
-        console.print(f"[red]error:[/] {command} needs run.id: give the run's config (RUN_DIR/config.yaml has it)")
+        console.print(labelled("error:", f"{command} needs run.id: give the run's config (RUN_DIR/config.yaml has it)"))
         raise typer.Exit(2)
     return cfg
 
@@ -77,19 +79,24 @@ def infra_up(config: ConfigOpt = None, set_: SetOpt = None, state_dir: StateDir 
         console.print(f"s3: started on 127.0.0.1:{s3_port} (moto, bucket {services.S3_BUCKET})")
     starters = {"kafka": lambda d, p: services.start_broker(d, p, s3_port if durable else None),
                 "redis": lambda d, p: services.start_redis(d, p, password)}
-    host, kport = services.host_port(cfg.transport.bootstrap_servers.split(",")[0], 9092)
-    rhost, rport = services.host_port(cfg.state.redis_url.split("://", 1)[1].split("/")[0], 6379)
-    for name, h, port, start in (("kafka", host, kport, starters["kafka"]), ("redis", rhost, rport, starters["redis"])):
+    addresses = services.stack_addresses(cfg.transport.bootstrap_servers, cfg.state.redis_url)
+    console.print(Text(f"services of {config or 'the embedded defaults (no --config)'}: broker "
+                       + ", redis ".join(f"{h}:{p}" for h, p in addresses.values())))
+    for name, (h, port) in addresses.items():
+        start = starters[name]
         if services.port_open(port, h):
-            console.print(f"{name}: already answering on {h}:{port}")
+            why = services.not_ours(name, port, state_dir) if h in ("127.0.0.1", "localhost") else None
+            console.print(Text(f"{name}: already answering on {h}:{port}" + (
+                f", not started by you here ({why}): to use a stack of your own, name free ports in a config's "
+                "transport.bootstrap_servers and state.redis_url and pass it as --config" if why else "")))
         elif h not in ("127.0.0.1", "localhost"):
-            console.print(f"[red]{name}: {h}:{port} is remote and not answering; not starting anything there[/]")
+            console.print(Text(f"{name}: {h}:{port} is remote and not answering; not starting anything there", style="red"))
             raise typer.Exit(1)
         else:
             try:
                 pid = start(state_dir, port)
             except services.ServiceError as err:
-                console.print(f"[red]{name}: {err}[/]")
+                console.print(Text(f"{name}: {err}", style="red"))
                 raise typer.Exit(1) from None
             console.print(f"{name}: started on {h}:{port} (pid {pid}, log {state_dir / (name + '.log')})")
 
@@ -118,13 +125,13 @@ def infra_status(config: ConfigOpt = None, set_: SetOpt = None):
         console.print(f"kafka: up at {cfg.transport.bootstrap_servers}")
     except kafka_io.TransportError as err:
         ok = False
-        console.print(f"kafka: [red]down[/] ({err})")
+        console.print(labelled("kafka: down", f"({err})"))
     try:
         state_mod.connect(cfg.state, timeout_s=3)
         console.print(f"redis: up at {cfg.state.redis_url}")
     except state_mod.StateError as err:
         ok = False
-        console.print(f"redis: [red]down[/] ({err})")
+        console.print(labelled("redis: down", f"({err})"))
     del services
     raise typer.Exit(0 if ok else 1)
 
@@ -164,7 +171,7 @@ def _run(cfg: Config, summary_json: Optional[Path], progress: bool, *, with_chao
         summary = run_train(cfg, summary_json=summary_json, progress=progress and sys.stderr.isatty(),
                             console=console, with_chaos=with_chaos)
     except (RunError, ConnectionError, RuntimeError, ValueError) as err:
-        console.print(f"[red]run failed:[/] {err}")
+        console.print(labelled("run failed:", err))
         raise typer.Exit(1) from None
     if summary["contributions"]["applied_twice"]:
         raise typer.Exit(3)
@@ -183,7 +190,6 @@ def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run'
     on, homes first (fragment p belongs to shard p % N); a shard that stops renewing loses its
     fragments to the live ones after syncer.lease_ttl_s, and gets them back when it returns.
     """
-    from rich.markup import escape
 
     from diloco import logs
     from diloco.syncer.durability import EXIT_STATE_LOST, StateLost
@@ -195,13 +201,13 @@ def syncer(config: Annotated[Path, typer.Option("--config", "-c", help="the run'
         raise typer.Exit(_run_shards(config, overrides, cfg.syncer.shards))
     shard = shard or 0
     if not 0 <= shard < cfg.syncer.shards:
-        console.print(f"[red]error:[/] --shard {shard} is not in 0..{cfg.syncer.shards - 1} (syncer.shards)")
+        console.print(labelled("error:", f"--shard {shard} is not in 0..{cfg.syncer.shards - 1} (syncer.shards)"))
         raise typer.Exit(2)
     logs.setup("syncer" if cfg.syncer.shards == 1 else f"syncer-{shard}")
     try:
         syncer_main(cfg, cfg.run.id, shard)
     except StateLost as err:  # restarting cannot help: say what happened and how to repair it
-        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
+        console.print(labelled("error:", err), soft_wrap=True)
         raise typer.Exit(EXIT_STATE_LOST) from None
 
 
@@ -240,12 +246,12 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
     if spare:
         raise typer.Exit(_spare(cfg, corpus, learner_id))
     if learner_id is None:
-        console.print("[red]error:[/] give --learner ID, or --spare")
+        console.print(labelled("error:", "give --learner ID, or --spare"))
         raise typer.Exit(2)
     try:
         cfg.region_of(learner_id)
     except ConfigError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(2) from None
     logs.setup(f"learner:{learner_id}")
     learner_main(cfg, cfg.run.id, learner_id, str(corpus) if corpus else None, start_step, config_path=str(config))
@@ -253,13 +259,12 @@ def learner(config: Annotated[Path, typer.Option("--config", "-c", help="the run
 
 def _spare(cfg: Config, corpus: Optional[Path], learner_id: Optional[str]) -> int:
     """`diloco learner --spare`: exit status 2 on a bad command line or assignment, else 0."""
-    from rich.markup import escape
 
     from diloco import logs
     from diloco.learners import spare
 
     if learner_id is not None:
-        console.print("[red]error:[/] --spare learns its learner id from stdin: leave out --learner")
+        console.print(labelled("error:", "--spare learns its learner id from stdin: leave out --learner"))
         return 2
     if corpus:
         cfg = cfg.with_corpus(corpus)
@@ -267,7 +272,7 @@ def _spare(cfg: Config, corpus: Optional[Path], learner_id: Optional[str]) -> in
     try:
         spare.main(cfg, cfg.run.id)
     except ConfigError as err:
-        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
+        console.print(labelled("error:", err), soft_wrap=True)
         return 2
     return 0
 
@@ -293,7 +298,7 @@ def lag(config: RunConfigOpt, set_: SetOpt = None):
     try:
         rows = kafka_io.group_lag(cfg.transport, topics.syncer_group, tps)
     except kafka_io.TransportError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(1) from None
     t = Table(title=f"group {topics.syncer_group}", title_justify="left")
     for col in ("topic", "partition", "committed", "end", "lag"):
@@ -309,12 +314,12 @@ def _membership(config: Path, op: dict, wait_s: float) -> dict:
     from diloco import membership
 
     if not config.is_file():
-        console.print(f"[red]error:[/] {config} is not a run's config.yaml (`diloco train` writes RUN_DIR/config.yaml)")
+        console.print(labelled("error:", f"{config} is not a run's config.yaml (`diloco train` writes RUN_DIR/config.yaml)"))
         raise typer.Exit(2)
     try:
         result = membership.wait(membership.submit(config.parent, op), wait_s)
     except membership.RequestError as err:
-        console.print(f"[red]refused:[/] {err}")
+        console.print(labelled("refused:", err))
         raise typer.Exit(1) from None
     console.print(result)
     return result
@@ -339,10 +344,10 @@ def status(config: RunConfigOpt, set_: SetOpt = None,
         topic = kafka_io.Topics.for_run(cfg, cfg.run.id).events
         recs = kafka_io.read_to_end(cfg.transport, kafka_io.partitions_of(topic, 1), timeout_s=10, last=events)
     except (state_mod.StateError, kafka_io.TransportError) as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(1) from None
     if not snap["versions"]:
-        console.print(f"[red]error:[/] run {cfg.run.id} is not in Redis at {redact_url(cfg.state.redis_url)}")
+        console.print(labelled("error:", f"run {cfg.run.id} is not in Redis at {redact_url(cfg.state.redis_url)}"))
         raise typer.Exit(1)
     evs = [e for e in map(messages.parse_event, (r.value for r in recs)) if e and e.get("run") == cfg.run.id]
     st = status_mod.build(cfg, cfg.run.id, snap, evs, time.time())
@@ -383,10 +388,10 @@ def dashboard(prometheus: Annotated[str, typer.Option(help="the Prometheus serve
         drawn = dash.render(prometheus, output, t0, t1, dashboard=board or dash.DEFAULT_DASHBOARD, scrape_s=scrape_s,
                             dpi=dpi)
     except dash.DashboardError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(1) from None
     for title, n in drawn.items():
-        console.print(f"{title}: {n} series" if n else f"{title}: [yellow]no data[/]")
+        console.print(f"{title}: {n} series" if n else Text.assemble(f"{title}: ", ("no data", "yellow")))
     console.print(f"wrote {output} ({sum(1 for n in drawn.values() if n)} of {len(drawn)} panels with data)")
 
 
@@ -414,12 +419,11 @@ def main() -> None:
     try:
         app()
     except ModuleNotFoundError as err:  # a command of a role whose extra is not installed
-        from rich.markup import escape
 
         from diloco.extras import install_hint
 
         hint = install_hint(err)
         if hint is None:
             raise
-        console.print(f"[red]error:[/] {escape(hint)}")
+        console.print(labelled("error:", hint))
         raise SystemExit(1) from None

@@ -29,6 +29,9 @@ from diloco import quantize
 MAGIC = b"DLCO"
 WIRE_VERSION = 2            # 2: the payload checksum is CRC-32C (`crc32c`), where 1 carried a SHA-256
 EVENT_SCHEMA = 1
+# what a learner tells the run it is doing before its first step (a `learner_phase` event); from its
+# first heartbeat on it is training
+LEARNER_PHASES = ("importing", "compiling", "joining")
 _PREFIX = struct.Struct("<4sHI")
 MAX_HEADER_BYTES = 1 << 20
 

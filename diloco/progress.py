@@ -7,6 +7,7 @@ resumes comes from the syncer's records (diloco.resume), never from here.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from rich.table import Table
@@ -18,6 +19,7 @@ from diloco.config import Config
 
 REASON_CHARS = 64  # a rejection reason longer than this is no reason this code base gives
 REMEMBERED_EIDS = 100_000  # ids of the newest events kept to drop a repeated delivery (minutes of a large run's)
+PHASE_LEARNERS = 100_000  # learner names whose phase is kept: any learner may write the events topic
 
 
 class RecentIds:
@@ -55,6 +57,10 @@ def check_event_fields(ev: dict) -> None:
         reason = ev.get("reason")
         if not isinstance(reason, str) or not 0 < len(reason) <= REASON_CHARS:
             raise ValueError(f"rejection reason {messages.short(reason, 40)} is not a short string")
+    elif kind == "learner_phase":
+        if not messages.is_name(ev.get("learner")) or ev.get("phase") not in messages.LEARNER_PHASES:
+            raise ValueError(f"phase {messages.short(ev.get('phase'), 40)} of learner {messages.short(ev.get('learner'), 40)}: "
+                             f"not a learner's name and one of {messages.LEARNER_PHASES}")
     elif kind == "merge":
         if not all(messages.is_count(ev.get(k)) and ev[k] >= 0 for k in ("fragment", "version")) or not isinstance(ev.get("ids"), list):
             raise ValueError("merge event without integer fragment and version and a list of ids")
@@ -110,6 +116,9 @@ class Progress:
     # (a bounded while) for the syncer's records to reach; it never moves a resume point
     handed_in: dict[str, int] = field(default_factory=dict)
     handed_in_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # per (learner, incarnation)
+    # learner -> what it does now and since when: {"phase": importing|compiling|joining|training,
+    # "since": event time, "incarnation"}; training from the first heartbeat of an incarnation
+    phases: dict[str, dict] = field(default_factory=dict)
 
     def per_learner(self, counts: dict[tuple[str, str], int]) -> dict[str, int]:
         """A per-incarnation count summed per learner."""
@@ -145,6 +154,8 @@ class Progress:
             self.trained[key] = max(self.trained.get(key, 0), ev.get("tokens", 0))
             self.handed_in[ev["learner"]] = max(self.handed_in.get(ev["learner"], 0), ev.get("handed_in_to", 0))
             self.handed_in_tokens[key] = max(self.handed_in_tokens.get(key, 0), ev.get("handed_in_tokens", 0))
+        if ev["kind"] in ("heartbeat", "learner_phase"):
+            self._phase(ev)
         if ev["kind"] == "heartbeat" and ev.get("step", 0) < self.learners.get(ev["learner"], {}).get("step", 0):
             return  # a late beat of a killed incarnation: the restarted one resumed further on
         kind = ev["kind"]
@@ -168,19 +179,43 @@ class Progress:
             self.membership.append(ev)
 
 
-def progress_table(cfg: Config, prog: Progress, run_id: str, elapsed: float) -> Table:
+    def _phase(self, ev: dict) -> None:
+        """A learner's phase event, or its heartbeat (training from the first of an incarnation). A beat
+        of an incarnation older than the phase shown (a killed one's, late) changes nothing."""
+        lid, inc = ev["learner"], ev.get("incarnation", "")
+        now = self.phases.get(lid)
+        if now is None and len(self.phases) >= PHASE_LEARNERS:
+            raise ValueError(f"phases of {PHASE_LEARNERS} learners kept already")
+        phase, t = ev["phase"] if ev["kind"] == "learner_phase" else "training", ev.get("time", 0.0)
+        if now is None or (now["incarnation"] == inc and now["phase"] != phase) or (
+                now["incarnation"] != inc and t >= now["since"]):
+            self.phases[lid] = {"phase": phase, "since": t, "incarnation": inc}
+
+    def phase_of(self, lid: str, now: float) -> str | None:
+        """What the learner does now, with its time (`compiling 4s`), or None before it said anything.
+        A learner whose last heartbeat said it finished or left says that."""
+        ph, hb = self.phases.get(lid), self.learners.get(lid, {})
+        if hb.get("state") in ("finished", "left") and (ph is None or ph["incarnation"] == hb.get("incarnation", "")):
+            return hb["state"]
+        return None if ph is None else f"{ph['phase']} {max(now - ph['since'], 0):.0f}s"
+
+
+def progress_table(cfg: Config, prog: Progress, run_id: str, elapsed: float, now: float | None = None) -> Table:
+    """The live table: a row per learner, its state the phase it is in with its time (importing,
+    compiling, joining, training; `starting` before it said anything), or finished or left."""
+    now = time.time() if now is None else now
     t = Table(title=f"run {run_id}  ({elapsed:.0f}s)", title_justify="left")
     for col in ("learner", "step", "tokens", "loss", "step ms", "sent", "state"):
         t.add_column(col, justify="right" if col not in ("learner", "state") else "left")
     for lid in sorted(set(cfg.learner_ids()) | set(prog.learners), key=cfg.shard_index):
-        hb = prog.learners.get(lid)
+        hb, state = prog.learners.get(lid), prog.phase_of(lid, now) or "starting"
         if hb is None:
-            t.add_row(Text(lid), "-", "-", "-", "-", "-", "starting")
+            t.add_row(Text(lid), "-", "-", "-", "-", "-", Text(state))
             continue
         t.add_row(*(Text(str(x)) for x in (
             lid, f"{hb.get('step', 0)}/{cfg.learner_steps(lid)}", f"{hb.get('tokens', 0):,}", _loss(hb),
             f"{1000 * hb.get('step_time', 0.0):.0f}", f"{hb.get('published', 0)} ({hb.get('bytes_sent', 0) / 1e6:.2f} MB)",
-            hb.get("state", "?"))))
+            state)))
     versions = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
     rej = ", ".join(f"{k} {v}" for k, v in sorted(prog.rejections.items())) or "none"
     t.caption = Text(f"syncer: {versions} | merges {prog.merges} | accepted {prog.accepted} | rejected {prog.rejected} ({rej})")
@@ -191,8 +226,17 @@ def _loss(hb: dict) -> str:
     return "-" if hb.get("loss") is None else f"{hb['loss']:.3f}"
 
 
-def progress_line(prog: Progress, elapsed: float) -> str:
-    lrn = " ".join(f"{k} step {v.get('step', 0)} loss {_loss(v)};" for k, v in sorted(prog.learners.items()))
+def progress_line(prog: Progress, elapsed: float, now: float | None = None) -> str:
+    """The live table in a line (without a terminal): each learner's step and loss, and how many of
+    those yet to train are in each phase, with the longest time one has spent in it."""
+    now = time.time() if now is None else now
+    parts = [f"{k} step {v.get('step', 0)} loss {_loss(v)};" for k, v in sorted(prog.learners.items())]
+    waiting: dict[str, list[float]] = {}  # phase -> seconds each learner yet to train has spent in it
+    for lid, ph in prog.phases.items():
+        if lid not in prog.learners:
+            waiting.setdefault(ph["phase"], []).append(now - ph["since"])
+    parts += [f"{len(waiting[p])} {p} ({max(waiting[p]):.0f}s);" for p in messages.LEARNER_PHASES if p in waiting]
+    lrn = " ".join(parts)
     vers = " ".join(f"p{p}:v{v}" for p, v in sorted(prog.versions.items()))
     return (f"[{elapsed:4.0f}s] {lrn or 'learners starting;'} syncer {vers} merges {prog.merges} "
             f"accepted {prog.accepted} rejected {prog.rejected}")

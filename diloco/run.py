@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +22,22 @@ from diloco import chaos, membership, signing
 from diloco.checkpoint import read_global
 from diloco.config import Config, ConfigError, dump_config
 from diloco.infra import kafka as kafka_io
+from diloco.infra import services
 from diloco.infra.jobs import JobBackend, LocalJobs, Terminated, sigterm_raises
 from diloco.infra.store import FragmentStore
 from diloco.pipelines.prepared import corpus_for
 from diloco.plan import Plan, flatten, unflatten
 from diloco.shard_format import Corpus
-from diloco.spec import ModelSpec, evaluate, import_roots, initial_plan, load_spec
+from diloco.spec import ModelSpec, evaluate, import_roots, initial_plan, load_spec, run_modules
 from diloco.summary import build_summary, run_warnings, summary_table
 from diloco.supervisor import RunError, RunSupervisor
 from diloco.syncer import state as state_mod
 from diloco.syncer.provision import provision
+from diloco.textout import labelled
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunError", "RunSetup", "RunSupervisor", "child_env", "events_from_start", "finish", "new_run_id",
+__all__ = ["RunError", "RunSetup", "RunSupervisor", "child_env", "events_from_start", "finish", "local_jobs", "new_run_id",
            "open_run", "prepare", "provision_run", "train"]
 
 
@@ -55,6 +58,29 @@ def child_env(cfg: Config) -> dict:
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(cfg.run.dir) / cfg.run.id / "jax-cache"))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     return env
+
+
+def local_jobs(cfg: Config, logs: Path) -> LocalJobs:
+    """The run's processes as children of this machine, forked (run.warm_starts) from a server that
+    imported the library and the run's own modules once."""
+    return LocalJobs.for_run(cfg, logs, child_env(cfg), run_modules(cfg))
+
+
+def foreign_stack(cfg: Config, state_dir: Path = services.STATE_DIR) -> str | None:
+    """For a run on the embedded defaults' broker and Redis (127.0.0.1:9092 and :6379), what answered
+    there if this user's `diloco infra up` (in this directory) did not start it: on a shared machine it
+    may be anyone's. None when the config names other services, or they are this user's."""
+    fields = type(cfg.transport).model_fields["bootstrap_servers"], type(cfg.state).model_fields["redis_url"]
+    defaults = services.stack_addresses(*(f.default for f in fields))
+    used = services.stack_addresses(cfg.transport.bootstrap_servers, cfg.state.redis_url)
+    found = [f"{name} on {h}:{p}: {why}" for name, (h, p) in used.items()
+             if (h, p) == defaults[name] and (why := services.not_ours(name, p, state_dir))]
+    if not found:
+        return None
+    return ("the config uses the embedded defaults' broker and Redis, and what answered was not started by your "
+            f"`diloco infra up` here ({'; '.join(found)}). For a stack of your own, put free ports in "
+            "transport.bootstrap_servers and state.redis_url, then `diloco infra up --config FILE` and "
+            "`diloco train --config FILE`")
 
 
 @dataclass
@@ -83,13 +109,27 @@ def prepare(cfg: Config, console: Console) -> RunSetup:
     run_id = new_run_id(cfg)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": run_id})})
     run_dir = Path(cfg.run.dir) / run_id
+    created = not run_dir.exists()  # a resumed run's folder stays whatever happens
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]run[/] {run_id}  dir {run_dir}  broker {cfg.transport.bootstrap_servers}  store {cfg.store.url}")
+    try:
+        return _prepare(cfg, console, run_dir, t_start)
+    except BaseException:
+        if created:  # a start that failed leaves no folder for `diloco topics` and others to take as the newest run
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _prepare(cfg: Config, console: Console, run_dir: Path, t_start: float) -> RunSetup:
+    run_id = cfg.run.id
+    console.print(Text.assemble(("run", "bold"), f" {run_id}  dir {run_dir}  broker {cfg.transport.bootstrap_servers}  "
+                                f"store {cfg.store.url}"))
+    if notice := foreign_stack(cfg):  # once, on the console (a log line would repeat it there)
+        console.print(Text(f"note: {notice}", style="yellow"))
 
     state = state_mod.SyncerState(state_mod.connect(cfg.state), cfg.state.key_prefix, run_id)  # fail fast
     corpus = corpus_for(cfg)
-    console.print(f"corpus {corpus.dir}: {sum(s['tokens'] for s in corpus.manifest['shards']):,} train tokens "
-                  f"in {corpus.num_shards} shards, {corpus.manifest['heldout']['tokens']:,} held out")
+    console.print(Text(f"corpus {corpus.dir}: {sum(s['tokens'] for s in corpus.manifest['shards']):,} train tokens "
+                       f"in {corpus.num_shards} shards, {corpus.manifest['heldout']['tokens']:,} held out"))
     cfg = cfg.with_corpus(corpus.dir)
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(dump_config(cfg))
@@ -168,13 +208,13 @@ def train(cfg: Config, *, summary_json: str | Path | None = None, progress: bool
     """Run to the end and return the summary; with_chaos kills processes on the seeded schedule."""
     console = console or Console(stderr=True)
     setup = prepare(cfg, console)
-    jobs = LocalJobs.for_run(setup.cfg, setup.run_dir / "logs", child_env(setup.cfg))
+    jobs = local_jobs(setup.cfg, setup.run_dir / "logs")
     with sigterm_raises():  # a SIGTERM (exit status 143) stops the jobs first
         run = open_run(setup, jobs, console, chaos.schedule(setup.cfg) if with_chaos else [])
         try:
             run.watch(progress, setup.t_start)
         except Terminated:
-            console.print(f"[red]run stopped by SIGTERM:[/] stopping its learners and syncer; logs in {setup.run_dir / 'logs'}")
+            console.print(labelled("run stopped by SIGTERM:", f"stopping its learners and syncer; logs in {setup.run_dir / 'logs'}"))
             raise
         finally:
             jobs.stop_all()

@@ -111,6 +111,27 @@ def import_roots() -> list[str]:
     return list(dict.fromkeys(roots))
 
 
+def run_modules(cfg: Config) -> list[str]:
+    """The run's own modules that a warm start imports once for all its learners (infra/forkserver.py):
+    the model entry's module (unless the learners run model.script), then run.preload."""
+    entry = [] if cfg.model.script else [cfg.model.entry.partition(":")[0]]
+    return list(dict.fromkeys(entry + cfg.run.preload))
+
+
+def import_failure(module: str, err: ImportError) -> str:
+    """Why `module` did not import, and what to do: a module not found says where it was looked for
+    and suggests PYTHONPATH; one found that failed inside names the module it lacked."""
+    missing = getattr(err, "name", None)
+    if isinstance(err, ModuleNotFoundError) and missing and (module == missing or module.startswith(missing + ".")):
+        looked = [p or os.getcwd() for p in sys.path if not p.endswith(".zip")]
+        return (f"no module {missing!r} in any folder on the import path ({', '.join(looked)}). Put the folder "
+                f"that holds it on PYTHONPATH (PYTHONPATH=/path/to/folder diloco train ...), run from that folder, "
+                f"or install its package in this environment")
+    return f"{type(err).__name__}: {err}" + (
+        f" (install {missing!r} in this environment, in the same pip command as this library)"
+        if isinstance(err, ModuleNotFoundError) and missing else "")
+
+
 def load_entry(entry: str) -> Callable[..., ModelSpec]:
     module, _, func = entry.partition(":")
     for root in import_roots():
@@ -120,7 +141,7 @@ def load_entry(entry: str) -> Callable[..., ModelSpec]:
         __import__(module)
         mod = sys.modules[module]
     except ImportError as err:
-        raise ConfigError(f"model.entry {entry!r}: cannot import {module!r}: {err}") from None
+        raise ConfigError(f"model.entry {entry!r}: cannot import {module!r}: {import_failure(module, err)}") from None
     fn = getattr(mod, func, None)
     if not callable(fn):
         raise ConfigError(f"model.entry {entry!r}: {module} has no function {func!r}")

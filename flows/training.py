@@ -35,6 +35,7 @@ from diloco.infra.jobs import JobBackend, backend_for, sigterm_raises
 from diloco.periodic import Every
 from diloco.pipelines.prepared import corpus_for
 from diloco.run import RunError, RunSetup, child_env, events_from_start, finish, open_run, prepare
+from diloco.spec import run_modules
 from diloco.supervisor import RunSupervisor, outage_seconds
 
 REGION_ENTRYPOINT = "diloco.flows.training.region_run"  # a module path: workers import the installed package
@@ -44,7 +45,7 @@ VERSION_EVENT = "diloco.version.committed"
 def make_jobs(cfg: Config, cfg_path: Path, region: str | None) -> JobBackend:
     """The job backend of one region's learners, or of the syncer (region None): child processes here,
     or that region's cluster or TPU VMs (diloco.infra.tpu), so a region's runner only ever stops its own."""
-    return backend_for(cfg, region, cfg_path, child_env(cfg))
+    return backend_for(cfg, region, cfg_path, child_env(cfg), preload=run_modules(cfg))
 
 
 def prefect_termination(signum: int) -> TerminationSignal:

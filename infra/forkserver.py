@@ -12,7 +12,16 @@ and a job that asks for another one (a learner over several CPU devices or hosts
 usual way. Nothing is initialised before the fork that is not safe across it: the JAX backends, the
 TensorStore contexts and every client are made in the child.
 
+The server also imports the run's own modules (`model.entry`'s module and `run.preload`), so a model
+library that takes seconds to import (TensorFlow under a tokenizer, Flax, a model zoo) is imported
+once per run, not once per learner and restart. One that fails to import there, or that starts JAX's
+backend at import (which a fork cannot carry), is left to the jobs, which import it themselves: the
+server says so before it is ready (`not-preloaded` lines, which the runner logs), and in the second
+case starts again without the run's modules.
+
 The protocol, over a Unix socket, one connection per job:
+  server -> runner: "not-preloaded <module>: <why>\n" for each of the run's modules it left to the jobs,
+                    then "ready\n" once it listens
   runner -> server: JSON {"module": "diloco", "argv": [...], "cwd": "..."}, with the child's stdin and output descriptors
   server -> runner: "<pid>\\n" once forked, with a pidfd of the job where the system has them (Linux 5.3+),
   runner -> server: "ok\\n" once it holds the pid (it tracks the job from then on),
@@ -42,12 +51,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import setproctitle
 
 PRELOAD = ("diloco.cli", "diloco.learners.learner", "diloco.syncer.service")
 READY = b"ready\n"
+NOT_PRELOADED = b"not-preloaded "
 ACK = b"ok\n"  # the runner holds the pid: the job is tracked
 # The runner sends its request as soon as it connects: a client that has sent none after this long is
 # dropped, since the server is single-threaded and every spawn behind it would wait.
@@ -145,22 +157,29 @@ def read_pid(conn: socket.socket) -> tuple[int, bytes, int | None]:
 class ForkServer:
     """The runner's side: start the server with `env`, then `spawn` jobs from it."""
 
-    def __init__(self, env: dict[str, str], log: Path, ready_timeout_s: float = 60.0,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S):
+    def __init__(self, env: dict[str, str], log: Path, ready_timeout_s: float = 120.0,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, preload: Sequence[str] = ()):
+        """preload: the run's own modules to import once in the server (model.entry's, run.preload)."""
         self.ready_timeout_s = ready_timeout_s
+        self.not_preloaded: list[str] = []  # "<module>: <why>" for each of `preload` the jobs import themselves
         self.dir = tempfile.mkdtemp(prefix="diloco-fork-")  # short: a socket path has 107 bytes at most
         self.path = os.path.join(self.dir, "socket")
         with open(log, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "diloco.infra.forkserver", self.path,
-                                          str(request_timeout_s)], env=env,
+                                          str(request_timeout_s), *preload], env=env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out)
         self._ready: bool | None = None
 
     def ready(self) -> bool:
         """Whether the server has loaded and listens (waits for it the first time); False if it failed."""
         if self._ready is None:
-            got = select.select([self.proc.stdout], [], [], self.ready_timeout_s)[0]
-            self._ready = bool(got) and self.proc.stdout.readline() == READY
+            deadline, line = time.monotonic() + self.ready_timeout_s, b""
+            while select.select([self.proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+                line = self.proc.stdout.readline()
+                if not line.startswith(NOT_PRELOADED):
+                    break
+                self.not_preloaded.append(line[len(NOT_PRELOADED):].decode(errors="replace").strip())
+            self._ready = line == READY
             if not self._ready:
                 self.close()
         return self._ready
@@ -203,15 +222,17 @@ class ForkServer:
 
 # The server's side.
 
-def serve(path: str, request_timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
+def serve(path: str, request_timeout_s: float = REQUEST_TIMEOUT_S, preload: Sequence[str] = ()) -> dict:
     """Load, listen and fork until standard input closes. Returns only in a forked child: its request.
-    A client that sends no request within `request_timeout_s` of connecting is dropped."""
+    A client that sends no request within `request_timeout_s` of connecting is dropped. `preload`:
+    the run's own modules, imported after the library's (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the runner, which stops the jobs
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError as err:  # an optional part: the children import it (and fail) if they need it
             print(f"fork server: not preloaded: {err}", file=sys.stderr, flush=True)
+    _preload_run_modules(path, request_timeout_s, preload)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -272,6 +293,40 @@ def serve(path: str, request_timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
             children[pid] = unacknowledged[pid] = conn
 
 
+def _preload_run_modules(path: str, request_timeout_s: float, modules: Sequence[str]) -> None:
+    """Import the run's modules; one that fails is left to the jobs. One that started JAX's backend
+    (its threads and device handles do not survive a fork) taints this process: it starts again
+    without the run's modules, having told the runner which one did it."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as err:  # the user's code: whatever it raises, the jobs import it and say so
+            _not_preloaded(name, f"{type(err).__name__}: {err}")
+            continue
+        if _jax_backend_started():
+            _not_preloaded(name, "it starts JAX's backend at import, which a fork cannot carry")
+            for other in modules[modules.index(name) + 1:]:
+                _not_preloaded(other, "the fork server started again without the run's modules")
+            os.execv(sys.executable, [sys.executable, "-m", "diloco.infra.forkserver", path, str(request_timeout_s)])
+
+
+def _not_preloaded(module: str, why: str) -> None:
+    line = " ".join(f"{module}: {why}".split())  # one line, whatever the error said
+    sys.stdout.buffer.write(NOT_PRELOADED + line.encode(errors="replace")[:1000] + b"\n")
+    sys.stdout.flush()
+    print(f"fork server: not preloaded: {line}; each job imports it itself", file=sys.stderr, flush=True)
+
+
+def _jax_backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # another JAX: assume the worst only if it has backends
+        return bool(getattr(sys.modules.get("jax._src.xla_bridge"), "_backends", None))
+
+
 def _acknowledged(conn: socket.socket) -> bool:
     """Whether what the runner sent after the pid is its acknowledgement (else it hung up)."""
     try:
@@ -330,6 +385,6 @@ def become(request: dict) -> None:
 
 
 if __name__ == "__main__":
-    request = serve(sys.argv[1], *map(float, sys.argv[2:3]))
+    request = serve(sys.argv[1], float(sys.argv[2]), sys.argv[3:])
     become(request)
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

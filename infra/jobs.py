@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,12 +87,14 @@ class SpareJobs(JobBackend, Protocol):
         """Job `old` goes on as `new` (a spare that became a learner)."""
 
 
-def backend_for(cfg: Config, region: str | None, config_file: Path, env: dict[str, str] | None = None) -> JobBackend:
+def backend_for(cfg: Config, region: str | None, config_file: Path, env: dict[str, str] | None = None,
+                preload: Sequence[str] = ()) -> JobBackend:
     """The backend of one runner of the run whose config is `config_file` (logs beside it): with
-    backend.kind local every job on this machine (`env` theirs); else region `region`'s learners on
-    its cluster or TPU VMs, or (None) the syncer's home cluster (diloco.infra.tpu)."""
+    backend.kind local every job on this machine (`env` theirs, `preload` imported once for them);
+    else region `region`'s learners on its cluster or TPU VMs, or (None) the syncer's home cluster
+    (diloco.infra.tpu)."""
     if cfg.backend.kind == "local":
-        return LocalJobs.for_run(cfg, config_file.parent / "logs", env)
+        return LocalJobs.for_run(cfg, config_file.parent / "logs", env, preload)
     from diloco.infra.tpu import jobs_for
 
     return jobs_for(cfg, region, config_file, config_file.parent / "logs")
@@ -117,18 +119,21 @@ class Job:
 class LocalJobs:
     """`python -m diloco ARGV...` per job (per process of a job), output appended to a log file.
     warm: fork the jobs that run in `env` from a fork server, started with the first (its log:
-    forkserver.log) and stopped by `stop_all`."""
+    forkserver.log) and stopped by `stop_all`; it also imports `preload` (the run's model entry
+    module and `run.preload`) once for all of them."""
 
-    def __init__(self, logs: Path, env: dict[str, str] | None = None, warm: bool = True):
-        self.logs, self.env = logs, env or dict(os.environ)
+    def __init__(self, logs: Path, env: dict[str, str] | None = None, warm: bool = True, preload: Sequence[str] = ()):
+        self.logs, self.env, self.preload = logs, env or dict(os.environ), tuple(preload)
         self.jobs: dict[str, Job] = {}
         logs.mkdir(parents=True, exist_ok=True)
         self.warm, self.forks = warm, None
+        self.told_not_preloaded = False
 
     @classmethod
-    def for_run(cls, cfg: Config, logs: Path, env: dict[str, str] | None) -> LocalJobs:
-        """A run's jobs on this machine, warm-started as run.warm_starts says."""
-        return cls(logs, env, warm=cfg.run.warm_starts)
+    def for_run(cls, cfg: Config, logs: Path, env: dict[str, str] | None, preload: Sequence[str] = ()) -> LocalJobs:
+        """A run's jobs on this machine, warm-started as run.warm_starts says, from a server that imported
+        `preload` (the run's own modules: diloco.spec.run_modules) once."""
+        return cls(logs, env, warm=cfg.run.warm_starts, preload=preload)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, processes: int = 1,
               stdin_pipe: bool = False) -> Job:
@@ -153,11 +158,15 @@ class LocalJobs:
     def _fork(self, argv: list[str], log_path: Path, stdin_pipe: bool) -> ForkedProcess | None:
         """The job forked from the server, or None where there is none (then it starts from scratch)."""
         if self.warm and self.forks is None:
-            self.forks = ForkServer(self.env, self.logs / "forkserver.log")
+            self.forks = ForkServer(self.env, self.logs / "forkserver.log", preload=self.preload)
         if self.forks is None:
             return None
         if not self.forks.ready():
             return self._cold("the fork server did not start")
+        if not self.told_not_preloaded:
+            self.told_not_preloaded = True
+            for line in self.forks.not_preloaded:
+                log.warning("the fork server did not import %s; each job imports it itself", line)
         read, write = os.pipe() if stdin_pipe else (os.open(os.devnull, os.O_RDONLY), None)
         try:
             with open(log_path, "ab") as out:

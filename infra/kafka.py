@@ -25,6 +25,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from diloco.config import Config, TransportConfig, resolve_secret
+from diloco.infra.services import up_hint
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +328,7 @@ def _connect(client: type, t: TransportConfig, timeout_s: float = 20.0, **kw):
                     ) from None
                 raise TransportError(
                     f"Kafka broker not reachable at {t.bootstrap_servers} ({type(err).__name__}); "
-                    "start the local stack with `diloco infra up` or set transport.bootstrap_servers") from None
+                    + up_hint("transport.bootstrap_servers")) from None
             log.warning("kafka connect failed (%s), retrying in %.1fs", type(err).__name__, delay)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)

@@ -238,3 +238,46 @@ def stop(name: str, state: Path, timeout: float = 10.0) -> bool:
 def host_port(addr: str, default: int) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return (host or "127.0.0.1"), int(port or default)
+
+
+def stack_addresses(bootstrap_servers: str, redis_url: str) -> dict[str, tuple[str, int]]:
+    """(host, port) of the broker (the first bootstrap server) and of Redis that a config names."""
+    return {"kafka": host_port(bootstrap_servers.split(",")[0], 9092),
+            "redis": host_port(redis_url.split("://", 1)[1].split("/")[0].rpartition("@")[2], 6379)}
+
+
+STATE_DIR = Path(".diloco/services")  # where `diloco infra up` keeps its pid files and logs, by default
+
+
+def up_hint(key: str) -> str:
+    """What an unreachable broker or Redis error says to do."""
+    return (f"start the local stack on the config's ports with `diloco infra up --config YOUR_CONFIG` (the broker on "
+            f"transport.bootstrap_servers', Redis on state.redis_url's port) or set {key}")
+
+
+def listener_uid(port: int) -> int | None:
+    """The user id owning the socket that listens on this TCP port here (Linux /proc/net/tcp and tcp6),
+    or None where that cannot be told."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 7 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                return int(f[7])
+    return None
+
+
+def not_ours(name: str, port: int, state: Path = STATE_DIR, uid: int | None = None) -> str | None:
+    """Why the service answering on this local port was not started by this user's `diloco infra up`
+    in this directory (None: it was: its pid file in `state` names a live process of ours)."""
+    uid, owner = os.getuid() if uid is None else uid, listener_uid(port)
+    if owner is not None and owner != uid:
+        return f"its socket belongs to uid {owner}, not to you (uid {uid})"
+    try:
+        os.kill(int((state / f"{name}.pid").read_text()), 0)
+        return None
+    except (OSError, ValueError):
+        return f"{state / (name + '.pid')} names no live process of yours"

@@ -15,6 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
+from diloco.infra.services import up_hint
 from diloco.config import StateConfig, redact_url, resolve_secret
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def wait_until_up(attempt, cfg: StateConfig, timeout_s: float):
                 raise StateError(f"state.redis_url {url} (state.cluster: {cfg.cluster}): {err}") from None
             if time.time() > deadline:
                 raise StateError(f"Redis not reachable at {url} ({why.__class__.__name__}); "
-                                 "start the local stack with `diloco infra up` or set state.redis_url") from None
+                                 + up_hint("state.redis_url")) from None
             log.warning("redis not reachable, retrying", extra={"url": url, "retry_in_s": delay})
             time.sleep(delay)
             delay = min(delay * 2, 2.0)

@@ -78,23 +78,25 @@ def compile_step(spec: ModelSpec, mesh: LearnerMesh, opt: optax.GradientTransfor
 def run(cfg: Config, run_id: str, learner_id: str, *, start_step: int = 0, spec: ModelSpec | None = None,
         mesh: LearnerMesh | None = None, **services) -> dict:
     """Train `learner_id` of the run to its step budget (or until SIGTERM); returns its summary."""
-    spec = spec or load_spec(cfg)
-    mesh = mesh or learner_mesh(cfg)
+    mesh = mesh or learner_mesh(cfg)  # joins the learner's other hosts first: the session asks JAX which host it is
     total_steps = cfg.learner_steps(learner_id)
     speed = cfg.region_of(learner_id).speed
-    shard = DataShard(cfg.shard_index(learner_id), cfg.num_shards, start_step, cfg.data.seed,
-                      jax.process_index(), jax.process_count())
-    n = jax.process_count()
-    feed = ((spec.tokens_in(b) * n, mesh.shard_batch(b)) for b in spec.batches(shard))  # (global tokens, on devices)
     session = Session(cfg, learner_id, run_id=run_id, start_step=start_step, **services)
     session.open()
     ok = False
     try:
-        template = initial_params(cfg, spec, mesh)
-        tokens, batch = next(feed)
+        session.phase("importing")  # the model entry (a warm start's fork server has imported its module)
+        spec = spec or load_spec(cfg)
+        shard = DataShard(cfg.shard_index(learner_id), cfg.num_shards, start_step, cfg.data.seed,
+                          jax.process_index(), jax.process_count())
+        n = jax.process_count()
+        feed = ((spec.tokens_in(b) * n, mesh.shard_batch(b)) for b in spec.batches(shard))  # (global tokens, on devices)
         # Compile before joining (join keeps the template's shapes, dtypes and shardings): a join
         # followed by a long compile would train its first steps from versions the run left behind
         # meanwhile, and a restarted learner's first delta would be refused as stale, its tokens lost.
+        session.phase("compiling")  # the model's init, the first batch, the inner step
+        template = initial_params(cfg, spec, mesh)
+        tokens, batch = next(feed)
         opt_state, train_step = compile_step(spec, mesh, spec.inner_optimizer(start_step, total_steps), template, batch)
         params = session.join(template)
         del template

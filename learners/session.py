@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from kafka.errors import KafkaError
 
 from diloco import messages, metrics
 from diloco.config import Config, ConfigError, load_config
@@ -194,6 +195,21 @@ class Session:
                 log.info("metrics served", extra={"url": f"http://{self.cfg.monitoring.host}:{port}/metrics"})
         self.fetcher.start()
 
+    def phase(self, name: str) -> None:
+        """Tell the run what this learner does before its first step, one of messages.LEARNER_PHASES
+        (`importing`, `compiling`, `joining`: `join` says the last itself): the live table shows it
+        with its time until the learner's first heartbeat says it trains."""
+        if name not in messages.LEARNER_PHASES:
+            raise ValueError(f"phase {name!r} is not one of {messages.LEARNER_PHASES}")
+        if not self.leader:
+            return
+        try:
+            self.producer.send(self.topics.events, messages.event(
+                "learner_phase", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
+                incarnation=self.incarnation, phase=name), partition=0)
+        except KafkaError as err:  # only what the live view shows: the learner goes on
+            log.warning("phase not sent", extra={"phase": name, "error": type(err).__name__})
+
     def join(self, params, timeout_s: float = 120.0):
         """`params` (your template pytree, on your devices) with the run's latest global values put
         into its synced leaves; waits until every fragment has a version. Raises PlanError naming the
@@ -201,6 +217,7 @@ class Session:
         slow (compiling your step on the template): steps trained from versions the run has left
         more than `syncer.max_staleness` behind are refused as stale, their tokens lost."""
         check_tree(params, self.plan)
+        self.phase("joining")
         leaves = flatten(params, self.plan)
         if jax.process_count() == 1:
             self._start_from_template(leaves)

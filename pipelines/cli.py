@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-console = Console(stderr=True)
+from diloco.textout import labelled
+
+console = Console(stderr=True, markup=False)  # what it prints quotes paths and names a user chose (diloco/textout.py)
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 data_app = typer.Typer(help="Prepare token shards (Beam), train a tokenizer, inspect a prepared corpus.",
@@ -71,7 +75,7 @@ def prepare(ctx: typer.Context,
                         max_bytes=max_bytes, tokenizer_name=tokenizer, seq_len=seq_len, text_field=text_field,
                         near_duplicates=near, pipeline_args=_beam_args(runner, ctx.args))
     except DataError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(1) from None
     table = Table("file", "documents", "tokens", "sequences", title=f"{output} ({m['content_sha256'][:12]})")
     for s in [*m["shards"], m["heldout"]]:
@@ -80,8 +84,8 @@ def prepare(ctx: typer.Context,
     console.print(f"tokenizer {m['tokenizer']} ({m['tokenizer_kind']}): vocab_size {m['vocab_size']:,}, "
                   f"separator {m['separator']}, tokens stored as {m['dtype']}")
     for mv in m["moved"]:
-        console.print(f"[yellow]note:[/] the hash split left {mv['to']} empty: moved {mv['path']} there "
-                      f"from {mv['from']}")
+        console.print(labelled("note:", f"the hash split left {mv['to']} empty: moved {mv['path']} there "
+                                        f"from {mv['from']}", style="yellow"))
     c = m["counts"]
     console.print(f"files read {c.get('files_read', 0):,}, duplicates dropped {c.get('duplicates_dropped', 0):,}, "
                   f"skipped {len(m['skipped']):,}, left out by --max-bytes {m['capped_files']:,}")
@@ -126,7 +130,7 @@ def tokenizer(output: Annotated[str, typer.Option(help="the tokenizer.json to wr
         t = train_tokenizer(input, output, vocab_size=vocab_size, text_field=text_field, max_bytes=max_bytes,
                             min_frequency=min_frequency)
     except DataError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(1) from None
     short = "" if t["vocab_size"] == t["asked"] else f" (asked for {t['asked']:,}: the corpus has no more merges)"
     console.print(f"wrote {output}: byte-level BPE, {t['vocab_size']:,} ids{short}, {t['end_of_text']} = id "
@@ -157,16 +161,16 @@ def inspect(corpus: Annotated[str, typer.Argument(help="a prepared corpus: direc
     try:
         s = inspect_corpus(corpus, verify=verify, documents=documents, tokenizer=tokenizer)
     except DataError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(1) from None
     if as_json:
         typer.echo(json_lib.dumps(s, indent=1))
     else:
         table = Table("file", "documents", "tokens", "sequences", "sha256", *(["check"] if verify else []),
-                      title=f"{corpus} ({s['content_sha256'][:12]})")
+                      title=Text(f"{corpus} ({s['content_sha256'][:12]})"))
         for f in s["files"]:
-            check = ([] if not verify else ["ok" if f["problem"] is None else f"[red]{f['problem']}[/]"])
-            table.add_row(f["name"], f"{f['documents']:,}", f"{f['tokens']:,}", f"{f['sequences']:,}",
+            check = ([] if not verify else ["ok" if f["problem"] is None else Text(f["problem"], style="red")])
+            table.add_row(Text(f["name"]), f"{f['documents']:,}", f"{f['tokens']:,}", f"{f['sequences']:,}",
                           (f["sha256"] or "-")[:12], *check)
         t = s["totals"]
         table.add_row("total", f"{t['documents']:,}", f"{t['tokens']:,}", f"{t['sequences']:,}", "",
@@ -186,7 +190,7 @@ def inspect(corpus: Annotated[str, typer.Argument(help="a prepared corpus: direc
         for mv in s["moved"]:
             console.print(f"moved {mv['path']} from {mv['from']} to {mv['to']}")
         for name, docs in s["documents"].items():
-            console.print(f"[bold]{name}[/]")
+            console.print(Text(name, style="bold"))
             for doc in docs:
                 console.print("  " + repr(doc[:160]) + ("..." if len(doc) > 160 else ""), markup=False)
     if verify and not s["verified"]:
@@ -215,7 +219,7 @@ def report(ctx: typer.Context,
     try:
         cfg = load_config(config)
     except ConfigError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(labelled("error:", err))
         raise typer.Exit(2) from None
     if events is None:
         from apache_beam.io.filesystems import FileSystems
@@ -226,7 +230,7 @@ def report(ctx: typer.Context,
         try:
             n = telemetry.export_events(cfg, run, events, timeout_s=timeout_s)
         except TransportError as err:
-            console.print(f"[red]error:[/] {err}")
+            console.print(labelled("error:", err))
             raise typer.Exit(1) from None
         console.print(f"copied {n:,} events to {events}")
     rep = telemetry.report(events, output, run_id=run, fragments=cfg.fragments.count if config else 0,

@@ -101,7 +101,8 @@ def tokenizer_spec(name: str) -> TokenizerSpec:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, and 0 (NUL, stripped from text) is free as separator."""
+    """UTF-8 bytes as tokens: vocabulary 256, and 0 (NUL, stripped from text) is free as separator (a
+    model that reads 0 as padding wants another: data.separator, `with_separator`)."""
 
     vocab_size = 256
     separator = SEPARATOR
@@ -153,6 +154,22 @@ def load_tokenizer(spec: TokenizerSpec):
     token_dtype(tok.vocab_size)  # raises for ids that int32 batches cannot hold
     if tok.separator is None:
         raise DataError(f"tokenizer {spec.name} has no end-of-document token to join documents with: {tok.missing}")
+    return tok
+
+
+def with_separator(tok, separator: int | None):
+    """The tokenizer with documents joined by `separator` instead of its own end-of-document id. Bytes
+    grow their vocabulary to hold it (256 needs a model of vocab_size 257); another tokenizer's must be
+    one of its ids."""
+    if separator is None:
+        return tok
+    if isinstance(tok, ByteTokenizer):
+        tok = ByteTokenizer()
+        tok.vocab_size = max(256, separator + 1)
+    elif separator >= tok.vocab_size:
+        raise DataError(f"separator {separator} is not an id of the tokenizer's vocabulary of {tok.vocab_size}")
+    token_dtype(tok.vocab_size)  # raises for ids that int32 batches cannot hold
+    tok.separator = separator
     return tok
 
 
@@ -479,15 +496,15 @@ class Tokenize(beam.DoFn):
 
     SKIPPED = "skipped"
 
-    def __init__(self, spec: TokenizerSpec, dtype: str):
-        self.spec, self.dtype = spec, dtype
+    def __init__(self, spec: TokenizerSpec, dtype: str, separator: int | None = None):
+        self.spec, self.dtype, self.separator = spec, dtype, separator
         self.tokens = Metrics.counter(NS, "tokens")
         self.separators = Metrics.counter(NS, "separator_tokens_dropped")
         self.failed = Metrics.counter(NS, "skipped_tokenizer_failed")
         self.empty = Metrics.counter(NS, "skipped_no_tokens")
 
     def setup(self):
-        self.tok = load_tokenizer(self.spec)  # once per worker, from the spec's file
+        self.tok = with_separator(load_tokenizer(self.spec), self.separator)  # once per worker, from the spec's file
 
     def process(self, doc: Doc):
         try:
@@ -665,7 +682,7 @@ class PrepareCorpus(beam.PTransform):
             nd = docs | "NearDuplicates" >> DropNearDuplicates(self.near_duplicates)
             docs, near = nd["docs"], nd["near_duplicates"]
         tokens = (docs
-                  | "Tokenize" >> beam.ParDo(Tokenize(self.tokenizer, self.dtype)).with_outputs(
+                  | "Tokenize" >> beam.ParDo(Tokenize(self.tokenizer, self.dtype, self.separator)).with_outputs(
                       Tokenize.SKIPPED, main="docs"))
         balanced = (tokens.docs
                     | "Split" >> beam.ParDo(AssignSplit(self.learners, self.heldout_fraction, self.seed))
@@ -715,10 +732,11 @@ def write_bytes(path: str, data: bytes) -> None:
 def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fraction: float = 0.05, seed: int = 0,
             max_bytes: int | None = None, tokenizer_name: str = "bytes", seq_len: int = 128,
             text_field: str = "text", near_duplicates: NearDuplicates | None = None,
-            pipeline_args: list[str] | None = None) -> dict:
+            pipeline_args: list[str] | None = None, separator: int | None = None) -> dict:
     """Run the whole preparation; returns the manifest. inputs=None is the stdlib corpus; text_field is
     the field (JSON Lines) or column (Parquet) that holds a record file's documents; near_duplicates
-    (off when None) drops documents near another beside the exact duplicates."""
+    (off when None) drops documents near another beside the exact duplicates; separator joins the
+    documents (None: the tokenizer's end-of-document id, 0 for bytes)."""
     if not text_field:
         raise DataError("text field must be a non-empty field / column name")
     if learners < 1:
@@ -726,7 +744,7 @@ def prepare(inputs: list[str] | None, output: str, *, learners: int, heldout_fra
     if not 0 < heldout_fraction < 1:
         raise DataError(f"heldout fraction must be in (0, 1), got {heldout_fraction}")
     spec = tokenizer_spec(tokenizer_name)
-    tok = load_tokenizer(spec)  # here first, so a bad tokenizer fails before the pipeline starts
+    tok = with_separator(load_tokenizer(spec), separator)  # here first: a bad tokenizer fails before the pipeline
     dtype = token_dtype(tok.vocab_size)
     pl = plan(inputs, max_bytes)
     if FileSystems.get_scheme(output) is None:

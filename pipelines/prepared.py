@@ -15,12 +15,13 @@ from diloco.shard_format import MANIFEST, Corpus
 
 def ensure_corpus(corpus: str | None, data_dir: str, *, learners: int, heldout_fraction: float,
                   max_bytes: int, seed: int, tokenizer: str = "bytes", text_field: str = "text",
-                  near_duplicates: float | None = None) -> Corpus:
+                  near_duplicates: float | None = None, separator: int | None = None) -> Corpus:
     """Reuse a prepared corpus for the same inputs and settings, or run the Beam corpus pipeline now.
 
     corpus=None is the Python standard library's sources; tokenizer is "bytes", a Hugging Face
     tokenizer.json or a SentencePiece .model; text_field names the documents' field in JSON Lines and
-    Parquet files; near_duplicates, a Jaccard threshold, also drops near duplicates. The pipeline writes into a scratch directory that is renamed into place, so a
+    Parquet files; near_duplicates, a Jaccard threshold, also drops near duplicates; separator, the id
+    that joins documents (None: the tokenizer's). The pipeline writes into a scratch directory that is renamed into place, so a
     crashed or concurrent preparation never leaves a half-written corpus under the key.
     """
     try:  # Beam loads only when a corpus is asked for, and is installed by the pipelines extra
@@ -39,8 +40,9 @@ def ensure_corpus(corpus: str | None, data_dir: str, *, learners: int, heldout_f
     tok = [] if tokenizer == "bytes" else [tokenizer, tokenizer_spec(tokenizer).sha256]
     field = [] if text_field == "text" else [f"text_field={text_field}"]
     near = [] if near_duplicates is None else [f"near_duplicates={near_duplicates}"]
+    sep = [] if separator is None else [f"separator={separator}"]
     key = hashlib.sha256(json.dumps([corpus or "stdlib", learners, heldout_fraction, max_bytes, seed,
-                                     "beam/1", *tok, *field, *near]).encode()).hexdigest()[:12]
+                                     "beam/1", *tok, *field, *near, *sep]).encode()).hexdigest()[:12]
     out = Path(data_dir) / key
     if (out / MANIFEST).is_file():
         return Corpus.open(out)
@@ -50,7 +52,7 @@ def ensure_corpus(corpus: str | None, data_dir: str, *, learners: int, heldout_f
         prepare(None if corpus is None else [corpus], str(tmp), learners=learners, heldout_fraction=heldout_fraction,
                 seed=seed, max_bytes=max_bytes, tokenizer_name=tokenizer, text_field=text_field,
                 near_duplicates=None if near_duplicates is None else NearDuplicates(near_duplicates),
-                pipeline_args=["--runner=FnApiRunner"])
+                separator=separator, pipeline_args=["--runner=FnApiRunner"])
         try:
             os.replace(tmp, out)
         except OSError:  # another process finished the same corpus first
@@ -69,4 +71,4 @@ def corpus_for(cfg) -> Corpus:
     return ensure_corpus(cfg.data.corpus, cfg.data.dir, learners=cfg.num_shards,
                          heldout_fraction=cfg.data.heldout_fraction, max_bytes=cfg.data.max_corpus_bytes,
                          seed=cfg.data.seed, tokenizer=cfg.data.tokenizer, text_field=cfg.data.text_field,
-                         near_duplicates=cfg.data.near_duplicates)
+                         near_duplicates=cfg.data.near_duplicates, separator=cfg.data.separator)

@@ -272,3 +272,53 @@ def test_a_job_is_signalled_through_its_pidfd_never_by_a_pid_that_may_be_reused(
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def _modules(tmp_path, **sources) -> dict:
+    """Modules written to tmp_path (each appends its process id to <name>.imports when imported) and
+    an environment that finds them."""
+    for name, body in sources.items():
+        (tmp_path / f"{name}.py").write_text(
+            f"import os\nwith open({str(tmp_path / (name + '.imports'))!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n{body}\n")
+    return _env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(HERE), os.environ.get("PYTHONPATH", "")]))
+
+
+def _imports(tmp_path, name: str) -> list[int]:
+    path = tmp_path / f"{name}.imports"
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_the_runs_modules_are_imported_once_in_the_server_and_a_failing_one_is_left_to_the_jobs(tmp_path):
+    env = _modules(tmp_path, run_model_ok="", run_model_broken="raise RuntimeError('needs a GPU driver')")
+    forks = ForkServer(env, tmp_path / "forkserver.log", preload=["run_model_ok", "run_model_broken"], ready_timeout_s=300)  # a loaded machine
+    try:
+        assert forks.ready(), (tmp_path / "forkserver.log").read_text()
+        assert forks.not_preloaded == ["run_model_broken: RuntimeError: needs a GPU driver"]
+        for job in ("a", "b"):
+            (tmp_path / job).mkdir()
+            child, log = _spawn(forks, tmp_path / job, "modules", "run_model_ok", "run_model_broken")
+            assert child.wait(30) == 0
+            assert json.loads(log.read_text()) == {"run_model_ok": True, "run_model_broken": False}
+        assert _imports(tmp_path, "run_model_ok") == [forks.proc.pid]  # once, in the server: not per job
+        assert "not preloaded: run_model_broken" in (tmp_path / "forkserver.log").read_text()
+    finally:
+        forks.close()
+
+
+def test_a_run_module_that_starts_jaxs_backend_is_left_to_the_jobs_and_the_server_starts_again_without_it(tmp_path):
+    env = _modules(tmp_path, run_model_jax="import jax.numpy as jnp\nZERO = jnp.zeros(1)", run_model_after="")
+    forks = ForkServer(env, tmp_path / "forkserver.log", preload=["run_model_jax", "run_model_after"], ready_timeout_s=300)  # a loaded machine
+    try:
+        assert forks.ready(), (tmp_path / "forkserver.log").read_text()
+        assert [line.split(":")[0] for line in forks.not_preloaded] == ["run_model_jax", "run_model_after"]
+        assert "starts JAX's backend" in forks.not_preloaded[0]
+        for job in ("a", "b"):
+            (tmp_path / job).mkdir()
+        child, log = _spawn(forks, tmp_path / "a", "modules", "run_model_jax", "run_model_after", "diloco.cli")
+        assert child.wait(30) == 0
+        assert json.loads(log.read_text()) == {"run_model_jax": False, "run_model_after": False, "diloco.cli": True}
+        assert _imports(tmp_path, "run_model_jax") == [forks.proc.pid] and _imports(tmp_path, "run_model_after") == []
+        child, log = _spawn(forks, tmp_path / "b", "report")  # the server that forks it never started a backend
+        assert child.wait(30) == 0 and json.loads(log.read_text())["jax_loaded"]
+    finally:
+        forks.close()

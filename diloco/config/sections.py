@@ -80,6 +80,11 @@ class DataConfig(_Section):
     near_duplicates: float | None = Field(None, gt=0, le=1, description="also drop documents whose 5-word shingle "
                                           "sets have an estimated Jaccard similarity of at least this with another "
                                           "(MinHash + LSH); None = exact duplicates only")
+    separator: int | None = Field(None, ge=0, description="the token id that joins documents in the prepared shards "
+                                  "(the manifest's `separator`); None = the tokenizer's end-of-document token, and 0 "
+                                  "(NUL) for bytes, which many models (Gemma's among them) treat as padding: set 256 "
+                                  "with a model of vocab_size 257, or an id your model reads as a document end. A "
+                                  "document's own tokens equal to it are dropped (counted)")
     seed: int = 0
 
 

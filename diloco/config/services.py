@@ -100,6 +100,10 @@ class RunConfig(_Section):
     warm_starts: bool = Field(True, description="the local runner forks each learner and syncer shard from a process "
                               "that imported their code once (infra/forkserver.py): a start or restart takes "
                               "milliseconds, not 1-2 CPU-seconds of imports; false = every process starts from scratch")
+    preload: list[str] = Field(default_factory=list, description="modules (dotted names) the local runner's fork server "
+                               "imports once per run, after model.entry's module, which it always imports: e.g. a model "
+                               "library your learner script (model.script) imports. One that fails to import there, or "
+                               "starts JAX's backend at import, is imported by each learner itself (logged)")
     max_restarts: int = Field(3, ge=0, description="restarts of a failed learner or syncer before the run fails")
     restart_backoff_s: float = Field(1.0, ge=0, description="first restart delay; doubles per restart of a process")
     spares: int = Field(0, ge=0, description="warm spare learner processes the local runner keeps (interpreter, JAX, "

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from diloco.sim import goodput as gp
 from diloco.sim import scenarios as sc
+from diloco.textout import labelled
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 _C, _D, _S, _X = gp.Cluster(), gp.Diloco(), sc.Scavenge(), sc.Mixed()  # option defaults: the models' own
@@ -62,7 +63,7 @@ def _split(values: list[str]) -> list[str]:
 
 
 def _fail(err: Exception):
-    Console(stderr=True).print(f"[red]error:[/] {err}")
+    Console(stderr=True).print(labelled("error:", err))
     raise typer.Exit(2) from None
 
 
@@ -348,7 +349,7 @@ def capacity(
     from diloco.sim import capacity as cap
 
     if consumer not in cap.INTAKE_MB_S_BY_CLIENT:
-        Console(stderr=True).print(f"[red]error:[/] --consumer {consumer!r}: one of {', '.join(cap.INTAKE_MB_S_BY_CLIENT)}")
+        Console(stderr=True).print(labelled("error:", f"--consumer {consumer!r}: one of {', '.join(cap.INTAKE_MB_S_BY_CLIENT)}"))
         raise typer.Exit(2)
     intake_mb_s = cap.INTAKE_MB_S_BY_CLIENT[consumer] if intake_mb_s is None else intake_mb_s
     try:
@@ -357,7 +358,7 @@ def capacity(
                             packing_ratio=packing_ratio, intake_mb_s=intake_mb_s, outer_ns_per_param=outer_ns_per_param,
                             snapshot_every=snapshot_every, replicas=replicas, target_load=target_load)
     except ValueError as err:
-        Console(stderr=True).print(f"[red]error:[/] {err}")
+        Console(stderr=True).print(labelled("error:", err))
         raise typer.Exit(2) from None
     p = cap.plan(layout)
     if as_json:
