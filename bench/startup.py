@@ -41,8 +41,6 @@ def startup(events: list[dict], started: float) -> dict:
 
 def run(config: str, overrides: list[str]) -> dict:
     """Run `diloco train` to its end and return `startup` of its events, with its wall time."""
-    from kafka import TopicPartition
-
     from diloco.config import load_config
     from diloco.infra import kafka as kafka_io
 
@@ -53,7 +51,7 @@ def run(config: str, overrides: list[str]) -> dict:
     wall = time.time() - started
     cfg = load_config(config, [*overrides, f"run.id={run_id}"])
     topic = kafka_io.Topics.for_run(cfg, run_id).events
-    records = kafka_io.read_to_end(cfg.transport, [TopicPartition(topic, 0)])
+    records = kafka_io.read_to_end(cfg.transport, [(topic, 0)])
     events = [ev for ev in map(messages.parse_event, (r.value for r in records)) if ev]
     return {"run_id": run_id, "overrides": overrides, "wall_s": round(wall, 1), **startup(events, started)}
 

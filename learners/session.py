@@ -49,7 +49,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from kafka.errors import KafkaError
 
 from diloco import messages, metrics
 from diloco.config import Config, ConfigError, load_config
@@ -207,7 +206,7 @@ class Session:
             self.producer.send(self.topics.events, messages.event(
                 "learner_phase", run=self.run_id, source="learner", learner=self.id, region=self.region.name,
                 incarnation=self.incarnation, phase=name), partition=0)
-        except KafkaError as err:  # only what the live view shows: the learner goes on
+        except kafka_io.LogError as err:  # only what the live view shows: the learner goes on
             log.warning("phase not sent", extra={"phase": name, "error": type(err).__name__})
 
     def join(self, params, timeout_s: float = 120.0):
