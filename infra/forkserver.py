@@ -226,7 +226,10 @@ def serve(path: str, request_timeout_s: float = REQUEST_TIMEOUT_S, preload: Sequ
     """Load, listen and fork until standard input closes. Returns only in a forked child: its request.
     A client that sends no request within `request_timeout_s` of connecting is dropped. `preload`:
     the run's own modules, imported after the library's (see the module docstring)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the runner, which stops the jobs
+    # a Ctrl-C, or a SIGTERM to the whole process group (timeout, systemd, scancel), reaches the runner,
+    # which stops the jobs cleanly and then closes the server: dying first would end every warm job
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -375,6 +378,7 @@ def become(request: dict) -> None:
     os.close(stdin)
     os.close(out)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
     sys.argv = [request["module"], *request["argv"]]

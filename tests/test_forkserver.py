@@ -97,6 +97,26 @@ def test_jobs_outlive_nothing_when_the_server_dies(tmp_path):
     assert not _alive(child.pid)
 
 
+def test_a_sigterm_to_the_process_group_leaves_the_server_to_the_runner_and_jobs_stop_cleanly(tmp_path):
+    """Issue 53 M2: `timeout`, systemd or scancel signal the whole group; the server died at once and
+    the runner then SIGKILLed every warm job in the middle of its clean stop (learners lost their last
+    hand-in). The server now leaves SIGTERM to the runner, and each job gets it with its own handler."""
+    forks = ForkServer(_env(), tmp_path / "forkserver.log")
+    assert forks.ready()
+    try:
+        child, log = _spawn(forks, tmp_path, "graceful")
+        deadline = time.monotonic() + 30
+        while "sleeping" not in log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        forks.proc.send_signal(signal.SIGTERM)           # what the group signal does to the server
+        child.send_signal(signal.SIGTERM)                # ...and to the job
+        assert child.wait(30) == 0 and "stopped cleanly" in log.read_text()
+        assert forks.proc.poll() is None                 # still serving: the runner closes it
+    finally:
+        forks.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
