@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -96,6 +97,10 @@ class RunSupervisor:
         # learner -> (its region topic's end offsets when it went down, until when its restart waits for
         # the syncer to have read up to them)
         self.read_up: dict[str, tuple[dict[tuple[str, int], int], float]] = {}
+        # merge events are checked against the store (_stored_merge): what each real version holds, and
+        # per fragment the commit marker as last read and when
+        self._merge_metas: dict[tuple[int, int], dict] = {}
+        self._markers: dict[int, tuple[int | None, float]] = {}
         self.to_spare: dict[str, tuple[str, float]] = {}  # died, to be handed to a spare: (why, cold-restart delay)
         self.deferred_starts: set[str] = set()    # first starts put off until Redis answers (not restarts)
         self.draining = False                     # the syncer was asked to drain: no kills, joins or requests
@@ -313,6 +318,27 @@ class RunSupervisor:
         p, v = ev["fragment"], ev["version"]
         if not 0 <= p < self.cfg.fragments.count:
             raise KeyError(f"merge of fragment {p}: the run has {self.cfg.fragments.count}")
+        meta = self._merge_metas.get((p, v)) or self._read_merge_meta(p, v)
+        tokens = meta.get("tokens")
+        if meta.get("ids") != ev["ids"] or not messages.is_count(tokens) or tokens < 0:
+            raise KeyError(f"merge event of fragment {p} v{v} does not match the stored version")
+        marker, read_at = self._markers.get(p, (None, -math.inf))
+        self._markers[p] = (max(v, -1 if marker is None else marker), read_at)  # a merge the store backs is committed
+        return tokens
+
+    def _read_merge_meta(self, p: int, v: int) -> dict:
+        """What the syncer stored with version v of fragment p (its ids and tokens), read once per real
+        version: a forged event naming a version past the store's commit marker costs no read of it,
+        and one repeating a real version no second read (issue 53 L6: each cost the loop a store read)."""
+        marker, read_at = self._markers.get(p, (None, -math.inf))
+        if (marker is None or v > marker + 1) and time.monotonic() - read_at >= 1.0:
+            try:
+                marker = self.store.read_committed(p)
+            except (StoreError, OSError, ValueError):
+                marker = None          # cannot tell: the read below decides
+            self._markers[p] = (marker, time.monotonic())
+        if marker is not None and v > marker + 1:
+            raise KeyError(f"merge of fragment {p} v{v} is past the store's commit marker (v{marker})")
         for attempt in range(3):  # the syncer wrote the version before it said so: only a slow store fails here
             try:
                 meta = self.store.read_meta(p, v)
@@ -324,10 +350,8 @@ class RunSupervisor:
                     raise KeyError(f"merge of fragment {p} v{v}: the store did not answer: "
                                    f"{messages.bounded(str(err), 120)}") from None
                 time.sleep(0.2 * 2 ** attempt)
-        tokens = meta.get("tokens")
-        if meta.get("ids") != ev["ids"] or not messages.is_count(tokens) or tokens < 0:
-            raise KeyError(f"merge event of fragment {p} v{v} does not match the stored version")
-        return tokens
+        self._merge_metas[(p, v)] = {"ids": meta.get("ids"), "tokens": meta.get("tokens")}  # never changes
+        return self._merge_metas[(p, v)]
 
     def _check_stored_versions(self, versions) -> None:
         """KeyError unless a syncer_started event's versions are ones the store holds (the evals and

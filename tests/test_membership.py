@@ -178,6 +178,27 @@ def test_only_merges_the_store_holds_count_towards_the_budget_never_claimed_toke
     assert not jobs.signals and len(run.members) == 4  # 10%: no join due, nobody stopped
 
 
+def test_forged_merge_events_cost_the_runner_no_store_reads_beyond_one_per_real_version(tmp_path):
+    """Issue 53 L6: every merge event cost the runner's loop a store read (with retries), whatever it
+    named. A version past the store's commit marker is refused without reading it, and a real version
+    is read once however many events name it."""
+    run = _budget_run(tmp_path, _Jobs())
+    _merge(run, 100)
+    for p in range(run.cfg.fragments.count):
+        run.store.mark_committed(p, 1)
+    reads = []
+    read_meta = run.store.read_meta
+    run.store.read_meta = lambda p, v: reads.append((p, v)) or read_meta(p, v)
+    run.apply_event({"kind": "merge", "eid": "again", "fragment": 0, "version": 1, "ids": ["c0-1"], "time": 0.0})
+    for i in range(50):
+        for ev in ({"fragment": 0, "version": 1, "ids": ["mine"]}, {"fragment": 1, "version": 10 ** 6 + i, "ids": ["x"]}):
+            with pytest.raises(KeyError, match="does not match|past the store's commit marker"):
+                run.apply_event({"kind": "merge", "eid": f"forged-{i}-{ev['fragment']}", "time": 0.0, **ev})
+    assert reads == [] and run.prog.merged_tokens(run.cfg.fragments.count) == 100   # read when first merged
+    _merge(run, 50)                                        # the real next versions still count
+    assert run.prog.merged_tokens(run.cfg.fragments.count) == 150 and len(reads) == run.cfg.fragments.count
+
+
 @pytest.mark.integration
 def test_a_heartbeat_past_its_learners_schedule_or_claiming_absurd_tokens_is_skipped(tmp_path, redis_url):
     """A forged heartbeat at step 10^12 made the next restart of that learner train nothing, and
