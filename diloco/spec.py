@@ -164,13 +164,17 @@ def load_spec(cfg: Config) -> ModelSpec:
 def initial_plan(cfg: Config, spec: ModelSpec):
     """(plan, initial parameter tree) of a run of this model: the tree from `spec.init(model.seed)`,
     fragments from `fragments.count`, mean-merged tensors from `syncer.mean_merge_tensors` (or the
-    spec's own `mean_merge` when that is not set). Raises PlanError naming the leaf or pattern."""
+    spec's own `mean_merge` when that is not set; every tensor under `syncer.merge: mean`, where the
+    patterns change nothing). Raises PlanError naming the leaf or pattern."""
     from diloco.plan import make_plan
 
     tree = spec.init(cfg.model.seed)
     patterns = cfg.syncer.mean_merge_tensors
     patterns = spec.mean_merge if patterns is None else patterns
-    return make_plan(tree, fragments=cfg.fragments.count, mean_merge=patterns, **spec.select), tree
+    plan = make_plan(tree, fragments=cfg.fragments.count, mean_merge=patterns, **spec.select)  # checks the patterns
+    if cfg.syncer.merge == "mean":  # every tensor is a plain mean: plan.json says so, not the patterns' rda
+        plan = make_plan(tree, fragments=cfg.fragments.count, mean_merge=["*"], **spec.select)
+    return plan, tree
 
 
 def evaluate(spec: ModelSpec, params, batches=None) -> float:

@@ -94,6 +94,18 @@ def test_unknown_mean_merge_pattern_of_the_builtin_model_is_a_config_error_at_pr
         load_spec(build_config({"model": {"entry": "no_such_module:spec"}}))
 
 
+def test_the_plan_labels_the_merge_each_tensor_will_really_get():
+    """Issue 51: under syncer.merge mean (the default) every tensor is a plain mean, whatever the
+    mean_merge patterns say, and plan.json said rda for most of them; under rda the patterns choose."""
+    cfg = build_config({"syncer": {"mean_merge_tensors": ["*embed"]}})
+    plan, _ = initial_plan(cfg, load_spec(cfg))
+    assert cfg.syncer.merge == "mean" and {t.merge for t in plan.tensors} == {"mean"}
+    paper = build_config({"preset": "paper", "syncer": {"mean_merge_tensors": ["ln*"]}})
+    plan, _ = initial_plan(paper, load_spec(paper))
+    assert {t.name for t in plan.tensors if t.merge == "mean"} == {"ln_f"}                 # the patterns, not the spec
+    assert {t.merge for t in plan.tensors} == {"mean", "rda"}
+
+
 def test_a_vocabulary_larger_than_the_models_fails_at_provisioning(tmp_path):
     corpus = Corpus(tmp_path, {"vocab_size": 70_000, "shards": [], "heldout": {}})
     with pytest.raises(ConfigError, match="vocabulary of 70,000 tokens, larger than the model's 256"):
