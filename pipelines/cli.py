@@ -57,6 +57,9 @@ def prepare(ctx: typer.Context,
                      "estimated Jaccard similarity of at least this with a document of smaller content hash "
                      "(MinHash, 128 permutations, LSH bands); e.g. 0.8; omitted = exact duplicates only")] = None,
             shingle_words: Annotated[int, typer.Option(min=1, help="words per shingle for --near-duplicates")] = 5,
+            separator: Annotated[Optional[int], typer.Option(
+                min=0, help="the token id that joins documents (the manifest's separator, data.separator in a "
+                            "run's config); omitted = the tokenizer's end-of-document token (0 for bytes)")] = None,
             runner: Runner = "FnApiRunner"):
     """Read, normalise, dedupe, split, tokenize and pack text files, JSON Lines and Parquet into one shard per
     learner + held-out.
@@ -73,7 +76,7 @@ def prepare(ctx: typer.Context,
     try:
         m = run_prepare(input, output, learners=learners, heldout_fraction=heldout_fraction, seed=seed,
                         max_bytes=max_bytes, tokenizer_name=tokenizer, seq_len=seq_len, text_field=text_field,
-                        near_duplicates=near, pipeline_args=_beam_args(runner, ctx.args))
+                        near_duplicates=near, separator=separator, pipeline_args=_beam_args(runner, ctx.args))
     except DataError as err:
         console.print(labelled("error:", err))
         raise typer.Exit(1) from None

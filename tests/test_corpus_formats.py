@@ -242,7 +242,13 @@ def test_cli_prepare_takes_a_text_field_and_prints_bad_rows(tmp_path):
     assert m["text_field"] == "body" and m["bad_rows"] == {"missing_field": 1}
     assert sum(s["documents"] for s in [*m["shards"], m["heldout"]]) == 8
     help_text = " ".join(CliRunner().invoke(app, ["data", "prepare", "--help"]).output.split())
-    assert "--text-field" in help_text and "bad_rows" in help_text
+    assert "--text-field" in help_text and "bad_rows" in help_text and "--separator" in help_text
+    res = CliRunner().invoke(app, ["data", "prepare", "--input", str(tmp_path / "in"), "--output",  # issue 51
+                                   str(tmp_path / "sep"), "--learners", "1", "--text-field", "body",
+                                   "--separator", "256", "--runner", "FnApiRunner"])
+    assert res.exit_code == 0, res.output
+    m = json.loads((tmp_path / "sep" / "manifest.json").read_text())
+    assert (m["separator"], m["vocab_size"]) == (256, 257)
 
 
 def test_a_run_config_names_the_text_field_of_its_jsonl_corpus(tmp_path):
