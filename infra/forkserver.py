@@ -301,8 +301,8 @@ def _preload_run_modules(path: str, request_timeout_s: float, modules: Sequence[
     (its threads and device handles do not survive a fork) taints this process: it starts again
     without the run's modules, having told the runner which one did it."""
     for name in modules:
-        try:
-            importlib.import_module(name)
+        try:  # the import statement's own machinery (as diloco.spec.load_entry): `-X importtime` lists it
+            __import__(name)
         except BaseException as err:  # the user's code: whatever it raises, the jobs import it and say so
             _not_preloaded(name, f"{type(err).__name__}: {err}")
             continue
