@@ -182,7 +182,13 @@ def _run_one(base: Config, tmp: str, jobs: LocalJobs, *, params: int, learners: 
                                                              fragments=fragments)
     for i in range(shards):
         jobs.start(f"syncer-{i}", ["syncer", "--config", str(conf), "--shard", str(i)])
-    time.sleep(2.0 + cfg.syncer.lease_ttl_s)  # shards claim their fragments
+    # the clock starts once every fragment has an owner: a fixed sleep, which a loaded machine outran
+    # (no merge inside a 4 s window), measured the shards' start-up instead of their intake
+    deadline = time.time() + 120
+    while None in state.lease_holders(fragments).values():
+        if time.time() > deadline:
+            raise RuntimeError(f"the syncer shards did not claim all {fragments} fragments within 120 s")
+        time.sleep(0.2)
 
     versions = dict(state.versions())
     sent: dict[str, float] = {}
