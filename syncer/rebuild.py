@@ -17,6 +17,7 @@ from diloco.messages import Assembled, ChunkAssembler, Manifest, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
+from diloco.syncer.intake import Intake
 from diloco.syncer.records import TP, Contribution, Where, partition_key
 from diloco.syncer.rounds import FragmentState, Pending, close_round
 
@@ -58,8 +59,8 @@ def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]],
                     cid = header.get("id")
                     if cid not in wanted or cid in out or not _at(wanted[cid], rec.topic, rec.partition, rec.offset):
                         continue
-                    if signer is not None and assembler.signer(cid, where) not in (None, signer):
-                        continue
+                    if signer is not None and Intake.not_the_signers(header, signer, assembler.signer(cid, where)):
+                        continue  # the intake's rule: a frame of another learner never joins the set
                     got = assembler.add(header, payload, now=time.time(), offset=rec.offset, where=where, signer=signer)
                     if isinstance(got, Assembled) and got.manifest.run == run_id and got.first_offset == wanted[cid][2]:
                         out[cid] = (got.manifest, got.payload)
