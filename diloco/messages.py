@@ -479,6 +479,7 @@ class Reason(StrEnum):
     NON_FINITE = "non_finite"
     NORM_BUDGET = "norm_budget"
     NORM_OUTLIER = "norm_outlier"
+    TOKEN_BUDGET = "token_budget"   # the fragment has taken in run.token_budget tokens: the run is done with it
     MERGE_FAILED = "merge_failed"
     LOST_PAYLOAD = "lost_payload"
     BAD_SIGNATURE = "bad_signature"  # a signed run's frame unsigned, signed by another key, or for another's set

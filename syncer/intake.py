@@ -126,6 +126,16 @@ class Intake:
                 return Rejection(Reason.STALE, f"base version {m.base_version} older than {current} - {sc.max_staleness}")
         return None
 
+    def check_budget(self, m: Manifest, fragment: FragmentState) -> Rejection | None:
+        """Why a new contribution may not be accepted into a fragment that has taken in run.token_budget
+        tokens (merged, or accepted and merged next): what the global model holds ends within one
+        contribution of the budget, however late the learners hear of it. Never asked of a replay."""
+        budget, taken = self.cfg.run.token_budget, fragment.tokens_taken()
+        if budget is not None and taken >= budget:
+            return Rejection(Reason.TOKEN_BUDGET, f"fragment {m.fragment} has taken in {taken:,} tokens of "
+                             f"run.token_budget={budget:,}")
+        return None
+
     def check(self, m: Manifest, payload: bytes, *, members: Collection[str], fragment: FragmentState | None
               ) -> fused.EncodedDelta | Rejection:
         """The contribution's deltas as they arrived (norms from the codes, nothing decoded), or why

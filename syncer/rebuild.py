@@ -128,6 +128,7 @@ def load(cfg: Config, run_id: str, plan: Plan, opt, store: FragmentStore, merges
     parameters, the snapshot's outer state) is said loudly, in the log and a `fragment_state_approximate`
     event (`emit`)."""
     st, approximate = rebuild(cfg, run_id, plan, opt, store, merges, p, v)
+    st.tokens_merged = sum(r["tokens"] for r in merges if r["fragment"] == p and r["version"] <= v)
     if approximate is None:
         if st.snapshot_at != v:
             log.info("fragment rebuilt from its snapshot", extra={"fragment": p, "snapshot": st.snapshot_at,

@@ -57,6 +57,7 @@ class FragmentState:
     snapshot_at: int = 0  # the newest version stored whole (store.snapshot_every)
     snapshot: dict[str, np.ndarray] | None = None  # its parameters, the base of every next update (None: params)
     _scale: float | None = None  # max(parameter norm, sqrt(size)): the norm budget's unit, per version
+    tokens_merged: int = 0  # the tokens of every merge into this fragment up to `version` (run.token_budget)
 
     def arrivals(self) -> list[Contribution]:
         """The open round's contributions, as `due` reads them."""
@@ -67,6 +68,10 @@ class FragmentState:
         until then the round cannot close."""
         return any(c.deltas is None for c in self.round.values())
 
+    def tokens_taken(self) -> int:
+        """Tokens this fragment has taken in: merged, or accepted into the open round (merged next)."""
+        return self.tokens_merged + sum(c.contribution.tokens for c in self.round.values())
+
     def update_base(self) -> dict[str, np.ndarray]:
         """The parameters the next version's update is encoded against: the newest snapshot's."""
         return self.params if self.snapshot is None else self.snapshot
@@ -75,9 +80,11 @@ class FragmentState:
         """The version of `update_base()`."""
         return self.version if self.snapshot is None else self.snapshot_at
 
-    def advance(self, version: int, params, opt_state, residual, *, snapshot_at: int, keep_snapshot: bool) -> None:
-        """Move to a committed `version`; with `keep_snapshot` (updates from the snapshot), a new
-        snapshot's parameters become the base of every next update."""
+    def advance(self, version: int, params, opt_state, residual, *, snapshot_at: int, keep_snapshot: bool,
+                tokens: int) -> None:
+        """Move to a committed `version` that merged `tokens`; with `keep_snapshot` (updates from the
+        snapshot), a new snapshot's parameters become the base of every next update."""
+        self.tokens_merged += tokens
         if snapshot_at != self.snapshot_at and keep_snapshot:
             self.snapshot = params
         self.version, self.params, self.opt_state, self.residual = version, params, opt_state, residual

@@ -339,6 +339,9 @@ class Syncer:
             return
         if pending is not None:  # replay after a restart: the round already counts it
             pending.deltas = verdict
+        elif why := self.intake.check_budget(m, self.fragments[m.fragment]):
+            self._reject_set(m.id, why.reason, why.detail, manifest=m, where=where)
+            return
         else:
             self._accept(m, where, verdict)
         self._drop_other_sets(m.id, where)
@@ -443,7 +446,7 @@ class Syncer:
             raise
         crash_point("merge_committed")
         st.advance(version, closed.params, closed.opt_state, closed.residual, snapshot_at=snapshot,
-                   keep_snapshot=sc.updates_from == "snapshot")
+                   keep_snapshot=sc.updates_from == "snapshot", tokens=record["tokens"])
         self.sync_time_s = ema
         for cid in ids:
             self.status[cid] = Status.applied(p, version)

@@ -109,13 +109,14 @@ class RunConfig(_Section):
     spares: int = Field(0, ge=0, description="warm spare learner processes the local runner keeps (interpreter, JAX, "
                         "model and compiled step loaded): a learner that dies is replaced by one at once, no restart "
                         "delay, and a new spare starts behind it; 0 = restart the learner itself after the delay")
-    token_budget: int | None = Field(None, ge=1, description="tokens the whole run trains into the global model: "
-                                     "once the merges the syncer stored hold that many (each token counted once, "
-                                     "not once per fragment; the learners' own claims do not count), the local "
-                                     "runner asks every learner to stop (SIGTERM: it hands in its last deltas and "
-                                     "says left, so up to a sync period more is merged); a learner still stops at its "
-                                     "inner.steps if that comes first. None = off: every learner trains inner.steps, "
-                                     "so learners that join add tokens")
+    token_budget: int | None = Field(None, ge=1, description="tokens the whole run trains into the global model "
+                                     "(each token counted once, not once per fragment): the syncer takes no new "
+                                     "contribution into a fragment that has taken in that many (merged or accepted; "
+                                     "refused as token_budget), so each fragment ends within one contribution of it; "
+                                     "once the merges the syncer stored hold that many (the learners' own claims do "
+                                     "not count), the local runner asks every learner to stop (SIGTERM: it hands in "
+                                     "and says left); a learner still stops at its inner.steps if that comes first. "
+                                     "None = off: every learner trains inner.steps, so learners that join add tokens")
     joins: tuple[JoinConfig, ...] = Field((), description="learners the local runner adds when the run has trained "
                                           "a share of run.token_budget, as `diloco learners add` would")
 
