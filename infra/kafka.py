@@ -25,12 +25,10 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from diloco.config import Config, TransportConfig, resolve_secret
+from diloco.infra.log import TP, partitions_of  # noqa: F401 (partitions_of: part of this adapter's interface)
 from diloco.infra.services import up_hint
 
 log = logging.getLogger(__name__)
-
-
-TP = tuple[str, int]  # (topic, partition)
 
 
 class TransportError(RuntimeError):
@@ -72,7 +70,7 @@ class Topics:
     def partition_of(self, fragment: int) -> int:
         return fragment % self.partitions
 
-    def partitions_of(self, fragment: int) -> list[tuple[str, int]]:
+    def partitions_of(self, fragment: int) -> list[TP]:
         """(topic, partition) of the fragment in every region's topic."""
         return [(t, self.partition_of(fragment)) for t in self.fragments.values()]
 
@@ -302,10 +300,6 @@ def consumer(t: TransportConfig, group_id: str | None = None, **kw) -> LogReader
     return LogReader(_connect(
         KafkaConsumer, t, enable_auto_commit=False, auto_offset_reset="earliest", group_id=group_id,
         fetch_max_bytes=fetch, max_partition_fetch_bytes=record, receive_message_max_bytes=record + 65536, **kw))
-
-
-def partitions_of(topic: str, n: int) -> list[TP]:
-    return [(topic, p) for p in range(n)]
 
 
 def _connect(client: type, t: TransportConfig, timeout_s: float = 20.0, **kw):

@@ -9,9 +9,8 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from diloco import messages
+from diloco.infra.log import TP
 from diloco.messages import Manifest, Reason
-
-TP = tuple[str, int]  # (topic, partition)
 
 
 def partition_key(tp: TP) -> str:

@@ -16,7 +16,7 @@ import time
 from diloco import messages
 from diloco.config import Config
 from diloco.infra import kafka as kafka_io
-from diloco.infra.kafka import TP
+from diloco.infra.log import TP
 from diloco.ops import OpsError
 from diloco.syncer.records import partition_key
 
