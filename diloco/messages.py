@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 import crc32c as _crc32c
 import numpy as np
@@ -275,6 +276,38 @@ def parse_frame(raw: bytes) -> tuple[dict, memoryview]:
     if not isinstance(header, dict) or header.get("kind") not in ("manifest", "chunk"):
         raise WireError(f"header kind must be 'manifest' or 'chunk', got {header!r:.80}")
     return header, memoryview(raw)[_PREFIX.size + hlen:]
+
+
+class FrameHeader(NamedTuple):
+    """The fields of a frame header that readers outside the wire decoder use, each checked once here:
+    one missing or of the wrong type is None, so no reader meets a bool as a count or a list as a name.
+    The dict parse_frame returns stays the assembler's (a manifest's full check is Manifest.from_header)."""
+    kind: str | None          # 'manifest' or 'chunk'
+    id: str | None
+    learner: str | None
+    region: str | None
+    fragment: int | None
+    index: int | None         # a chunk's number in its set
+    count: int | None         # a chunk's set size
+    total_bytes: int | None   # what a manifest says its payload weighs (unchecked against the chunks)
+
+    @staticmethod
+    def from_header(h: Mapping, *, need_id: bool = False) -> FrameHeader:
+        """The typed view of a parsed header; `need_id`: WireError when it names no contribution id
+        (a receiver can file such a frame under no contribution)."""
+        def name(key):
+            return h.get(key) if is_name(h.get(key)) else None
+
+        def number(key):
+            v = h.get(key)
+            return v if is_count(v) and v >= 0 else None
+
+        if need_id and name("id") is None:
+            raise WireError(f"frame header needs a contribution id of 1-64 characters, got {short(h.get('id'), 40)}")
+        kind = h.get("kind")
+        return FrameHeader(kind=kind if kind in ("manifest", "chunk") else None, id=name("id"),
+                           learner=name("learner"), region=name("region"), fragment=number("fragment"),
+                           index=number("index"), count=number("count"), total_bytes=number("total_bytes"))
 
 
 def encode_contribution(

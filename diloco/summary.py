@@ -34,20 +34,16 @@ def published_on_broker(cfg: Config, run_id: str) -> tuple[int, int, dict[tuple[
         n = len(rec.value or b"") + len(rec.key or b"")
         total += n
         try:
-            header, _ = messages.parse_frame(rec.value)
-            cid = header.get("id")
+            h = messages.FrameHeader.from_header(messages.parse_frame(rec.value)[0])
         except messages.WireError:
-            header, cid = {}, None
-        if not messages.is_name(cid):  # no contribution id (wire format): bytes only
+            h = None
+        if h is None or h.id is None:  # no contribution id (wire format): bytes only
             where = ("?", region_of_topic.get(rec.topic, "?"), rec.partition)
             loose[where] = loose.get(where, 0) + n
             continue
-        by_id[cid] = by_id.get(cid, 0) + n
-        if header.get("kind") == "manifest" and cid not in owner:
-            name = lambda v: v if messages.is_name(v) else "?"  # noqa: E731  (from outside)
-            fragment = header.get("fragment")
-            owner[cid] = (name(header.get("learner")), name(header.get("region")),
-                          fragment if messages.is_count(fragment) else -1)
+        by_id[h.id] = by_id.get(h.id, 0) + n
+        if h.kind == "manifest" and h.id not in owner:
+            owner[h.id] = (h.learner or "?", h.region or "?", -1 if h.fragment is None else h.fragment)
     up = dict(loose)
     for cid, n in by_id.items():
         where = owner.get(cid, ("?", "?", -1))

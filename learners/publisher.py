@@ -103,9 +103,9 @@ class Publisher(threading.Thread):
             if cursor is not None:
                 self.counters.handed_in_to = max(self.counters.handed_in_to, cursor[1])
         if part is not None:  # which chunks this host wrote (tests/test_sharded.py reads them)
-            indexes = [messages.parse_frame(f)[0] for f in frames]
+            heads = [messages.FrameHeader.from_header(messages.parse_frame(f)[0]) for f in frames]
             log.info("published part", extra={"fragment": fragment, "id": part["cid"], "host": part["host"], "chunks": [
-                h["index"] for h in indexes if h["kind"] == "chunk"], "bytes": len(part["payload"])})
+                h.index for h in heads if h.kind == "chunk"], "bytes": len(part["payload"])})
         if manifest is None:
             return
         log.info("published", extra={"fragment": fragment, "base_version": base_version, "id": manifest.id,

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from diloco import messages, signing
 from diloco.config import Config
-from diloco.messages import Manifest, Reason, WireError
+from diloco.messages import FrameHeader, Manifest, Reason, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
 from diloco.syncer.records import TP
@@ -22,14 +22,11 @@ class Rejection(NamedTuple):
     detail: str
 
 
-def read_frame(raw: bytes) -> tuple[str, dict, memoryview]:
-    """(contribution id, header, payload) of one record of a region topic; WireError if it is no frame
-    or names no contribution id of 1-64 characters."""
+def read_frame(raw: bytes) -> tuple[FrameHeader, dict, memoryview]:
+    """(typed header, header, payload) of one record of a region topic (the header dict is the
+    assembler's); WireError if it is no frame or names no contribution id of 1-64 characters."""
     header, payload = messages.parse_frame(raw)
-    cid = header.get("id")
-    if not messages.is_name(cid):
-        raise WireError(f"frame header needs a contribution id of 1-64 characters, got {messages.short(cid, 40)}")
-    return cid, header, payload
+    return FrameHeader.from_header(header, need_id=True), header, payload
 
 
 class Intake:
@@ -55,10 +52,10 @@ class Intake:
         return None if self.secret is None else signing.signer_of(headers, raw, self.key_of)
 
     @staticmethod
-    def not_the_signers(header: dict, signer: str, began: str | None) -> Rejection | None:
-        """Why a frame `signer` signed may not join its set: a manifest naming another learner, or a
-        set whose first frame another learner signed (`began`). Such a frame is refused alone."""
-        named = header.get("learner") if header.get("kind") == "manifest" else signer
+    def not_the_signers(header: FrameHeader, signer: str, began: str | None) -> Rejection | None:
+        """Why a frame `signer` signed may not join its set: a manifest naming another learner (or none),
+        or a set whose first frame another learner signed (`began`). Such a frame is refused alone."""
+        named = header.learner if header.kind == "manifest" else signer
         if named != signer:
             return Rejection(Reason.BAD_SIGNATURE, f"a manifest of learner {messages.short(named, 64)} signed by "
                              f"{signer!r}")

@@ -13,7 +13,7 @@ from diloco.config import Config
 from diloco.infra import kafka as kafka_io
 from diloco.infra.kafka import LogError
 from diloco.infra.store import FragmentStore, StoreError
-from diloco.messages import Assembled, ChunkAssembler, Manifest, WireError
+from diloco.messages import Assembled, ChunkAssembler, FrameHeader, Manifest, WireError
 from diloco.plan import Plan
 from diloco.syncer import fused
 from diloco.syncer import merge as merge_math
@@ -56,10 +56,11 @@ def read_back(cfg: Config, run_id: str, wanted: dict[str, tuple[str, int, int]],
                         header, payload = messages.parse_frame(rec.value)
                     except (WireError, signing.SigningError):
                         continue
-                    cid = header.get("id")
+                    typed = FrameHeader.from_header(header)
+                    cid = typed.id
                     if cid not in wanted or cid in out or not _at(wanted[cid], rec.topic, rec.partition, rec.offset):
                         continue
-                    if signer is not None and Intake.not_the_signers(header, signer, assembler.signer(cid, where)):
+                    if signer is not None and Intake.not_the_signers(typed, signer, assembler.signer(cid, where)):
                         continue  # the intake's rule: a frame of another learner never joins the set
                     got = assembler.add(header, payload, now=time.time(), offset=rec.offset, where=where, signer=signer)
                     if isinstance(got, Assembled) and got.manifest.run == run_id and got.first_offset == wanted[cid][2]:

@@ -298,11 +298,12 @@ class Syncer:
             self._reject(None, Reason.BAD_SIGNATURE, str(err), where=Where(*tp, offset))
             return
         try:
-            cid, header, payload = read_frame(raw)
+            typed, header, payload = read_frame(raw)
         except WireError as err:
             self._reject(None, Reason.MALFORMED, str(err), where=Where(*tp, offset))
             return
-        if signer is not None and (why := self.intake.not_the_signers(header, signer,
+        cid = typed.id
+        if signer is not None and (why := self.intake.not_the_signers(typed, signer,
                                                                       self.assembler.signer(cid, partition_key(tp)))):
             self._reject(cid, *why, where=Where(*tp, offset), settles=False)  # this frame alone: the set is not its
             return

@@ -218,6 +218,21 @@ def test_a_count_is_an_int_that_json_did_not_decode_from_true_or_false():
         messages.Manifest.from_header({**h, "tensors": [{**h["tensors"][0], "nbytes": True}]})
 
 
+def test_the_typed_frame_header_passes_valid_fields_and_makes_ill_typed_ones_none():
+    _, m, frames = contribution()
+    h = messages.FrameHeader.from_header(messages.parse_frame(frames[0])[0])
+    assert h == messages.FrameHeader(kind="manifest", id=m.id, learner="us-0", region="us", fragment=1,
+                                     index=None, count=None, total_bytes=m.total_bytes)
+    chunk = messages.FrameHeader.from_header(messages.parse_frame(frames[-1])[0])
+    assert (chunk.kind, chunk.id, chunk.index, chunk.count) == ("chunk", m.id, m.n_chunks - 1, m.n_chunks)
+    bad = messages.FrameHeader.from_header({"kind": "manifest", "learner": "x" * 100, "region": ["us"],
+                                            "fragment": True, "index": -1, "count": 2.0, "total_bytes": "9"})
+    assert bad == messages.FrameHeader("manifest", None, None, None, None, None, None, None)  # the id is missing
+    assert messages.FrameHeader.from_header({"kind": "pickle", "id": ""}).kind is None
+    with pytest.raises(WireError, match="contribution id of 1-64 characters, got 7"):
+        messages.FrameHeader.from_header({"kind": "chunk", "id": 7}, need_id=True)
+
+
 def test_events_are_json_with_a_schema():
     ev = messages.parse_event(messages.event("merge", fragment=np.int64(2), version=3))
     assert ev["kind"] == "merge" and ev["fragment"] == 2 and ev["schema"] == messages.EVENT_SCHEMA

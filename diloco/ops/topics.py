@@ -81,31 +81,27 @@ class TopicMonitor:
         topic = tp[0]
         if topic in self.learners:
             try:
-                header, _ = messages.parse_frame(rec.value)
+                h = messages.FrameHeader.from_header(messages.parse_frame(rec.value)[0])
             except messages.WireError:
+                h = None
+            if h is None or h.id is None:
                 t["malformed"] += 1
                 return
-            cid = header.get("id")
-            if not messages.is_name(cid):
-                t["malformed"] += 1
-                return
-            if header.get("kind") == "manifest":
-                learner = self._owner[cid] = str(header.get("learner"))[:64]
+            if h.kind == "manifest":
+                learner = self._owner[h.id] = str(h.learner)
                 while len(self._owner) > 10_000:  # manifests whose last chunk never came: forget the oldest
                     self._owner.pop(next(iter(self._owner)))
             else:
-                learner = self._owner.get(cid, "unknown")
-                index, count = header.get("index"), header.get("count")
-                if isinstance(index, int) and isinstance(count, int) and index == count - 1:  # chunks come in order
-                    self._owner.pop(cid, None)
+                learner = self._owner.get(h.id, "unknown")
+                if h.count is not None and h.index == h.count - 1:  # chunks come in order
+                    self._owner.pop(h.id, None)
             row = self.learners[topic].setdefault(learner, _new_learner())
             row["frames"] += 1
             row["bytes"] += size
-            if header.get("kind") == "manifest":
+            if h.kind == "manifest":
                 row["contributions"] += 1
-                size_claim = header.get("total_bytes", 0)
-                row["payload_bytes"] += size_claim if isinstance(size_claim, int) and size_claim >= 0 else 0
-                frag = str(header.get("fragment"))
+                row["payload_bytes"] += h.total_bytes or 0
+                frag = str(h.fragment)
                 row["fragments"][frag] = row["fragments"].get(frag, 0) + 1
             return
         ev = messages.parse_event(rec.value)
