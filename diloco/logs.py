@@ -32,3 +32,18 @@ def setup(component: str, level: int = logging.INFO, stream=None) -> None:
     root.setLevel(level)
     for noisy in ("kafka", "jax", "absl"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in str(record.msg)
+
+
+def quiet(logger: str, text: str) -> None:
+    """Drop the records of `logger` whose message holds `text`: a third-party warning that asks nothing
+    of the user (the logger's other records still pass)."""
+    logging.getLogger(logger).addFilter(_Drop(text))

@@ -24,11 +24,15 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, OffsetAndMetad
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+from diloco import logs
 from diloco.config import Config, TransportConfig, resolve_secret
 from diloco.infra.log import TP, partitions_of  # noqa: F401 (partitions_of: part of this adapter's interface)
 from diloco.infra.services import up_hint
 
 log = logging.getLogger(__name__)
+# kafka-python's own I/O loop times its steps and warns of any over 0.1 s, which a busy host makes
+# routine; the slowness that matters shows in our own logs (lag, missed leases)
+logs.quiet("kafka.net.selector", "blocking the event loop")
 
 
 class TransportError(RuntimeError):

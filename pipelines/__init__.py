@@ -2,3 +2,9 @@
 
 Both run on the in-process FnApiRunner here and unchanged on Dataflow or Flink; see docs/pipelines.md.
 """
+
+from diloco import logs
+
+# Beam's BigQuery client module warns on the root logger, at import, that apitools is missing: the
+# pipelines use no BigQuery
+logs.quiet("", "apitools not found")
