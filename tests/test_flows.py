@@ -105,7 +105,9 @@ def region_workers(prefect_api, tmp_path_factory):
     yield home
     for w in workers:
         w.terminate()
-    deadline = time.time() + 20  # for all of them: a worker still winding a flow run down is killed
+    # every flow run of the module has ended; a process worker that got SIGTERM forwards SIGINT to its
+    # worker and may wait on it for minutes, so a few seconds for all of them, then SIGKILL
+    deadline = time.time() + 3
     for w in workers:
         try:
             w.wait(max(deadline - time.time(), 0.1))
@@ -381,7 +383,9 @@ def test_cancelled_flow_run_leaves_no_processes(tiny_config, tmp_path, prefect_e
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     serve = "from diloco.flows.training import decoupled_diloco; decoupled_diloco.serve(name='cancel-test')"
     with open(tmp_path / "serve.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-c", serve], env=prefect_env, cwd=ROOT, stdout=log,
+        # the runner looks for the run it is to start once a second, not every 10 s (the default)
+        server = subprocess.Popen([sys.executable, "-c", serve], env={**prefect_env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"},
+                                  cwd=ROOT, stdout=log,
                                   stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 60
