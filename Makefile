@@ -66,9 +66,10 @@ prefect-demo: up
 # everything: the unit and integration tiers together over the cores (each worker starts its own
 # services; a test file stays on one worker, so a module's Prefect server starts once), then the
 # tests that assert a time or a rate (marked exclusive) one at a time with the cores to themselves
+# (only the files that mark any are collected again)
 test: install
 	@$(BIN)/pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not exclusive"; shared=$$?; \
-	$(BIN)/pytest -q -m exclusive; alone=$$?; \
+	$(BIN)/pytest -q -m exclusive $$(grep -l "mark.exclusive" tests/*.py); alone=$$?; \
 	exit $$(( shared ? shared : alone ))
 
 # the unit and property tier: no broker, Redis, store server or Prefect (tests marked integration are left
