@@ -1,8 +1,9 @@
 """The run supervisor's hooks (diloco.supervisor): each duty of its watch loop, with the state and the
 cadence that are its own. A hook is built on the supervisor it serves and called once per pass of the
-loop with that pass's time, `hook(now)`; the supervisor keeps what several hooks share (the
-processes, the members, whether the run is draining). Times come from the loop, never from a clock
-of the hook's own, so tests drive a hook with made-up times and no services.
+loop with that pass's time, `hook(now)`; the supervisor keeps what several hooks share (its
+processes, `run.procs` of diloco.processes; the members; whether the run is draining). Times come
+from the loop, never from a clock of the hook's own, so tests drive a hook with made-up times and
+no services.
 """
 
 from __future__ import annotations
@@ -63,11 +64,11 @@ class ChaosKills:
     def __call__(self, now: float) -> None:
         run = self.run
         for kill in [k for k in self.kills if self.progress_of(k.target) >= k.at_progress]:
-            if run.draining or kill.target in run.restart_at:
+            if run.draining or kill.target in run.procs.restart_at:
                 continue  # down right now (or draining): the kill stays due until it runs again
             self.kills.remove(kill)
-            if kill.target not in run.finished:
-                run.kill(kill.target, now)
+            if kill.target not in run.procs.finished:
+                run.procs.kill(kill.target, now)
 
     def progress_of(self, target: str) -> float:
         """A learner's share of its schedule done; a syncer shard's, the mean over this runner's learners."""
@@ -144,11 +145,11 @@ class TokenBudget:
         tokens = run.prog.merged_tokens(run.cfg.fragments.count)
         if tokens >= budget:
             self.joins.clear()  # nothing is left for them to train
-            running = run.running()
+            running = run.procs.running()
             if running:
                 run.console.print(f"[cyan]token budget reached ({tokens:,} of {budget:,}): stopping {running}[/]")
             for lid in running:
-                run.ask_to_leave(lid)
+                run.procs.ask_to_leave(lid)
             return
         for join in [j for j in self.joins if tokens >= j.at_tokens_fraction * budget]:
             self.joins.remove(join)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from diloco import chaos
 
 if TYPE_CHECKING:
-    from diloco.supervisor import Outage
+    from diloco.processes import Outage
 
 
 @dataclass

@@ -1,25 +1,23 @@
-"""The supervisor of a run's processes (`diloco train`, `diloco chaos`, the Prefect flows): it starts
-the syncer shards and the learners as jobs of a backend (diloco.infra.jobs), reads the run's events
-topic, restarts what fails (or hands a dead learner's place to a warm spare), and keeps the figures
-goodput (diloco.ledger) and the coverage ledger are computed from. Its watch loop is a short pass over hooks
-(diloco.hooks: the progress view, the chaos schedule, membership requests, the token budget; the
-flows add their own), each with its own state and cadence. The run's life cycle around it
-(provision, open, finish) is diloco.run.
+"""The supervisor of a run (`diloco train`, `diloco chaos`, the Prefect flows): it reads the run's
+events topic (checked: any learner may write it), says where a learner resumes (from the syncer's
+records in Redis), carries out membership requests, and keeps the figures goodput (diloco.ledger) and
+the coverage ledger are computed from. Its processes (starting them as jobs of a backend, restarts
+with backoff, warm spares, outages) are its `procs` (diloco.processes). Its watch loop is a short pass
+over hooks (diloco.hooks: the progress view, the chaos schedule, membership requests, the token
+budget; the processes' reaping and restarts; the flows add their own), each with its own state and
+cadence. The run's life cycle around it (provision, open, finish) is diloco.run.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from rich.text import Text
 
 from diloco import chaos, coverage, hooks, membership, messages, resume
 from diloco.config import BUILTIN_MODEL, Config
@@ -30,34 +28,17 @@ from diloco.infra.store import FragmentStore, StoreError
 from diloco.learners.data import epochs_read
 from diloco.ledger import RunLedger
 from diloco.messages import WireError
+from diloco.processes import Processes, RunError, outage_seconds
 from diloco.progress import Progress, check_accepted_cursor, check_event_fields, check_heartbeat_claims
 from diloco.syncer import state as state_mod
-from diloco.syncer.durability import EXIT_STATE_LOST
 
 log = logging.getLogger(__name__)
 
 
-class RunError(RuntimeError):
-    pass
-
-
-@dataclass
-class Outage:
-    """A process down: from its exit (or kill) until it is back (its next heartbeat, or syncer_started)."""
-    name: str
-    start: float
-    end: float | None = None
-
-
-def outage_seconds(outages: list[Outage]) -> dict[str, float]:
-    """Each process's last ended outage, in seconds (what the summary and a region's report show)."""
-    return {o.name: round(o.end - o.start, 2) for o in outages if o.end is not None}
-
-
 class RunSupervisor:
-    """Watches a run's processes and events: restarts what fails, runs its hooks (the chaos schedule,
-    membership, the budget), and records the outages and, in its ledger, the compute time that
-    goodput is computed from.
+    """Watches a run's events and runs its hooks (the chaos schedule, membership, the budget, its
+    processes' reaping and restarts: `procs`), and records in its ledger the compute time that goodput
+    is computed from.
 
     `regions`: the regions whose learners this runner starts and watches (None: all of them; a
     `diloco-region` flow run has one, the `decoupled-diloco` flow run none); `syncer`: whether it runs
@@ -76,20 +57,10 @@ class RunSupervisor:
         # the learners this runner starts (and restarts), in order; joiners are appended
         self.members = [lid for lid in cfg.learner_ids() if self.ours(cfg.region_of(lid).name)]
         self.prog = Progress()
-        self.finished: set[str] = set()
-        self.restart_at: dict[str, float] = {}
-        self.restarts: dict[str, int] = {}
-        self.outages: list[Outage] = []
-        self.removing: set[str] = set()          # asked to leave: not restarted, whatever their exit
         self.join_step: dict[str, int] = {}       # joiner -> the step it entered the schedule at
         self.bad_events = 0  # events skipped as malformed (the topic is writable by every learner)
         self.syncers_up: set[str] = set()       # shards that said syncer_started since their last start
         self.ledger = RunLedger()               # the accounting: compute, kills, members' spans, takeovers
-        self.spares: list[str] = []             # warm spare jobs (run.spares), oldest first
-        self.spares_started = 0
-        self.spares_owed = 0                    # replacements to start once no handover is still warming up
-        self.handovers: list[dict] = []          # each learner a spare took the place of
-        self.replaced: dict[str, str | None] = {}  # learner -> the incarnation its spare replaced
         # where restarts resume (diloco.resume): from the syncer's records in Redis, never from an event
         self.merged_ends: dict[str, int] = {}     # learner -> furthest cursor end of its merged contributions
         self._merges_read = 0                     # merge records folded into merged_ends
@@ -101,9 +72,13 @@ class RunSupervisor:
         # per fragment the commit marker as last read and when
         self._merge_metas: dict[tuple[int, int], dict] = {}
         self._markers: dict[int, tuple[int | None, float]] = {}
-        self.to_spare: dict[str, tuple[str, float]] = {}  # died, to be handed to a spare: (why, cold-restart delay)
-        self.deferred_starts: set[str] = set()    # first starts put off until Redis answers (not restarts)
         self.draining = False                     # the syncer was asked to drain: no kills, joins or requests
+        # the processes: jobs, restarts, spares, outages (where a learner resumes is asked of this runner)
+        self.procs = Processes(cfg, cfg_path, corpus, jobs, console, self.ledger, self.prog, syncers=self.syncers,
+                               members=self.members, syncers_up=self.syncers_up, draining=lambda: self.draining,
+                               resume_point=self.resume_point, went_down=self.went_down,
+                               left=lambda lid: self.settling.pop(lid, None),
+                               spare_prefix=f"{regions[0]}-" if regions else "")
         # the watch loop's hooks of its own (diloco.hooks); tests call each on its own
         self.chaos = hooks.ChaosKills(self, kills)
         self.serve_requests = hooks.MembershipRequests(self)
@@ -127,23 +102,7 @@ class RunSupervisor:
     def ours(self, region: str | None) -> bool:
         return self.regions is None or region in self.regions
 
-    # --- processes -----------------------------------------------------------------------------
-    def start(self, name: str, step: int | None = None) -> None:
-        """Start `name`; a learner at `step` of its data stream (None: where the syncer's records say)."""
-        conf = ["--config", str(self.cfg_path)]
-        if name in self.syncers:
-            self.syncers_up.discard(name)
-            self.jobs.start(name, ["syncer", *conf, "--shard", str(self.syncers.index(name))])
-            return
-        if step is None:
-            step = self.resume_point(name, time.time(), wait=False)
-        if step is None:  # Redis did not answer: started by the loop once it does
-            self.deferred_starts.add(name)
-            self.restart_at[name] = time.time()
-            return
-        self.jobs.start(name, ["learner", *conf, "--learner", name, "--corpus", str(self.corpus.dir),
-                               "--start-step", str(step)], processes=self.cfg.parallel.processes)
-
+    # --- resume points (procs asks for them: resume_point, went_down) --------------------------
     def accepted_end(self, name: str) -> int | None:
         """The end of the furthest data-stream cursor the syncer accepted for learner `name`, pending or
         merged, from Redis (ServiceError or StateError when it does not answer). Pending ones are read first: one
@@ -199,6 +158,11 @@ class RunSupervisor:
                     "repeat steps", extra={"learner": name, "ends": {f"{t}|{p}": o for (t, p), o in ends.items()}})
         return True
 
+    def went_down(self, name: str, now: float) -> None:
+        """Process `name` went down: a learner's restart waits for the syncer to read what it wrote before (_read_up)."""
+        if name not in self.syncers and (ends := self._written_before(name)):
+            self.read_up[name] = (ends, now + resume.READ_UP_S)
+
     def _written_before(self, name: str) -> dict[tuple[str, int], int]:
         """The end offsets, now, of the partitions learner `name` writes (its region's fragments topic);
         empty when there is no log to ask (a unit test's runner) or it does not answer (then logged)."""
@@ -212,59 +176,6 @@ class RunSupervisor:
                         extra={"learner": name, "error": str(err)[:200]})
             return {}
         return {tp: int(off) for tp, off in ends.items()}
-
-    def _down(self, name: str, now: float, delay: float, why: str) -> None:
-        self.outages.append(Outage(name, now))
-        if name not in self.syncers and (ends := self._written_before(name)):
-            self.read_up[name] = (ends, now + resume.READ_UP_S)
-        if name in self.members and self.spares:  # handed to a spare once its resume point is known (_restart_due)
-            self.to_spare[name] = (why, delay)
-            self.restart_at[name] = now
-            return
-        self._restart_later(name, now, delay, why)
-
-    def _restart_later(self, name: str, now: float, delay: float, why: str) -> None:
-        self.restart_at[name] = now + delay
-        self.console.print(Text(f"{name} {why}; restarting in {delay:.1f}s", style="yellow"))
-
-    # --- warm spares ---------------------------------------------------------------------------
-    def _start_spare(self) -> None:
-        name = f"{self.regions[0]}-spare-{self.spares_started}" if self.regions else f"spare-{self.spares_started}"
-        self.spares_started += 1
-        self.jobs.start(name, ["learner", "--config", str(self.cfg_path), "--spare", "--corpus", str(self.corpus.dir)],
-                        stdin_pipe=True)
-        self.spares.append(name)
-
-    def _hand_to_spare(self, name: str, why: str, at: int) -> bool:
-        """Learner `name` died: the oldest live spare becomes it at once, at step `at` (a new spare starts
-        behind it). False when no spare is left; spares that died are dropped."""
-        while self.spares:
-            spare = self.spares.pop(0)
-            hb = self.prog.learners.get(name, {})
-            try:
-                if self.jobs.poll(spare) is not None:
-                    raise OSError(f"exited with {self.jobs.poll(spare)}")
-                self.jobs.tell(spare, json.dumps({"learner": name, "start_step": at}))
-            except OSError as err:
-                self.console.print(Text(f"{spare} cannot take over ({err}); log {self.jobs.where_log(spare)}:\n",
-                                        style="red") + Text(self.jobs.tail(spare)))
-                continue
-            self.jobs.rename(spare, name)
-            self.replaced[name] = hb.get("incarnation")
-            self.restarts[name] = self.restarts.get(name, 0) + 1
-            self.handovers.append({"learner": name, "spare": spare, "start_step": at})
-            self.console.print(Text(f"{name} {why}; {spare} takes its place at step {at}", style="yellow"))
-            self.spares_owed += 1  # started once it trains: a spare warming up beside it would take its cores
-            return True
-        return False
-
-    def kill(self, target: str, now: float) -> None:
-        """SIGKILL `target` (a chaos kill): down until its restart, its compute since its last beat counted."""
-        beat = None if target in self.syncers else self.prog.learners.get(target, {})
-        self.jobs.signal(target, signal.SIGKILL)
-        self.jobs.wait(target)
-        self.ledger.killed(target, beat, now)
-        self._down(target, now, self.cfg.chaos.restart_after_s, "killed by chaos (SIGKILL)")
 
     # --- events --------------------------------------------------------------------------------
     def _pump(self, timeout_ms: int = 250) -> None:
@@ -297,15 +208,15 @@ class RunSupervisor:
             self.prog.merged[(ev["fragment"], ev["version"])] = tokens
         if ev["kind"] == "heartbeat":
             self.ledger.beat(ev, time.time())
-            if ev.get("incarnation") != self.replaced.get(ev["learner"]):  # not a late beat of the one replaced
-                self._close_outage(ev["learner"])
+            if ev.get("incarnation") != self.procs.replaced.get(ev["learner"]):  # not a late beat of the one replaced
+                self.procs.close_outage(ev["learner"])
         elif ev["kind"] == "syncer_started":
             shard = ev.get("shard", 0)
             if not isinstance(shard, int) or not 0 <= shard < len(self.syncers):
                 raise IndexError(f"shard {messages.short(shard, 40)} is not one of this run's {len(self.syncers)}")
             name = self.syncers[shard]
             self.syncers_up.add(name)
-            self._close_outage(name)
+            self.procs.close_outage(name)
         elif ev["kind"] == "fragment_claimed" and ev.get("previous") \
                 and not ev["previous"].startswith(f"{ev['shard']}:"):
             self.ledger.takeovers.append(ev)
@@ -364,18 +275,6 @@ class RunSupervisor:
                 raise KeyError(f"syncer_started names fragment {messages.short(p, 20)} v{messages.short(v, 20)}, "
                                "which the store does not hold")
 
-    def running(self) -> list[str]:
-        return [m for m in self.members if m not in self.finished and m not in self.removing]
-
-    def ask_to_leave(self, lid: str) -> None:
-        """Stop learner `lid` for good (the token budget, an operator's remove): it is not restarted."""
-        self.removing.add(lid)
-        self.restart_at.pop(lid, None)
-        self.to_spare.pop(lid, None)
-        self.settling.pop(lid, None)
-        if self.jobs.poll(lid) is None:
-            self.jobs.signal(lid, signal.SIGTERM)  # it hands in its last deltas and says it left
-
     def carry_out(self, op: dict | None, now: float) -> dict:
         """Add learners to a region or remove one (a membership request, diloco.hooks); RequestError why not."""
         if op is None or op.get("op") not in ("add", "remove"):
@@ -396,16 +295,16 @@ class RunSupervisor:
                     f"{region.capacity - len(free)}: {count} more do not fit")
             # a joiner enters the inner schedule where the run is (as a restarted learner resumes, with
             # a new warm-up): the median step of the learners training now, not a fresh warm-up and peak
-            steps = sorted(self.prog.learners.get(m, {}).get("step", 0) for m in self.running())
+            steps = sorted(self.prog.learners.get(m, {}).get("step", 0) for m in self.procs.running())
             at = steps[len(steps) // 2] if steps else 0
             for lid in free[:count]:
                 self.members.append(lid)
                 self.ledger.spans[lid] = [now, None]
                 self.join_step[lid] = min(at, self.cfg.learner_steps(lid) - 1)
-                self.start(lid)
+                self.procs.start(lid)
             return {"added": free[:count], "start_step": at}
         lid = op.get("learner")
-        running = self.running()
+        running = self.procs.running()
         if lid not in running:
             raise membership.RequestError(f"learner {messages.short(lid, 40)} is not running in this run "
                                           f"(running: {running})")
@@ -414,17 +313,8 @@ class RunSupervisor:
         if left < region.min_learners:
             raise membership.RequestError(f"region {region.name} keeps at least {region.min_learners} learners "
                                           f"(regions[].min_learners); removing {lid} would leave {left}")
-        self.ask_to_leave(lid)
+        self.procs.ask_to_leave(lid)
         return {"removed": lid}
-
-    def _close_outage(self, name: str) -> None:
-        for o in self.outages:
-            if o.name == name and o.end is None and name not in self.restart_at:
-                o.end = time.time()
-        if self.spares_owed and not any(o.end is None and o.name in self.replaced for o in self.outages):
-            for _ in range(self.spares_owed):
-                self._start_spare()
-            self.spares_owed = 0
 
     def _catch_up(self, t0: float) -> None:
         """Read the events topic to its end, so that a runner joining a live run (a region flow run
@@ -454,7 +344,7 @@ class RunSupervisor:
             if lid not in self.members:
                 self.members.append(lid)
             if finished:
-                self.finished.add(lid)
+                self.procs.finished.add(lid)
 
     # --- the loop ------------------------------------------------------------------------------
     def watch(self, progress: bool, t0: float, on_tick=None) -> None:
@@ -463,12 +353,12 @@ class RunSupervisor:
         processes, restarting those due, `on_tick(self)` (the flows' evals and regions; it may take a
         while), and the drain (diloco.hooks; Drain here)."""
         for name in self.syncers:
-            self.start(name)
+            self.procs.start(name)
         self._start_learners(t0)
         self._await_syncers(t0)
         view, drain = hooks.ProgressView(self, t0, live=progress), Drain(self, t0 + self.cfg.run.timeout_s)
-        passes: list[hooks.Hook] = [view, self.chaos, self.serve_requests, self.follow_budget, self._reap,
-                                    self._restart_due, *([lambda now: on_tick(self)] if on_tick else []), drain]
+        passes: list[hooks.Hook] = [view, self.chaos, self.serve_requests, self.follow_budget, self.procs.reap,
+                                    self.procs.restart_due, *([lambda now: on_tick(self)] if on_tick else []), drain]
         try:
             while not drain.over:
                 self._pump()
@@ -499,63 +389,22 @@ class RunSupervisor:
             self._catch_up(t0)
             self.resume_membership()
         for lid in self.members:
-            if lid not in self.finished:
-                self.start(lid)
+            if lid not in self.procs.finished:
+                self.procs.start(lid)
         for _ in range(self.cfg.run.spares if self.members else 0):  # spares stand in for this runner's learners
-            self._start_spare()
-
-    def _reap(self, now: float) -> None:
-        """Processes that exited: finished (a learner done, a syncer after the stop, one asked to leave),
-        or down and due a restart after the backoff; RunError when no retry helps."""
-        cfg = self.cfg
-        for name in [*self.members, *self.syncers]:
-            rc = self.jobs.poll(name) if self.jobs.has(name) else None
-            if rc is None or name in self.restart_at or name in self.finished:
-                continue
-            if (rc == 0 and (name not in self.syncers or self.draining)) or name in self.removing:
-                self.finished.add(name)
-                if name in self.removing:  # its time in the run ends here, not with the run's
-                    self.ledger.spans.setdefault(name, [None, None])[1] = now
-                continue
-            n = self.restarts.get(name, 0)
-            if n >= cfg.run.max_restarts or (name in self.syncers and rc == EXIT_STATE_LOST):  # no retry helps
-                raise RunError(f"{name} failed {n + 1} times (last exit {rc}); log {self.jobs.where_log(name)}:\n"
-                               + self.jobs.tail(name))
-            self._down(name, now, cfg.run.restart_backoff_s * 2 ** n, f"exited with {rc}")
-
-    def _restart_due(self, now: float) -> None:
-        """Start again (or hand to a spare) each process due, a learner once its resume point is known."""
-        for name, at in list(self.restart_at.items()):
-            if now < at:
-                continue
-            step = None
-            if name not in self.syncers:
-                step = self.resume_point(name, now, wait=name not in self.deferred_starts)
-                if step is None:
-                    continue  # asked again on the next pass
-            del self.restart_at[name]
-            if name in self.to_spare:
-                why, delay = self.to_spare.pop(name)
-                if not self._hand_to_spare(name, why, step):
-                    self._restart_later(name, now, delay, why)
-                continue
-            if name in self.deferred_starts:
-                self.deferred_starts.discard(name)
-            else:
-                self.restarts[name] = self.restarts.get(name, 0) + 1
-            self.start(name, step)
+            self.procs.start_spare()
 
     def resilience(self, state: state_mod.SyncerState) -> dict:
         """Goodput, kills, restarts and outages of the run (all zero-loss figures for a healthy run)."""
         step_time = np.median([hb.get("step_time", 0.0) for hb in self.prog.learners.values()] or [0.0])
         return {
             **self.ledger.goodput(state.merges(), fragments=self.cfg.fragments.count, members=self.members,
-                                  outages=self.outages, step_time_s=float(step_time),
+                                  outages=self.procs.outages, step_time_s=float(step_time),
                                   sync_every=self.cfg.fragments.sync_every, now=time.time()),
-            "restarts": dict(self.restarts),
-            "outages_s": outage_seconds(self.outages),
-            "takeovers": self.ledger.takeover_times(self.syncers, self.outages),
-            "spare_handovers": list(self.handovers),
+            "restarts": dict(self.procs.restarts),
+            "outages_s": outage_seconds(self.procs.outages),
+            "takeovers": self.ledger.takeover_times(self.syncers, self.procs.outages),
+            "spare_handovers": list(self.procs.handovers),
         }
 
     def coverage(self, state: state_mod.SyncerState) -> dict:
@@ -583,7 +432,7 @@ class RunSupervisor:
         as an event says): from its join step to its schedule's end; up to what it handed in for one the
         runner asked to stop (the token budget, an operator's remove) or one on a time budget
         (inner.max_seconds), which stops on its own."""
-        early = set(self.removing) if not self.cfg.inner.max_seconds else set(self.members)
+        early = set(self.procs.removing) if not self.cfg.inner.max_seconds else set(self.members)
         return {lid: (self.join_step.get(lid, 0), None if lid in early else self.cfg.learner_steps(lid))
                 for lid in self.members}
 
@@ -603,7 +452,7 @@ class Drain:
             for name in run.syncers:
                 run.jobs.signal(name, signal.SIGTERM)
             run.draining, self.deadline = True, min(self.deadline, now + run.cfg.syncer.drain_timeout_s + 60)
-        if run.draining and set(run.syncers) <= run.finished:
+        if run.draining and set(run.syncers) <= run.procs.finished:
             self.over = True
         elif now > self.deadline:
             raise RunError(f"run did not finish within run.timeout_s={run.cfg.run.timeout_s:.0f}s")
@@ -612,7 +461,7 @@ class Drain:
         """Whether the syncer may be asked to drain: this runner's learners are done, no other runner is
         waited for, and every shard is up (none down or restarting); the first time they are done counts."""
         run = self.run
-        done = all(lid in run.finished for lid in run.members) and not run.elsewhere
+        done = all(lid in run.procs.finished for lid in run.members) and not run.elsewhere
         if done and run.ledger.learners_done_at is None:
             run.ledger.learners_done_at = now
-        return done and run.syncers_up == set(run.syncers) and not set(run.syncers) & set(run.restart_at)
+        return done and run.syncers_up == set(run.syncers) and not set(run.syncers) & set(run.procs.restart_at)

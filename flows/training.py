@@ -36,7 +36,8 @@ from diloco.periodic import Every
 from diloco.pipelines.prepared import corpus_for
 from diloco.run import RunError, RunSetup, child_env, events_from_start, finish, open_run, prepare
 from diloco.spec import run_modules
-from diloco.supervisor import RunSupervisor, outage_seconds
+from diloco.processes import outage_seconds
+from diloco.supervisor import RunSupervisor
 
 REGION_ENTRYPOINT = "diloco.flows.training.region_run"  # a module path: workers import the installed package
 VERSION_EVENT = "diloco.version.committed"
@@ -68,17 +69,18 @@ class RestartLog:
         self.logger, self.restarts = logger, {}
 
     def __call__(self, run: RunSupervisor) -> None:
-        for name, n in run.restarts.items():
+        for name, n in run.procs.restarts.items():
             if n > self.restarts.get(name, 0):
                 self.logger.warning(f"restarted {name} (restart {n} of at most {run.cfg.run.max_restarts})")
-        self.restarts = dict(run.restarts)
+        self.restarts = dict(run.procs.restarts)
 
 
 def region_report(run: RunSupervisor, region: str, state: str, error: str | None) -> dict:
+    procs = run.procs
     learners = [{"learner": lid, "step": run.prog.learners.get(lid, {}).get("step", 0),
-                 "restarts": run.restarts.get(lid, 0), "finished": lid in run.finished} for lid in run.members]
-    return {"region": region, "state": state, "error": error, "learners": learners, "restarts": dict(run.restarts),
-            "outages_s": outage_seconds(run.outages)}
+                 "restarts": procs.restarts.get(lid, 0), "finished": lid in procs.finished} for lid in run.members]
+    return {"region": region, "state": state, "error": error, "learners": learners, "restarts": dict(procs.restarts),
+            "outages_s": outage_seconds(procs.outages)}
 
 
 @task(cache_policy=NO_CACHE)

@@ -142,13 +142,13 @@ def test_the_runner_adds_the_joins_at_their_share_of_the_budget_and_stops_everyo
     run.follow_budget(2.0)                        # carried out once
     assert len(run.members) == 6
     _merge(run, 694)                              # 996 of 1000
-    run.finished.add("us-1")                      # finished at its own inner.steps
+    run.procs.finished.add("us-1")                # finished at its own inner.steps
     run.follow_budget(3.0)
     assert not jobs.signals and run.members[6:] == ["eu-2"]
     _merge(run, 4)                                # 1000: everyone still running is asked to stop
     run.follow_budget(4.0)
     stopped = {"us-0", "eu-0", "eu-1", "us-2", "us-3", "eu-2"}
-    assert sorted(jobs.signals) == sorted((lid, signal.SIGTERM) for lid in stopped) and run.removing == stopped
+    assert sorted(jobs.signals) == sorted((lid, signal.SIGTERM) for lid in stopped) and run.procs.removing == stopped
     run.follow_budget(5.0)                        # asked once
     assert len(jobs.signals) == len(stopped)
 
@@ -161,7 +161,7 @@ def test_only_merges_the_store_holds_count_towards_the_budget_never_claimed_toke
     run = _budget_run(tmp_path, jobs)
     _beat(run, "us-0", 2 ** 52)
     run.follow_budget(0.0)
-    assert not jobs.signals and not run.removing and run.members == run.cfg.learner_ids()
+    assert not jobs.signals and not run.procs.removing and run.members == run.cfg.learner_ids()
     _merge(run, 100)
     forged = [{"fragment": 0, "version": 9, "ids": ["c0-9"]},        # a version that does not exist
               {"fragment": 0, "version": 1, "ids": ["mine"]},        # a stored version, other contributions
@@ -219,7 +219,7 @@ def test_a_heartbeat_past_its_learners_schedule_or_claiming_absurd_tokens_is_ski
     end = run.cfg.learner_steps("us-0")
     run.apply_event({**good, "eid": "c", "step": end, "handed_in_to": end})
     assert run.prog.learners["us-0"]["step"] == end and run.prog.handed_in["us-0"] == end
-    run.start("us-0")
+    run.procs.start("us-0")
     assert run.jobs.jobs["us-0"][-2:] == ["--start-step", "0"]
 
 
@@ -239,7 +239,7 @@ def test_a_runner_started_again_on_a_live_run_keeps_who_left_down_and_takes_on_t
         run.prog.apply({"kind": "heartbeat", "eid": f"hb-{lid}", "learner": lid, "step": 5, "state": state})
     run.resume_membership()
     assert run.members == ["us-0", "us-1", "us-2", "us-3"]
-    assert run.finished == {"us-0", "us-1", "us-3"}          # started: us-2 only
+    assert run.procs.finished == {"us-0", "us-1", "us-3"}    # started: us-2 only
 
 
 def test_without_a_budget_the_runner_leaves_the_learners_alone(tmp_path):
@@ -249,7 +249,7 @@ def test_without_a_budget_the_runner_leaves_the_learners_alone(tmp_path):
     for lid in cfg.learner_ids():
         _beat(run, lid, 10**9)
     run.follow_budget(0.0)
-    assert not jobs.signals and not run.removing
+    assert not jobs.signals and not run.procs.removing
 
 
 def test_requests_are_answered_once_and_bad_ones_are_seen_as_bad(tmp_path):
@@ -591,13 +591,13 @@ def test_a_forged_heartbeat_or_acceptance_on_the_events_topic_moves_no_resume_po
         assert run.accepted_end("us-0") == 24 and run.accepted_end("eu-0") == 30
         assert run.resume_point("us-0", 0.0, wait=False) == 24
         now = time.time()
-        run._down("us-0", now, 0.0, "killed")
+        run.procs._down("us-0", now, 0.0, "killed")
     finally:
         run.events.close()
-    run._restart_due(now)                                     # the claims are past the records: it waits
-    assert jobs.jobs["us-0"] == [] and "us-0" in run.restart_at
-    run._restart_due(now + resume.SETTLE_S)                   # and then resumes where the records say
-    assert jobs.jobs["us-0"][-2:] == ["--start-step", "24"] and run.restarts == {"us-0": 1}
+    run.procs.restart_due(now)                                # the claims are past the records: it waits
+    assert jobs.jobs["us-0"] == [] and "us-0" in run.procs.restart_at
+    run.procs.restart_due(now + resume.SETTLE_S)              # and then resumes where the records say
+    assert jobs.jobs["us-0"][-2:] == ["--start-step", "24"] and run.procs.restarts == {"us-0": 1}
     assert run.resume_point("eu-0", now, wait=True) == 30     # no claim past its records: no wait
 
 
@@ -622,16 +622,16 @@ def test_a_restart_waits_until_the_syncer_has_read_what_the_dead_learner_wrote(t
                         Console(quiet=True), [], syncer=False, state=h.state)
     try:
         now = time.time()
-        run._down("us-0", now, 0.0, "killed")
+        run.procs._down("us-0", now, 0.0, "killed")
         assert run.accepted_end("us-0") is None             # the records alone would resume it at 0
-        run._restart_due(now)
-        assert jobs.jobs["us-0"] == [] and "us-0" in run.restart_at   # the syncer has not read it yet: wait
+        run.procs.restart_due(now)
+        assert jobs.jobs["us-0"] == [] and "us-0" in run.procs.restart_at  # the syncer has not read it yet: wait
         deadline = time.time() + 30
         while not h.state.pending(cfg.fragments.count):
             assert time.time() < deadline, "the syncer did not accept the delta"
             h.syncer.step()
         h.syncer.save_offsets(force=True)
-        run._restart_due(now)
+        run.procs.restart_due(now)
     finally:
         run.events.close()
     assert jobs.jobs["us-0"][-2:] == ["--start-step", "8"]

@@ -141,7 +141,7 @@ def test_killing_one_host_restarts_the_whole_learner_without_a_hang(tiny_config,
         jobs.stop_all()
         run.events.close()
     s = finish(setup, run, console)
-    assert killed and run.restarts.get("us-0") == 1
+    assert killed and run.procs.restarts.get("us-0") == 1
     logs = _logs(s)
     shares = [r["share"] for f in ("us-0.log", "us-0.p1.log") for r in _records(logs / f, "fetching this host's blocks")]
     assert len(shares) == 4 and all(0.5 <= x < 0.6 for x in shares), shares  # each host reads its half
