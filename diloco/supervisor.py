@@ -31,6 +31,7 @@ from diloco.messages import WireError
 from diloco.processes import Processes, RunError, outage_seconds
 from diloco.progress import Progress, check_accepted_cursor, check_event_fields, check_heartbeat_claims
 from diloco.syncer import state as state_mod
+from diloco.syncer.records import partition_key
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class RunSupervisor:
         if now < until:
             return False
         log.warning("resuming before the syncer read all the dead learner wrote: a contribution it reads later may "
-                    "repeat steps", extra={"learner": name, "ends": {f"{t}|{p}": o for (t, p), o in ends.items()}})
+                    "repeat steps", extra={"learner": name, "ends": {partition_key(tp): o for tp, o in ends.items()}})
         return True
 
     def went_down(self, name: str, now: float) -> None:
