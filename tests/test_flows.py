@@ -285,8 +285,9 @@ def test_a_failed_region_run_again_by_hand_is_followed_and_resumes_its_learners(
     killer = threading.Thread(target=contextvars.copy_context().run, args=(kill_eu_once_it_contributed_then_run_it_again,),
                               daemon=True)
     killer.start()
-    # evals are not what this test checks: every second version keeps the eval flow runs beside it few
-    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=2)
+    # evals are not what this test checks (the regions test above does): no version events, so no eval
+    # flow runs start processes beside it or after it
+    summary = decoupled_diloco(config=str(tmp_path / "config.yaml"), eval_every=0)
     killer.join()
     assert sorted(killed) == ["eu-0", "eu-1"] and len(rerun) == 1
     assert summary["regions"] == {"us": "Completed", "eu": "Completed"}
@@ -378,8 +379,11 @@ def test_every_deployment_in_prefect_yaml_names_a_flow():
 @pytest.mark.integration
 def test_cancelled_flow_run_leaves_no_processes(tiny_config, tmp_path, prefect_env, region_workers):
     # a run that cannot end by itself before it is cancelled: the regions start seconds apart, and
-    # 2,000 steps of the tiny model were over in the first region before the second's learners came up
-    cfg = tiny_config(inner={"steps": 200_000})
+    # 2,000 steps of the tiny model were over in the first region before the second's learners came up.
+    # Its learners step at a tenth of their speed: they only have to be alive when the cancel comes, and
+    # at full speed they kept both cores busy while it propagated
+    cfg = tiny_config(inner={"steps": 200_000},
+                      regions=[{"name": "us", "learners": 2, "speed": 0.1}, {"name": "eu", "learners": 2, "speed": 0.1}])
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     serve = "from diloco.flows.training import decoupled_diloco; decoupled_diloco.serve(name='cancel-test')"
     with open(tmp_path / "serve.log", "wb") as log:
