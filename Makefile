@@ -23,13 +23,14 @@ system-deps:
 
 # The packages are byte-compiled after pip, over every core: pip compiles one file after another (42 s of
 # its 128 here), and without compiled files every process compiles its imports again (with
-# PYTHONDONTWRITEBYTECODE set, as on this machine, the tests took 4 minutes longer). A few packages ship
-# templates that are not Python and fail to compile; pip passes over them, and so does this.
+# PYTHONDONTWRITEBYTECODE set, as on this machine, the tests took 4 minutes longer). A package may ship
+# a module for newer Pythons only (whenever's _typing_312.py) that does not compile here; pip passes over
+# it, and so does this.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile -e ".[dev]"
-	$(BIN)/python -m compileall -qq -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $@
 
 up: install
